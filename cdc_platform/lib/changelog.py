@@ -1,0 +1,136 @@
+"""The change log: every valid event that ever landed, each ``(key, cdc_change_seq)`` once.
+
+It is what makes the history table a function of the *set* of events: a late event is added
+here and its key's history is recomputed from all of the key's events, wherever they landed.
+It is a Delta table too (append-only), so its versions are the watermark the history table
+records: "I contain every changelog file up to version N".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from cdc_platform.lib import delta
+from cdc_platform.lib.history import INGESTED_AT
+from cdc_platform.lib.reading import (
+    CDC_COLUMNS,
+    SEQ,
+    SOURCE_FILE,
+    SOURCE_ROW,
+    UNMODIFIED,
+    normalize_type,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+SYSTEM = {*CDC_COLUMNS, UNMODIFIED, SOURCE_FILE, SOURCE_ROW, INGESTED_AT}
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    new_events: int
+    version: int | None
+
+
+def key_and_data_fields(path: Path) -> pa.Schema | None:
+    """The change log's key and data columns so far (None before its first event)."""
+    if not delta.exists(path):
+        return None
+    schema = delta.table_arrow_schema(delta.open_table(path))
+    return pa.schema(
+        [pa.field(f.name, normalize_type(f.type)) for f in schema if f.name not in SYSTEM]
+    )
+
+
+def spark_schema(dt_schema: pa.Schema):  # -> StructType
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    return from_arrow_schema(
+        pa.schema([pa.field(f.name, normalize_type(f.type)) for f in dt_schema])
+    )
+
+
+def read(
+    spark: SparkSession, path: Path, files: Sequence[delta.DataFile] | None = None
+) -> DataFrame | None:
+    """The change log's events (all of them, or those in ``files``) as a lazy DataFrame."""
+    if not delta.exists(path):
+        return None
+    dt = delta.open_table(path)
+    files = delta.snapshot_files(dt) if files is None else files
+    schema = spark_schema(delta.table_arrow_schema(dt))
+    if not files:
+        return spark.createDataFrame([], schema)
+    return spark.read.schema(schema).parquet(*delta.absolute_paths(path, files))
+
+
+def append(
+    spark: SparkSession,
+    path: Path,
+    events: DataFrame,
+    primary_key: Sequence[str],
+    seq_range: tuple[int, int],
+    expected_rows: int,
+    ingested_at: datetime,
+) -> AppendResult:
+    """Add the events not already logged; one Spark job, one Delta commit (or none)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    pk = list(primary_key)
+    w = Window.partitionBy(*pk, SEQ).orderBy(SOURCE_FILE, SOURCE_ROW)
+    batch = events.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1").drop("_rn")
+    batch = batch.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
+    schema = delta.arrow_schema_of(batch)
+    dt = delta.ensure_table(path, schema, description="cdc_platform change log")
+
+    # Only files whose seq range overlaps this batch can hold a duplicate of its events.
+    lo, hi = seq_range
+    candidates = [
+        f
+        for f in delta.snapshot_files(dt)
+        if not (
+            f.min_values.get(SEQ) is not None and (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
+        )
+    ]
+    if candidates:
+        logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(*pk, SEQ)
+        batch = batch.join(logged, [*pk, SEQ], "left_anti")
+    columns = [f.name for f in delta.table_arrow_schema(dt)]
+    batch = batch.select(*[c if c in batch.columns else F.lit(None).alias(c) for c in columns])
+    adds = delta.write_files(batch.coalesce(delta.file_count_for(expected_rows)), path)
+    if not adds:
+        return AppendResult(0, dt.version())
+    new_events = sum(delta.num_records(a) for a in adds)
+    version = delta.commit(
+        dt, adds, [], delta.table_arrow_schema(dt), metadata={"cdc_platform.new_events": new_events}
+    )
+    return AppendResult(new_events, version)
+
+
+def pending_files(
+    path: Path, applied_version: int | None
+) -> tuple[list[delta.DataFile], int | None]:
+    """Change-log files added after ``applied_version``, and the change log's current version."""
+    if not delta.exists(path):
+        return [], None
+    dt = delta.open_table(path)
+    now = delta.snapshot_files(dt)
+    if applied_version is None:
+        return now, dt.version()
+    if applied_version >= dt.version():
+        return [], dt.version()
+    try:
+        before = {
+            f.path for f in delta.snapshot_files(delta.open_table(path, version=applied_version))
+        }
+    except Exception:
+        return now, dt.version()  # that version's log was cleaned up: recompute every key
+    return [f for f in now if f.path not in before], dt.version()

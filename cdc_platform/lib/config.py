@@ -1,0 +1,253 @@
+"""The platform's config file: which tables exist and how their landing files look.
+
+The file is YAML, named by the env var ``CDC_PLATFORM_CONFIG`` (default: ``cdc_platform.yaml``
+at the repo root). Parsing is strict: an unknown key, a missing primary key or a bad date is
+an error naming the table and the field, so a typo never silently changes behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG_PATH = REPO_ROOT / "cdc_platform.yaml"
+
+PARTITION_FORMAT = "%Y-%m-%d-%H:%M"
+FORMATS = ("parquet", "csv")
+COMPRESSIONS = ("none", "zstd")
+ENCRYPTIONS = ("none", "aes-256-cbc")
+# Column types a CSV table may declare (Spark SQL type names).
+CSV_TYPES = (
+    "string",
+    "long",
+    "int",
+    "short",
+    "double",
+    "float",
+    "boolean",
+    "timestamp",
+    "date",
+    "binary",
+)
+_DECIMAL_RE = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ConfigError(ValueError):
+    """The config file is invalid; the message names the table and the field."""
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One destination table and how its landing files are encoded."""
+
+    name: str
+    primary_key: tuple[str, ...]
+    start: datetime
+    format: str = "parquet"
+    compression: str = "none"
+    encryption: str = "none"
+    null_string: str | None = None
+    unmodified_string: str | None = None
+    columns: dict[str, str] = field(default_factory=dict)
+    lookback_hours: int = 6
+    full_sweep_minutes: int = 60
+    sensor_interval_seconds: int = 60
+
+    @property
+    def start_partition_key(self) -> str:
+        return self.start.strftime(PARTITION_FORMAT)
+
+    @property
+    def is_encoded(self) -> bool:
+        """True when files need more than a plain Parquet read (decrypt, decompress or CSV)."""
+        return self.format != "parquet" or self.compression != "none" or self.encryption != "none"
+
+
+@dataclass(frozen=True)
+class PlatformConfig:
+    """The whole config file, with paths already resolved against the file's folder."""
+
+    landing_root: Path
+    warehouse_root: Path
+    tables: tuple[TableConfig, ...]
+    check_schedule: str = "0 3 * * *"
+    source: Path | None = None
+
+    def table(self, name: str) -> TableConfig:
+        for table in self.tables:
+            if table.name == name:
+                return table
+        raise KeyError(f"no table named {name!r} in {self.source}")
+
+
+_TABLE_FIELDS = {
+    "name",
+    "primary_key",
+    "start",
+    "format",
+    "compression",
+    "encryption",
+    "null_string",
+    "unmodified_string",
+    "columns",
+    "lookback_hours",
+    "full_sweep_minutes",
+    "sensor_interval_seconds",
+}
+_TOP_FIELDS = {"landing_root", "warehouse_root", "tables", "check_schedule"}
+
+
+def config_path() -> Path:
+    return Path(os.environ.get(CONFIG_ENV_VAR) or DEFAULT_CONFIG_PATH)
+
+
+def load_config(path: str | Path | None = None) -> PlatformConfig:
+    """Read and validate the config file (``CDC_PLATFORM_CONFIG`` when no path is given)."""
+    path = Path(path) if path is not None else config_path()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (set {CONFIG_ENV_VAR})")
+    with path.open() as fh:
+        raw = yaml.safe_load(fh)
+    return parse_config(raw, base_dir=path.resolve().parent, source=path)
+
+
+def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> PlatformConfig:
+    where = str(source or "config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level")
+    unknown = sorted(set(raw) - _TOP_FIELDS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_TOP_FIELDS)}")
+    for key in ("landing_root", "warehouse_root", "tables"):
+        if key not in raw:
+            raise ConfigError(f"{where}: missing required key '{key}'")
+    tables_raw = raw["tables"]
+    if not isinstance(tables_raw, list) or not tables_raw:
+        raise ConfigError(f"{where}: 'tables' must be a non-empty list")
+    tables = tuple(_parse_table(t, i, where) for i, t in enumerate(tables_raw))
+    names = [t.name for t in tables]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"{where}: table name(s) defined twice: {dupes}")
+    schedule = raw.get("check_schedule", "0 3 * * *")
+    if not isinstance(schedule, str) or len(schedule.split()) != 5:
+        raise ConfigError(f"{where}: field 'check_schedule' must be a 5-field cron string")
+    return PlatformConfig(
+        landing_root=_resolve(raw["landing_root"], base_dir, where, "landing_root"),
+        warehouse_root=_resolve(raw["warehouse_root"], base_dir, where, "warehouse_root"),
+        tables=tables,
+        check_schedule=schedule,
+        source=source,
+    )
+
+
+def _resolve(value: Any, base_dir: Path, where: str, key: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: field '{key}' must be a non-empty path string")
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (base_dir / p).resolve()
+
+
+def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: tables[{index}] must be a mapping")
+    name = raw.get("name")
+    label = f"table '{name}'" if isinstance(name, str) else f"tables[{index}]"
+
+    def fail(field_name: str, why: str) -> ConfigError:
+        return ConfigError(f"{where}: {label}, field '{field_name}': {why}")
+
+    unknown = sorted(set(raw) - _TABLE_FIELDS)
+    if unknown:
+        raise fail(unknown[0], f"unknown key(s) {unknown}; allowed: {sorted(_TABLE_FIELDS)}")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise fail("name", "required; letters, digits and underscores, not starting with a digit")
+
+    pk = raw.get("primary_key")
+    if isinstance(pk, str):
+        pk = [pk]
+    if not pk or not isinstance(pk, list) or not all(isinstance(c, str) and c for c in pk):
+        raise fail("primary_key", "required; a non-empty list of column names")
+    if len(set(pk)) != len(pk):
+        raise fail("primary_key", "lists a column twice")
+    bad_pk = [c for c in pk if c.startswith(("cdc_", "_fivetran_", "_cdc_"))]
+    if bad_pk:
+        raise fail("primary_key", f"system column(s) {bad_pk} cannot be part of the key")
+
+    start_raw = raw.get("start")
+    if start_raw is None:
+        raise fail("start", "required; the first hourly partition as 'YYYY-MM-DD-HH:MM'")
+    try:
+        start = datetime.strptime(str(start_raw), PARTITION_FORMAT).replace(tzinfo=UTC)
+    except ValueError:
+        raise fail("start", f"{start_raw!r} is not a date of the form 'YYYY-MM-DD-HH:00'") from None
+    if start.minute != 0:
+        raise fail("start", f"{start_raw!r} must be on the hour")
+
+    def choice(key: str, allowed: tuple[str, ...]) -> str:
+        value = str(raw.get(key, allowed[0])).lower()
+        if value not in allowed:
+            raise fail(key, f"{raw.get(key)!r} is not one of {list(allowed)}")
+        return value
+
+    def optional_str(key: str) -> str | None:
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise fail(key, "must be a string")
+        return value
+
+    def positive_int(key: str, default: int) -> int:
+        value = raw.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise fail(key, f"{value!r} must be a positive integer")
+        return value
+
+    columns_raw = raw.get("columns", {}) or {}
+    if not isinstance(columns_raw, dict):
+        raise fail("columns", "must be a mapping of column name to type")
+    columns: dict[str, str] = {}
+    for col, typ in columns_raw.items():
+        typ_s = str(typ).strip().lower()
+        if typ_s not in CSV_TYPES and not _DECIMAL_RE.match(typ_s):
+            raise fail(
+                "columns",
+                f"column {col!r} has unknown type {typ!r}; use one of {list(CSV_TYPES)} or decimal(p,s)",
+            )
+        columns[str(col)] = typ_s
+
+    fmt = choice("format", FORMATS)
+    null_string = optional_str("null_string")
+    unmodified_string = optional_str("unmodified_string")
+    if null_string is not None and null_string == unmodified_string:
+        raise fail("unmodified_string", "must differ from null_string")
+    if fmt == "csv":
+        missing = [c for c in pk if c not in columns]
+        if not columns or missing:
+            raise fail(
+                "columns",
+                f"a CSV table must declare the type of every column, including the key {missing or pk}",
+            )
+
+    return TableConfig(
+        name=name,
+        primary_key=tuple(pk),
+        start=start,
+        format=fmt,
+        compression=choice("compression", COMPRESSIONS),
+        encryption=choice("encryption", ENCRYPTIONS),
+        null_string=null_string,
+        unmodified_string=unmodified_string,
+        columns=columns,
+        lookback_hours=positive_int("lookback_hours", 6),
+        full_sweep_minutes=positive_int("full_sweep_minutes", 60),
+        sensor_interval_seconds=positive_int("sensor_interval_seconds", 60),
+    )

@@ -1,0 +1,258 @@
+"""Delta commits without Delta's JVM jars: Spark writes Parquet, delta-rs commits it.
+
+Delta Lake's Spark integration needs jars that live only on Maven Central, which is out of
+reach on air-gapped machines. So Spark writes plain Parquet files into the table's folder and
+the driver commits them with ``deltalake`` (delta-rs): one ``create_write_transaction`` holds
+every add and remove of a change, so readers see the table before or after, never between.
+Files Spark wrote but nobody committed are invisible to readers and removed by ``VACUUM``.
+
+The driver only touches file *metadata* here: Parquet footers for the statistics that let
+readers skip files, never the rows themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Field, Schema, Transaction
+from deltalake.transaction import AddAction, RemoveAction
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+DATA_DIR = "data"
+# Rows per written file: big enough to avoid many small files, small enough to rewrite cheaply.
+ROWS_PER_FILE = 1_000_000
+# delta-spark truncates string statistics to this prefix length; longer strings get no bounds.
+MAX_STRING_STAT = 32
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A file in a Delta snapshot: its path relative to the table, size and row count."""
+
+    path: str
+    size: int
+    num_records: int | None
+    min_values: Mapping[str, Any]
+    max_values: Mapping[str, Any]
+
+
+def exists(table_path: Path) -> bool:
+    return DeltaTable.is_deltatable(str(table_path))
+
+
+def open_table(table_path: Path, version: int | None = None) -> DeltaTable:
+    return DeltaTable(str(table_path), version=version)
+
+
+def snapshot_files(dt: DeltaTable) -> list[DataFile]:
+    """The files of the loaded snapshot, with the min/max statistics the log carries."""
+    actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+    files = []
+    for a in actions:
+        mins = {k[4:]: v for k, v in a.items() if k.startswith("min.") and v is not None}
+        maxs = {k[4:]: v for k, v in a.items() if k.startswith("max.") and v is not None}
+        files.append(DataFile(a["path"], a["size_bytes"], a.get("num_records"), mins, maxs))
+    return files
+
+
+def absolute_paths(table_path: Path, files: Iterable[DataFile | str]) -> list[str]:
+    return [str(Path(table_path) / (f.path if isinstance(f, DataFile) else f)) for f in files]
+
+
+def arrow_schema_of(df: DataFrame) -> pa.Schema:
+    """The Arrow schema of a Spark DataFrame, every field nullable (Delta schemas must admit nulls)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    schema = to_arrow_schema(df.schema, timezone="UTC")
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
+def ensure_table(table_path: Path, schema: pa.Schema, description: str = "") -> DeltaTable:
+    """Create the table if it is missing; add any new (nullable) columns. Never drops a column."""
+    if not exists(table_path):
+        Path(table_path).mkdir(parents=True, exist_ok=True)
+        return DeltaTable.create(
+            str(table_path), schema=schema, mode="ignore", description=description
+        )
+    dt = open_table(table_path)
+    have = {f.name for f in dt.schema().fields}
+    new_fields = [f for f in schema if f.name not in have]
+    if new_fields:
+        delta_fields = Schema.from_arrow(pa.schema(new_fields)).fields
+        dt.alter.add_columns([Field(f.name, f.type, nullable=True) for f in delta_fields])
+        dt = open_table(table_path)
+    return dt
+
+
+def table_arrow_schema(dt: DeltaTable) -> pa.Schema:
+    return pa.schema(dt.schema().to_arrow())
+
+
+def write_files(df: DataFrame, table_path: Path) -> list[AddAction]:
+    """Have Spark write ``df`` as Parquet under the table folder; return add actions for them.
+
+    Each write goes to its own ``data/<uuid>/`` folder so concurrent or crashed writers never
+    mix files; only the ``part-*`` Parquet files are committed.
+    """
+    rel_dir = f"{DATA_DIR}/{uuid.uuid4().hex}"
+    out_dir = Path(table_path) / rel_dir
+    df.write.mode("errorifexists").option("compression", "snappy").parquet(str(out_dir))
+    adds = []
+    for entry in sorted(os.scandir(out_dir), key=lambda e: e.name):
+        if not entry.is_file():
+            continue
+        if not entry.name.endswith(".parquet") or entry.name.startswith((".", "_")):
+            os.remove(entry.path)  # .crc checksums and markers: not table data
+            continue
+        meta = pq.read_metadata(entry.path)
+        if meta.num_rows == 0:
+            os.remove(entry.path)
+            continue
+        st = entry.stat()
+        adds.append(
+            AddAction(
+                path=f"{rel_dir}/{entry.name}",
+                size=st.st_size,
+                partition_values={},
+                modification_time=int(st.st_mtime * 1000),
+                data_change=True,
+                stats=json.dumps(file_stats(meta)),
+            )
+        )
+    return adds
+
+
+def file_count_for(rows: int, rows_per_file: int = ROWS_PER_FILE) -> int:
+    return max(1, math.ceil(rows / rows_per_file))
+
+
+def num_records(add: AddAction) -> int:
+    return int(json.loads(add.stats)["numRecords"])
+
+
+def removes_for(files: Sequence[DataFile]) -> list[RemoveAction]:
+    now_ms = int(time.time() * 1000)
+    return [RemoveAction(f.path, True, now_ms, f.size, {}) for f in files]
+
+
+def commit(
+    dt: DeltaTable,
+    adds: Sequence[AddAction],
+    removes: Sequence[RemoveAction],
+    schema: pa.Schema,
+    app_transaction: tuple[str, int] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    strict: bool = False,
+) -> int:
+    """Commit adds and removes as one Delta version and return it.
+
+    ``strict`` refuses to rebase over a concurrent commit (the caller recomputes and retries);
+    ``app_transaction`` records ``(app_id, version)`` in the same commit, so the table itself
+    says which input it already contains.
+    """
+    props = CommitProperties(
+        custom_metadata=dict(metadata or {}),
+        max_commit_retries=0 if strict else None,
+        app_transactions=[Transaction(*app_transaction)] if app_transaction else None,
+    )
+    dt.create_write_transaction(
+        [*adds, *removes], mode="append", schema=schema, commit_properties=props
+    )
+    dt.update_incremental()
+    return dt.version()
+
+
+def top_level_leaves(meta: pq.FileMetaData) -> dict[str, int]:
+    """Column-chunk index of each top-level primitive column (nested columns have several)."""
+    leaves = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    return {path: i for i, path in enumerate(leaves) if "." not in path}
+
+
+def file_stats(meta: pq.FileMetaData) -> dict[str, Any]:
+    """Delta file statistics (numRecords, minValues, maxValues, nullCount) from a Parquet footer.
+
+    Bounds are only written where they are exact in Delta's terms: timestamps are widened to
+    whole milliseconds, long strings, binaries, decimals and nested columns get none.
+    """
+    schema = meta.schema.to_arrow_schema()
+    mins: dict[str, Any] = {}
+    maxs: dict[str, Any] = {}
+    nulls: dict[str, int] = {}
+    leaves = top_level_leaves(meta)
+    for field in schema:
+        ci = leaves.get(field.name)
+        if ci is None or pa.types.is_nested(field.type):
+            continue
+        lo = hi = None
+        null_count: int | None = 0
+        bounded = _stat_kind(field.type) is not None
+        for rg in range(meta.num_row_groups):
+            st = meta.row_group(rg).column(ci).statistics
+            if st is None:
+                null_count, bounded = None, False
+                break
+            if null_count is not None:
+                null_count = null_count + st.null_count if st.has_null_count else None
+            if not bounded:
+                continue
+            if not st.has_min_max:
+                if st.null_count != meta.row_group(rg).num_rows:
+                    bounded = False
+                continue
+            lo = st.min if lo is None else min(lo, st.min)
+            hi = st.max if hi is None else max(hi, st.max)
+        if null_count is not None:
+            nulls[field.name] = null_count
+        if bounded and lo is not None:
+            lo_json, hi_json = _stat_value(field.type, lo, False), _stat_value(field.type, hi, True)
+            if lo_json is not None and hi_json is not None:
+                mins[field.name], maxs[field.name] = lo_json, hi_json
+    return {"numRecords": meta.num_rows, "minValues": mins, "maxValues": maxs, "nullCount": nulls}
+
+
+def _stat_kind(t: pa.DataType) -> str | None:
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_timestamp(t):
+        return "timestamp"
+    if pa.types.is_date(t):
+        return "date"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_boolean(t):
+        return "bool"
+    return None
+
+
+def _stat_value(t: pa.DataType, value: Any, upper: bool) -> Any:
+    kind = _stat_kind(t)
+    if kind == "int" or kind == "bool":
+        return value if kind == "int" else bool(value)
+    if kind == "float":
+        return None if (value is None or math.isnan(value)) else value
+    if kind == "timestamp":
+        ts = value if value.tzinfo else value.replace(tzinfo=UTC)
+        ms = ts.replace(microsecond=(ts.microsecond // 1000) * 1000)
+        if upper and ms != ts:
+            ms += timedelta(milliseconds=1)
+        return ms.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms.microsecond // 1000:03d}Z"
+    if kind == "date":
+        return value.isoformat() if isinstance(value, date | datetime) else None
+    if kind == "string":
+        return value if isinstance(value, str) and len(value) <= MAX_STRING_STAT else None
+    return None

@@ -1,0 +1,136 @@
+"""The landing zone's layout: ``<root>/<table>/year=YYYY/month=MM/day=DD/hour=HH/<file>``.
+
+Only file *names* are handled here (the driver never reads file contents). A partition key
+is Dagster's hourly key ``YYYY-MM-DD-HH:MM``; an hour folder is where that hour's files land.
+Note the folder's hour is when the file was delivered, not when its events were committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from cdc_platform.lib.config import PARTITION_FORMAT
+
+HOUR = timedelta(hours=1)
+
+
+@dataclass(frozen=True, order=True)
+class LandingFile:
+    """One landing file, identified by its path; size and mtime fingerprint its content."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+    def relative_to(self, root: Path) -> str:
+        return os.path.relpath(self.path, root)
+
+
+def partition_key_to_hour(key: str) -> datetime:
+    return datetime.strptime(key, PARTITION_FORMAT).replace(tzinfo=UTC)
+
+
+def hour_to_partition_key(hour: datetime) -> str:
+    return hour.astimezone(UTC).strftime(PARTITION_FORMAT)
+
+
+def hour_folder(landing_root: Path, table: str, hour: datetime) -> Path:
+    h = hour.astimezone(UTC)
+    return (
+        Path(landing_root)
+        / table
+        / f"year={h.year:04d}"
+        / f"month={h.month:02d}"
+        / f"day={h.day:02d}"
+        / f"hour={h.hour:02d}"
+    )
+
+
+def _folder_variants(landing_root: Path, table: str, hour: datetime) -> list[Path]:
+    """The zero-padded folder of the spec, plus the unpadded spelling some exporters use."""
+    h = hour.astimezone(UTC)
+    padded = hour_folder(landing_root, table, h)
+    unpadded = (
+        Path(landing_root)
+        / table
+        / f"year={h.year}"
+        / f"month={h.month}"
+        / f"day={h.day}"
+        / f"hour={h.hour}"
+    )
+    return [padded] if unpadded == padded else [padded, unpadded]
+
+
+def is_data_file(name: str) -> bool:
+    """Hidden and marker files (``.crc``, ``_SUCCESS``, ``_temporary``) are not landing data."""
+    return not name.startswith((".", "_"))
+
+
+def files_in_hour(landing_root: Path, table: str, hour: datetime) -> list[LandingFile]:
+    """The data files of one hour folder, sorted by path; empty if the folder is missing."""
+    found: list[LandingFile] = []
+    for folder in _folder_variants(landing_root, table, hour):
+        try:
+            entries = list(os.scandir(folder))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            if entry.is_file() and is_data_file(entry.name):
+                st = entry.stat()
+                found.append(LandingFile(os.path.abspath(entry.path), st.st_size, st.st_mtime_ns))
+    return sorted(found)
+
+
+def files_in_hours(landing_root: Path, table: str, hours: Iterable[datetime]) -> list[LandingFile]:
+    out: list[LandingFile] = []
+    for hour in hours:
+        out.extend(files_in_hour(landing_root, table, hour))
+    return out
+
+
+def hours_between(first: datetime, last: datetime) -> Iterator[datetime]:
+    """Every hour from first to last, both included."""
+    h = first.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    while h <= last:
+        yield h
+        h += HOUR
+
+
+def all_hour_folders(landing_root: Path, table: str) -> Iterator[tuple[datetime, Path]]:
+    """Every hour folder of a table, by walking the tree (cost grows with history: sweeps only)."""
+    table_dir = Path(landing_root) / table
+
+    def sub(folder: Path, prefix: str) -> list[tuple[int, Path]]:
+        out = []
+        try:
+            for entry in os.scandir(folder):
+                if entry.is_dir() and entry.name.startswith(prefix + "="):
+                    try:
+                        out.append((int(entry.name.split("=", 1)[1]), Path(entry.path)))
+                    except ValueError:
+                        continue
+        except FileNotFoundError:
+            pass
+        return sorted(out)
+
+    for y, yp in sub(table_dir, "year"):
+        for m, mp in sub(yp, "month"):
+            for d, dp in sub(mp, "day"):
+                for h, hp in sub(dp, "hour"):
+                    try:
+                        yield datetime(y, m, d, h, tzinfo=UTC), hp
+                    except ValueError:
+                        continue
+
+
+def fingerprint(files: Iterable[LandingFile]) -> str:
+    """A stable digest of a set of files (path, size, mtime): same files, same digest."""
+    digest = hashlib.sha256()
+    for f in sorted(files):
+        digest.update(f"{f.path}\0{f.size}\0{f.mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,234 @@
+"""Bringing the history table up to date with the change log, as one atomic Delta commit.
+
+The history table records, in each commit, the change-log version it reflects (a Delta app
+transaction). Whatever was logged after that version is *pending*: its keys are recomputed
+from all their events, the history files holding those keys are rewritten (copy-on-write),
+and removes plus adds are committed together with the new watermark. A crash at any point
+leaves the previous version intact, and the next run finds the same pending work.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+from deltalake.exceptions import CommitFailedError
+
+from cdc_platform.lib import changelog, delta
+from cdc_platform.lib.history import ACTIVE, END, START, SYNCED, build_versions
+from cdc_platform.lib.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+APP_ID = "cdc_platform/changelog"
+COMMIT_ATTEMPTS = 4
+FAULT_ENV = "CDC_PLATFORM_FAULT"
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    keys_affected: int = 0
+    versions_opened: int = 0
+    versions_closed: int = 0
+    rows_written: int = 0
+    files_removed: int = 0
+    files_added: int = 0
+    history_version: int | None = None
+    changelog_version: int | None = None
+    attempts: int = 0
+
+
+def fault_point(name: str) -> None:
+    """Crash the process here when ``CDC_PLATFORM_FAULT`` names this point (crash-safety tests)."""
+    if os.environ.get(FAULT_ENV) == name:
+        os.kill(os.getpid(), 9)
+
+
+def applied_changelog_version(paths: TablePaths) -> int | None:
+    if not delta.exists(paths.history):
+        return None
+    return delta.open_table(paths.history).transaction_version(APP_ID)
+
+
+def history_schema(primary_key: Sequence[str], key_and_data: pa.Schema) -> pa.Schema:
+    ts = pa.timestamp("us", tz="UTC")
+    keys = [key_and_data.field(k) for k in primary_key]
+    data = [f for f in key_and_data if f.name not in primary_key]
+    system = [
+        pa.field(START, ts),
+        pa.field(END, ts),
+        pa.field(ACTIVE, pa.bool_()),
+        pa.field(SYNCED, ts),
+    ]
+    return pa.schema([f.with_nullable(True) for f in (*keys, *data, *system)])
+
+
+def apply_pending(
+    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], synced_at: datetime
+) -> MergeResult:
+    """Recompute the keys with pending change-log events; retry if another writer commits first."""
+    last_error: Exception | None = None
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        try:
+            result = _apply_once(spark, paths, primary_key, synced_at)
+            return MergeResult(**{**result.__dict__, "attempts": attempt})
+        except CommitFailedError as exc:  # a concurrent commit won: recompute against it
+            last_error = exc
+    raise RuntimeError(
+        f"history commit for {paths.history} lost {COMMIT_ATTEMPTS} races in a row"
+    ) from last_error
+
+
+def _apply_once(
+    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], synced_at: datetime
+) -> MergeResult:
+    from pyspark import StorageLevel
+
+    pk = list(primary_key)
+    applied = applied_changelog_version(paths)
+    pending, changelog_version = changelog.pending_files(paths.changelog, applied)
+    if not pending:
+        version = delta.open_table(paths.history).version() if delta.exists(paths.history) else None
+        return MergeResult(history_version=version, changelog_version=changelog_version)
+
+    key_and_data = changelog.key_and_data_fields(paths.changelog)
+    assert key_and_data is not None
+    schema = history_schema(pk, key_and_data)
+    data_columns = [
+        f.name for f in schema if f.name not in pk and f.name not in (START, END, ACTIVE, SYNCED)
+    ]
+    dt = delta.ensure_table(paths.history, schema, description="cdc_platform history-mode table")
+    hist_schema = changelog.spark_schema(delta.table_arrow_schema(dt))
+    columns = [f.name for f in hist_schema.fields]
+
+    pending_events = changelog.read(spark, paths.changelog, pending)
+    assert pending_events is not None
+    affected = pending_events.select(*pk).distinct().persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        keys_affected = affected.count()
+        touched = _files_holding(spark, paths.history, dt, hist_schema, affected, pk)
+        events = changelog.read(spark, paths.changelog)
+        assert events is not None
+        versions = build_versions(events.join(affected, pk, "left_semi"), pk, data_columns)
+
+        if touched:
+            old = spark.read.schema(hist_schema).parquet(
+                *delta.absolute_paths(paths.history, touched)
+            )
+        else:
+            old = spark.createDataFrame([], hist_schema)
+        old_affected = old.join(affected, pk, "left_semi")
+        new_rows = _carry_synced(versions, old_affected, pk, data_columns, synced_at).select(
+            *columns
+        )
+        out = old.join(affected, pk, "left_anti").select(*columns).unionByName(new_rows)
+        expected = sum(f.num_records or 0 for f in touched) + sum(
+            f.num_records or 0 for f in pending
+        )
+        out = out.repartition(delta.file_count_for(expected), *pk).sortWithinPartitions(*pk, START)
+        adds = delta.write_files(out, paths.history)
+        try:
+            opened, closed = _count_changes(versions, old_affected, pk)
+            fault_point("before_history_commit")
+            version = delta.commit(
+                dt,
+                adds,
+                delta.removes_for(touched),
+                delta.table_arrow_schema(dt),
+                app_transaction=(APP_ID, changelog_version),
+                metadata={
+                    "cdc_platform.keys_affected": keys_affected,
+                    "cdc_platform.changelog_version": changelog_version,
+                },
+                strict=True,
+            )
+        except BaseException:
+            _discard(paths.history, adds)
+            raise
+    finally:
+        affected.unpersist()
+    return MergeResult(
+        keys_affected=keys_affected,
+        versions_opened=opened,
+        versions_closed=closed,
+        rows_written=sum(delta.num_records(a) for a in adds),
+        files_removed=len(touched),
+        files_added=len(adds),
+        history_version=version,
+        changelog_version=changelog_version,
+    )
+
+
+def _files_holding(
+    spark: SparkSession, table_path: Path, dt, schema, keys: DataFrame, pk: list[str]
+) -> list[delta.DataFile]:
+    """The history files that hold any of ``keys``: only the key columns are scanned."""
+    from pyspark.sql import functions as F
+
+    files = delta.snapshot_files(dt)
+    if not files:
+        return []
+    by_path = {
+        os.path.normpath(p): f
+        for p, f in zip(delta.absolute_paths(table_path, files), files, strict=True)
+    }
+    scan = (
+        spark.read.schema(schema).parquet(*by_path).select(*pk, F.input_file_name().alias("_file"))
+    )
+    hits = scan.join(keys, pk, "left_semi").select("_file").distinct().collect()
+    return [by_path[os.path.normpath(unquote(urlparse(r["_file"]).path))] for r in hits]
+
+
+def _carry_synced(
+    versions: DataFrame, old: DataFrame, pk: list[str], data_columns: list[str], synced_at: datetime
+) -> DataFrame:
+    """A version that is exactly as before keeps its ``_fivetran_synced``; others get this run's."""
+    from pyspark.sql import functions as F
+
+    renamed = {c: f"__old_{i}" for i, c in enumerate([*data_columns, END, ACTIVE, SYNCED])}
+    prior = old.select(*pk, START, *[F.col(c).alias(a) for c, a in renamed.items()])
+    joined = versions.join(prior, [*pk, START], "left")
+    unchanged: Column = F.col(renamed[SYNCED]).isNotNull()
+    for c in [*data_columns, END, ACTIVE]:
+        unchanged = unchanged & F.col(c).eqNullSafe(F.col(renamed[c]))
+    synced = F.when(unchanged, F.col(renamed[SYNCED])).otherwise(F.lit(synced_at).cast("timestamp"))
+    return joined.withColumn(SYNCED, synced).drop(*renamed.values())
+
+
+def _count_changes(versions: DataFrame, old: DataFrame, pk: list[str]) -> tuple[int, int]:
+    """Versions opened (new ``(key, start)``) and closed (active before, not active now)."""
+    from pyspark.sql import functions as F
+
+    n = versions.select(
+        *pk, START, F.col(ACTIVE).alias("_new_active"), F.lit(True).alias("_in_new")
+    )
+    o = old.select(*pk, START, F.col(ACTIVE).alias("_old_active"), F.lit(True).alias("_in_old"))
+    row = (
+        n.join(o, [*pk, START], "full_outer")
+        .agg(
+            F.sum(F.when(F.col("_in_new") & F.col("_in_old").isNull(), 1).otherwise(0)).alias(
+                "opened"
+            ),
+            F.sum(
+                F.when(
+                    F.col("_old_active") & ~F.coalesce(F.col("_new_active"), F.lit(False)), 1
+                ).otherwise(0)
+            ).alias("closed"),
+        )
+        .first()
+    )
+    return int(row["opened"] or 0), int(row["closed"] or 0)
+
+
+def _discard(table_path: Path, adds: Sequence) -> None:
+    """Remove files written for a commit that did not happen (they were never visible)."""
+    for folder in {Path(table_path) / Path(a.path).parent for a in adds}:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,71 @@
+"""The quarantine: landing files set aside, each with the reason, the first bad row and a count.
+
+The file itself stays untouched in the landing zone. The table holds the *current* verdict per
+file: reading a file again (fixed, or re-delivered) replaces its entry, and a file that now
+reads cleanly leaves the quarantine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+SCHEMA = pa.schema(
+    [
+        pa.field("file", pa.string()),
+        pa.field("partition", pa.string()),
+        pa.field("reason", pa.string()),
+        pa.field("row", pa.int64()),
+        pa.field("bad_rows", pa.int64()),
+        pa.field("detected_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class QuarantinedFile:
+    file: str
+    partition: str
+    reason: str
+    row: int | None
+    bad_rows: int
+    detected_at: datetime
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def record(path: Path, files_read: Sequence[str], entries: Sequence[QuarantinedFile]) -> None:
+    """Replace the verdict of every file read in this run in one commit (small: one row a file)."""
+    if not files_read and not entries:
+        return
+    data = pa.Table.from_pylist([e.__dict__ for e in entries], schema=SCHEMA)
+    if not DeltaTable.is_deltatable(str(path)):
+        if not entries:
+            return
+        Path(path).mkdir(parents=True, exist_ok=True)
+        write_deltalake(str(path), data, mode="append")
+        return
+    predicate = (
+        "file IN ("
+        + ", ".join(_quote(f) for f in sorted(set(files_read) | {e.file for e in entries}))
+        + ")"
+    )
+    write_deltalake(str(path), data, mode="overwrite", predicate=predicate)
+
+
+def current(path: Path) -> list[QuarantinedFile]:
+    if not DeltaTable.is_deltatable(str(path)):
+        return []
+    rows = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    return sorted((QuarantinedFile(**r) for r in rows), key=lambda q: q.file)
+
+
+def files_of(entries: Iterable[QuarantinedFile]) -> list[str]:
+    return sorted(e.file for e in entries)

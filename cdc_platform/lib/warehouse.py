@@ -1,0 +1,27 @@
+"""Where a table's Delta tables live in the warehouse.
+
+``<warehouse_root>/<table>`` is the history table users query. Beside it, under
+``<warehouse_root>/_cdc/<table>/``, the platform keeps what it needs to stay correct:
+``changelog`` (every valid event ever landed, so late events can be placed and any key
+recomputed) and ``quarantine`` (files set aside, with the reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TablePaths:
+    history: Path
+    changelog: Path
+    quarantine: Path
+
+    @classmethod
+    def of(cls, warehouse_root: Path, table: str) -> TablePaths:
+        root = Path(warehouse_root)
+        system = root / "_cdc" / table
+        return cls(
+            history=root / table, changelog=system / "changelog", quarantine=system / "quarantine"
+        )

@@ -1,0 +1,51 @@
+"""Shared fixtures: one real local SparkSession for the whole test session, and helpers that
+write landing files and read Delta tables back exactly as users would."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cdc_platform.lib.spark import build_spark_session
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="run the larger property runs too")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="larger run: pass --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator:
+    os.environ.setdefault("TZ", "UTC")
+    session = build_spark_session(
+        "local[2]",
+        {
+            "spark.sql.shuffle.partitions": "2",
+            "spark.default.parallelism": "2",
+            "spark.driver.memory": "2g",
+            "spark.sql.adaptive.coalescePartitions.enabled": "true",
+        },
+        app_name="cdc_platform_tests",
+    )
+    yield session
+    session.stop()
+
+
+@pytest.fixture()
+def lake(tmp_path: Path) -> dict[str, Path]:
+    landing = tmp_path / "landing"
+    warehouse = tmp_path / "warehouse"
+    landing.mkdir()
+    warehouse.mkdir()
+    return {"landing": landing, "warehouse": warehouse, "root": tmp_path}

@@ -1,0 +1,65 @@
+"""Test helpers: write landing files the way exporters do, read Delta tables the way users do."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+
+from cdc_platform.lib.landing import hour_folder
+
+CDC_FIELDS = [
+    pa.field("cdc_operation_type", pa.string()),
+    pa.field("cdc_change_seq", pa.int64()),
+    pa.field("cdc_commit_timestamp", pa.timestamp("us", tz="UTC")),
+]
+
+
+def write_parquet_events(
+    landing_root: Path,
+    table: str,
+    hour: datetime,
+    rows: Sequence[Mapping[str, Any]],
+    schema: pa.Schema | None = None,
+    name: str | None = None,
+) -> Path:
+    """One Parquet landing file in the hour folder; columns missing from a row are null."""
+    folder = hour_folder(landing_root, table, hour)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (name or f"part-{uuid.uuid4().hex[:12]}.snappy.parquet")
+    if schema is None:
+        names: list[str] = []
+        for r in rows:
+            names.extend(k for k in r if k not in names)
+        data = {n: [r.get(n) for r in rows] for n in names}
+        tbl = pa.table(data)
+        fields = []
+        for f in tbl.schema:
+            cdc = next((c for c in CDC_FIELDS if c.name == f.name), None)
+            fields.append(cdc or (pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f))
+        tbl = tbl.cast(pa.schema(fields))
+    else:
+        tbl = pa.Table.from_pylist([dict(r) for r in rows], schema=schema)
+    pq.write_table(tbl, path)
+    return path
+
+
+def history_rows(
+    table_path: Path, drop: Iterable[str] = ("_fivetran_synced",)
+) -> list[dict[str, Any]]:
+    """The table's rows as dicts sorted by every column but the dropped ones."""
+    tbl = DeltaTable(str(table_path)).to_pyarrow_table()
+    rows = [{k: v for k, v in r.items() if k not in set(drop)} for r in tbl.to_pylist()]
+    return sorted(rows, key=lambda r: tuple((v is None, str(v)) for v in r.values()))
+
+
+def normalize(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> list[tuple]:
+    """Rows as tuples over ``columns`` (missing -> None), sorted, for exact comparison."""
+    out = [tuple(r.get(c) for c in columns) for r in rows]
+    return sorted(out, key=lambda t: tuple((v is None, str(v)) for v in t))
