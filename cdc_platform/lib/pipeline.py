@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cdc_platform.lib import changelog, quarantine
+from cdc_platform.lib import changelog, delta, quarantine
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key
@@ -45,6 +45,7 @@ class MaterializeResult:
     merge: MergeResult
     seconds: float
     synced_at: datetime
+    history_version_before: int | None = None
     files: tuple[str, ...] = field(default=())
 
 
@@ -101,6 +102,9 @@ def materialize(
     quarantine.record(paths.quarantine, [reader.relative(p) for p in all_paths], set_aside)
     fault_point("after_changelog_commit")
 
+    version_before = (
+        delta.open_table(paths.history).version() if delta.exists(paths.history) else None
+    )
     merge = apply_pending(spark, paths, table.primary_key, synced_at)
     return MaterializeResult(
         table=table.name,
@@ -112,6 +116,7 @@ def materialize(
         merge=merge,
         seconds=round(time.monotonic() - started, 3),
         synced_at=synced_at,
+        history_version_before=version_before,
         files=tuple(reader.relative(p) for p in all_paths),
     )
 

@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+export DAGSTER_HOME := $(CURDIR)/.dagster_home
+
+.PHONY: demo ui test lint bench java clean
+
+demo: java $(VENV)/.installed
+	$(BIN)/python -m cdc_platform.demo.run
+
+ui: java $(VENV)/.installed
+	@test -f $(DAGSTER_HOME)/dagster.yaml || { echo "run 'make demo' first"; exit 1; }
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+test: java $(VENV)/.installed
+	$(BIN)/ruff check cdc_platform cdc_platform_tests benchmarks
+	$(BIN)/ruff format --check cdc_platform cdc_platform_tests benchmarks
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check --fix cdc_platform cdc_platform_tests benchmarks
+	$(BIN)/ruff format cdc_platform cdc_platform_tests benchmarks
+
+bench: java $(VENV)/.installed
+	$(BIN)/python benchmarks/merge_throughput.py
+	$(BIN)/python benchmarks/decode_throughput.py
+	$(BIN)/python benchmarks/sensor_tick.py
+
+java:
+	@command -v java >/dev/null 2>&1 || [ -x "$$JAVA_HOME/bin/java" ] || { echo "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."; exit 1; }
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: install Python 3.11 (Debian: apt-get install python3.11 python3.11-venv)."; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+clean:
+	rm -rf data .dagster_home

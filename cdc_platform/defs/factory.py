@@ -1,0 +1,218 @@
+"""One factory: a table's config in, its asset, checks and landing sensor out.
+
+The asset is an hourly time-partitioned history table; a materialization (one partition or a
+whole range, in one run) calls the pure pipeline. The checks are the SCD2 invariants, run in
+Spark after every materialization on the keys it touched, and over everything on a schedule.
+"""
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import dagster as dg
+
+from cdc_platform.defs.alerts import (
+    ALERT_RESOURCE_KEY,
+    AlertWebhookResource,
+    alert_webhook_from_env,
+    build_run_failure_alert_sensor,
+    partition_for_run,
+)
+from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.defs.sensors import build_landing_sensor
+from cdc_platform.lib import invariants
+from cdc_platform.lib.alerts import build_alert
+from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.landing import hours_between
+from cdc_platform.lib.pipeline import MaterializeResult, materialize
+from cdc_platform.lib.warehouse import TablePaths
+
+GROUP = "cdc_history"
+VERSION_BEFORE = "delta_version_before"
+
+
+@dataclass(frozen=True)
+class TableDefinitions:
+    asset: dg.AssetsDefinition
+    checks: dg.AssetChecksDefinition
+    sensor: dg.SensorDefinition
+
+
+def pool_name(table: TableConfig) -> str:
+    """One concurrency pool per table (limit 1 in dagster.yaml): one writer per table at a time."""
+    return f"cdc_table_{table.name}"
+
+
+def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> TableDefinitions:
+    key = dg.AssetKey(table.name)
+    paths = TablePaths.of(platform.warehouse_root, table.name)
+    partitions = dg.HourlyPartitionsDefinition(start_date=table.start_partition_key, timezone="UTC")
+
+    @dg.asset(
+        key=key,
+        partitions_def=partitions,
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        pool=pool_name(table),
+        group_name=GROUP,
+        kinds={"spark", "delta"},
+        description=(
+            f"History-mode (SCD2) Delta table `{paths.history}`, built from the CDC files in "
+            f"`{platform.landing_root / table.name}` (primary key {list(table.primary_key)})."
+        ),
+        metadata={
+            "primary_key": list(table.primary_key),
+            "table_path": dg.MetadataValue.path(str(paths.history)),
+        },
+    )
+    def history_table(
+        context: dg.AssetExecutionContext, spark: SparkResource, keyring: KeyringResource
+    ) -> dg.MaterializeResult:
+        window = context.partition_time_window
+        hours = list(hours_between(window.start, window.end - timedelta(hours=1)))
+        context.log.info(
+            f"{table.name}: applying {len(hours)} hour folder(s) {context.partition_key_range}"
+        )
+        result = materialize(
+            spark.spark_session,
+            table,
+            platform.landing_root,
+            platform.warehouse_root,
+            hours,
+            keyring.load() if table.encryption != "none" else None,
+        )
+        for q in result.quarantined:
+            context.log.warning(f"{table.name}: set aside {q.file}: {q.reason}")
+        return dg.MaterializeResult(metadata=materialization_metadata(result))
+
+    check_specs = [
+        dg.AssetCheckSpec(name, asset=key, blocking=True, description=invariants.DESCRIPTIONS[name])
+        for name in invariants.CHECK_NAMES
+    ]
+
+    @dg.multi_asset_check(specs=check_specs, name=f"{table.name}_invariants", can_subset=False)
+    def history_checks(
+        context: dg.AssetCheckExecutionContext,
+        spark: SparkResource,
+        alert_webhook: AlertWebhookResource,
+    ) -> Any:
+        since = _version_before_this_run(context, key)
+        session = spark.spark_session
+        scope = (
+            invariants.touched_keys(session, paths, table.primary_key, since)
+            if since is not None
+            else None
+        )
+        scope_label = "keys touched by this run" if scope is not None else "whole table"
+        partition = partition_for_run(context.run.tags)
+        for o in invariants.run_checks(session, paths, table.primary_key, scope):
+            if not o.passed:
+                context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s)")
+                alert_webhook.send(
+                    build_alert(
+                        "check_failed",
+                        table=table.name,
+                        partition=partition,
+                        check=o.name,
+                        counts={"failing_keys": o.failing, "checked_keys": o.checked_keys or 0},
+                        run_id=context.run.run_id,
+                        ui_base_url=alert_webhook.ui_base_url,
+                        detail=o.detail or invariants.DESCRIPTIONS[o.name],
+                        sample_keys=o.sample,
+                    )
+                )
+            yield dg.AssetCheckResult(
+                asset_key=key,
+                check_name=o.name,
+                passed=o.passed,
+                severity=dg.AssetCheckSeverity.ERROR,
+                metadata={
+                    "failing_keys": o.failing,
+                    "sample": dg.MetadataValue.json(_jsonable(o.sample)),
+                    "checked_keys": o.checked_keys if o.checked_keys is not None else -1,
+                    "scope": scope_label,
+                    **({"detail": o.detail} if o.detail else {}),
+                },
+            )
+
+    sensor = build_landing_sensor(table, platform.landing_root, history_table)
+    return TableDefinitions(history_table, history_checks, sensor)
+
+
+def materialization_metadata(result: MaterializeResult) -> dict[str, Any]:
+    m = result.merge
+    quarantined = [
+        {"file": q.file, "partition": q.partition, "row": q.row, "reason": q.reason}
+        for q in result.quarantined
+    ]
+    return {
+        "files_read": result.files_read,
+        "events_read": result.events_read,
+        "events_new": result.events_new,
+        "files_quarantined": len(result.quarantined),
+        "quarantined": dg.MetadataValue.json(quarantined),
+        "keys_affected": m.keys_affected,
+        "versions_opened": m.versions_opened,
+        "versions_closed": m.versions_closed,
+        "rows_written": m.rows_written,
+        "files_added": m.files_added,
+        "files_removed": m.files_removed,
+        "delta_version": m.history_version if m.history_version is not None else -1,
+        VERSION_BEFORE: result.history_version_before
+        if result.history_version_before is not None
+        else -1,
+        "changelog_version": m.changelog_version if m.changelog_version is not None else -1,
+        "commit_attempts": m.attempts,
+        "seconds": result.seconds,
+        "synced_at": result.synced_at.isoformat(),
+    }
+
+
+def _version_before_this_run(
+    context: dg.AssetCheckExecutionContext, key: dg.AssetKey
+) -> int | None:
+    """The table version before this run's materialization, or None if this run made none."""
+    event = context.instance.get_latest_materialization_event(key)
+    if event is None or event.run_id != context.run.run_id or event.asset_materialization is None:
+        return None
+    value = event.asset_materialization.metadata.get(VERSION_BEFORE)
+    return int(value.value) if value is not None else None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def build_definitions(platform: PlatformConfig) -> dg.Definitions:
+    """Everything the code location serves, for every table in the config."""
+    tables = [build_table_definitions(platform, t) for t in platform.tables]
+    check_job = dg.define_asset_job(
+        "cdc_full_table_checks",
+        selection=dg.AssetSelection.checks(*[t.checks for t in tables]),
+        description="Every invariant over every history table (not just the keys a run touched).",
+    )
+    return dg.Definitions(
+        assets=[t.asset for t in tables],
+        asset_checks=[t.checks for t in tables],
+        sensors=[*(t.sensor for t in tables), build_run_failure_alert_sensor()],
+        jobs=[check_job],
+        schedules=[
+            dg.ScheduleDefinition(
+                name="cdc_full_table_checks_schedule",
+                job=check_job,
+                cron_schedule=platform.check_schedule,
+                execution_timezone="UTC",
+                default_status=dg.DefaultScheduleStatus.RUNNING,
+            )
+        ],
+        resources={
+            "spark": SparkResource(),
+            "keyring": KeyringResource(),
+            ALERT_RESOURCE_KEY: alert_webhook_from_env(),
+        },
+    )

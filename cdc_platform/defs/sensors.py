@@ -1,0 +1,99 @@
+"""Landing sensors: turn new or changed hour folders into (range) runs of a table's asset.
+
+The decision logic lives in :mod:`cdc_platform.lib.sensor_cursor`; this module only adapts it to
+Dagster: it loads/stores the cursor and expresses each :class:`PartitionRequest` as a
+``RunRequest``. A single hour uses ``partition_key``; several consecutive hours become ONE run
+over a partition key range, expressed with Dagster's range tags
+``dagster/asset_partition_range_start`` / ``dagster/asset_partition_range_end`` (the same tags a
+single-run backfill puts on its run; ``RunRequest`` has no ``partition_key_range`` argument in
+Dagster 1.13). The target asset should use ``BackfillPolicy.single_run()`` so that its code reads
+``context.partition_key_range`` / ``context.partition_time_window``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import dagster as dg
+
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.sensor_cursor import CursorState, PartitionRequest, evaluate
+
+# Dagster's own tag names (dagster._core.storage.tags); spelled out to avoid a private import.
+PARTITION_TAG = "dagster/partition"
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
+TABLE_TAG = "cdc_platform/table"
+REASON_TAG = "cdc_platform/reason"
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _end_offset(target: dg.AssetsDefinition | dg.AssetKey) -> int:
+    """How many not-yet-closed hours the target's partitions include (0 unless configured)."""
+    if isinstance(target, dg.AssetsDefinition):
+        partitions_def = target.partitions_def
+        if isinstance(partitions_def, dg.TimeWindowPartitionsDefinition):
+            return partitions_def.end_offset
+    return 0
+
+
+def run_request_for(table: TableConfig, request: PartitionRequest) -> dg.RunRequest:
+    """One RunRequest: a single partition, or a partition range run through the range tags."""
+    tags = {TABLE_TAG: table.name, REASON_TAG: request.reason}
+    if len(request.partition_keys) == 1:
+        return dg.RunRequest(run_key=request.run_key, partition_key=request.first, tags=tags)
+    tags |= {RANGE_START_TAG: request.first, RANGE_END_TAG: request.last}
+    return dg.RunRequest(run_key=request.run_key, tags=tags)
+
+
+def build_landing_sensor(
+    table: TableConfig,
+    landing_root: Path,
+    target: dg.AssetsDefinition | dg.AssetKey,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+    *,
+    clock: Callable[[], datetime] = _utcnow,
+) -> dg.SensorDefinition:
+    """A sensor requesting runs of ``target`` for new/changed hour folders of ``table``.
+
+    ``clock`` exists for tests; the cursor (see ``CursorState``) is the only state, so resetting
+    it from the UI re-requests every folder that exists (an initial backfill).
+    """
+    end_offset = _end_offset(target)
+    selection = target if isinstance(target, dg.AssetsDefinition) else [target]
+
+    @dg.sensor(
+        name=f"{table.name}_landing_sensor",
+        minimum_interval_seconds=table.sensor_interval_seconds,
+        target=selection,
+        default_status=default_status,
+        description=(
+            f"Requests runs of {table.name} when hour folders under {landing_root}/{table.name} "
+            f"appear or change (lookback {table.lookback_hours}h, full sweep every "
+            f"{table.full_sweep_minutes} min)."
+        ),
+        tags={TABLE_TAG: table.name},
+    )
+    def _landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        state = CursorState.from_json(context.cursor)
+        requests, new_state = evaluate(
+            table, Path(landing_root), clock(), state, end_offset=end_offset
+        )
+        for request in requests:
+            context.log.info(
+                f"{table.name}: requesting {request.first}..{request.last} "
+                f"({len(request.partition_keys)} h, {request.reason})"
+            )
+        run_requests = [run_request_for(table, r) for r in requests]
+        return dg.SensorResult(
+            run_requests=run_requests,
+            cursor=new_state.to_json(),
+            skip_reason=None if run_requests else "no new or changed hour folders",
+        )
+
+    return _landing_sensor

@@ -1,0 +1,181 @@
+"""Alert payloads for a Slack-compatible incoming webhook, and posting them with the stdlib.
+
+Slack (and Mattermost, Teams' Slack-compatible endpoint, most chat bridges) render the ``text``
+field; the other fields are there for machines and for webhooks that template their own message.
+Webhook URLs embed their credential in the path or query, so they never appear in exceptions or
+logs: only ``scheme://host/…`` does (see :func:`redact_url`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from email.message import Message
+from typing import IO, Any, Literal
+
+AlertKind = Literal["check_failed", "run_failed"]
+KINDS: tuple[str, ...] = ("check_failed", "run_failed")
+
+MAX_DETAIL_CHARS = 500
+MAX_SAMPLE_KEYS = 10
+_MAX_BODY_CHARS = 200
+
+
+class AlertDeliveryError(RuntimeError):
+    """The webhook could not be reached or did not answer 2xx; the message holds no secret."""
+
+
+def redact_url(url: str) -> str:
+    """``https://hooks.slack.com/services/T0/B0/XYZ?x=1`` -> ``https://hooks.slack.com/…``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<invalid url>"
+    return f"{parts.scheme or '?'}://{host}{port}/…"
+
+
+def _one_line(text: str, limit: int) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _json_safe(value: Any) -> Any:
+    """Sample keys can be tuples (composite keys), dates or decimals: make them JSON values."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _counts_phrase(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in counts.items())
+
+
+def _slack_escape(text: str) -> str:
+    """Slack treats <, > and & as markup; an exception message must not become a link."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def build_alert(
+    kind: AlertKind,
+    table: str,
+    partition: str | None,
+    check: str | None,
+    counts: Mapping[str, int],
+    run_id: str,
+    ui_base_url: str,
+    detail: str,
+    sample_keys: list | None = None,
+) -> dict[str, Any]:
+    """A Slack-compatible payload: one readable ``text`` line plus structured fields."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown alert kind {kind!r}; expected one of {list(KINDS)}")
+    run_url = f"{ui_base_url.rstrip('/')}/runs/{run_id}"
+    where = f"`{table}`" + (f" (partition {partition})" if partition else "")
+    summary = _counts_phrase(counts)
+    short_detail = _one_line(detail, MAX_DETAIL_CHARS) if detail else ""
+    if kind == "check_failed":
+        head = f":rotating_light: cdc_platform: check `{check or '?'}` failed on {where}"
+        what = summary or short_detail
+    else:
+        head = f":x: cdc_platform: run failed for {where}"
+        what = short_detail or summary
+    link = f"<{run_url}|run {run_id[:8]}>"
+    what = _slack_escape(what.rstrip(". "))
+    text = f"{head}: {what}. {link}" if what else f"{head}. {link}"
+    samples = list(sample_keys or [])
+    return {
+        "text": text,
+        "kind": kind,
+        "table": table,
+        "partition": partition,
+        "check": check,
+        "counts": {str(k): int(v) for k, v in counts.items()},
+        "run_id": run_id,
+        "run_url": run_url,
+        "detail": short_detail,
+        "sample_keys": _json_safe(samples[:MAX_SAMPLE_KEYS]),
+    }
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirected webhook is a misconfiguration: report it instead of re-sending elsewhere."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: Message,
+        newurl: str,
+    ) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def post_alert(url: str, payload: dict, timeout: float = 10) -> None:
+    """POST ``payload`` as JSON; raise :class:`AlertDeliveryError` (redacted) unless 2xx."""
+    safe = redact_url(url)
+    scheme = urllib.parse.urlsplit(url).scheme.lower() if url else ""
+    if scheme not in ("http", "https"):
+        raise AlertDeliveryError(f"alert webhook {safe}: only http(s) URLs are supported")
+    secret_parts = [p for p in _secret_parts(url) if p]
+    body = json.dumps(payload).encode()
+    try:
+        request = urllib.request.Request(
+            url,
+            data=body,
+            method="POST",
+            headers={
+                "Content-Type": "application/json; charset=utf-8",
+                "User-Agent": "cdc_platform",
+            },
+        )
+        with _OPENER.open(request, timeout=timeout) as response:
+            status = response.status
+            answer = response.read(_MAX_BODY_CHARS).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        answer = _read_quietly(exc)
+        exc.close()
+        raise AlertDeliveryError(
+            f"alert webhook {safe} answered HTTP {exc.code}: {_scrub(answer, secret_parts)}"
+        ) from None
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise AlertDeliveryError(
+            f"could not reach alert webhook {safe}: {_scrub(str(reason), secret_parts)}"
+        ) from None
+    if not 200 <= status < 300:
+        raise AlertDeliveryError(
+            f"alert webhook {safe} answered HTTP {status}: {_scrub(answer, secret_parts)}"
+        )
+
+
+def _secret_parts(url: str) -> list[str]:
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return [url]
+    segments = [s for s in parts.path.split("/") if len(s) >= 8]
+    return [url, parts.path, parts.query, parts.password or "", parts.username or "", *segments]
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    """Drop any echo of the URL's secret parts from a server answer or error reason."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= 4:
+            text = text.replace(secret, "…")
+    return _one_line(text, _MAX_BODY_CHARS)
+
+
+def _read_quietly(exc: urllib.error.HTTPError) -> str:
+    try:
+        return exc.read(_MAX_BODY_CHARS).decode("utf-8", "replace")
+    except Exception:
+        return ""

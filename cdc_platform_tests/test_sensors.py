@@ -1,0 +1,209 @@
+"""The landing sensor as Dagster evaluates it: run requests, partition ranges, cursor progression."""
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster._core.storage import tags as dagster_tags
+
+from cdc_platform.defs.sensors import (
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    REASON_TAG,
+    TABLE_TAG,
+    build_landing_sensor,
+)
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform.lib.sensor_cursor import (
+    REASON_INITIAL,
+    REASON_NEW_FILES,
+    REASON_NEW_FOLDER,
+    CursorState,
+)
+
+START = datetime(2024, 1, 1, tzinfo=UTC)
+TABLE = TableConfig(name="orders", primary_key=("id",), start=START, sensor_interval_seconds=45)
+seen_ranges: list[tuple[str, ...]] = []
+
+
+@dg.asset(
+    name="orders",
+    partitions_def=dg.HourlyPartitionsDefinition(start_date="2024-01-01-00:00"),
+    backfill_policy=dg.BackfillPolicy.single_run(),
+)
+def orders_asset(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    """Stands in for the real table asset: records which partitions one run covered."""
+    seen_ranges.append(tuple(context.partition_keys))
+    return dg.MaterializeResult(metadata={"partitions": len(context.partition_keys)})
+
+
+def put(root: Path, hour: datetime, name: str = "part-0.parquet") -> None:
+    folder = hour_folder(root, "orders", hour)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(b"PAR1" + name.encode())
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def tick(
+    sensor: dg.SensorDefinition, cursor: str | None, instance: dg.DagsterInstance, assets: list
+) -> tuple[list[dg.RunRequest], str | None, str | None]:
+    """Evaluate like the daemon does (partition keys are resolved and validated)."""
+    defs = dg.Definitions(assets=assets, sensors=[sensor])
+    context = dg.build_sensor_context(cursor=cursor, instance=instance, definitions=defs)
+    data = sensor.evaluate_tick(context)
+    return list(data.run_requests or []), data.cursor, data.skip_message
+
+
+@pytest.fixture
+def instance() -> dg.DagsterInstance:
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+def test_sensor_definition_shape(tmp_path: Path) -> None:
+    sensor = build_landing_sensor(TABLE, tmp_path, orders_asset)
+    assert sensor.name == "orders_landing_sensor"
+    assert sensor.minimum_interval_seconds == 45
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    stopped = build_landing_sensor(
+        TABLE, tmp_path, orders_asset, default_status=dg.DefaultSensorStatus.STOPPED
+    )
+    assert stopped.default_status == dg.DefaultSensorStatus.STOPPED
+
+
+def test_single_partition_and_range_requests_and_cursor_progression(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    clock = Clock(datetime(2024, 1, 3, 10, 30, tzinfo=UTC))
+    sensor = build_landing_sensor(TABLE, tmp_path, orders_asset, clock=clock)
+
+    requests, cursor, skip = tick(sensor, None, instance, [orders_asset])
+    assert requests == [] and skip
+    assert cursor is not None and json.loads(cursor)["last_sweep_started"]
+
+    for h in (5, 6, 7, 9):
+        put(tmp_path, datetime(2024, 1, 3, h, tzinfo=UTC))
+    clock.now += timedelta(minutes=1)
+    requests, cursor, _ = tick(sensor, cursor, instance, [orders_asset])
+    assert len(requests) == 2
+    ranged, single = requests
+    assert ranged.partition_key is None
+    assert ranged.partition_key_range == dg.PartitionKeyRange(
+        "2024-01-03-05:00", "2024-01-03-07:00"
+    )
+    assert ranged.tags[RANGE_START_TAG] == "2024-01-03-05:00"
+    assert ranged.tags[RANGE_END_TAG] == "2024-01-03-07:00"
+    assert ranged.tags[TABLE_TAG] == "orders"
+    assert ranged.tags[REASON_TAG] == REASON_NEW_FOLDER
+    assert ranged.run_key and ranged.run_key.startswith(
+        "orders:2024-01-03-05:00..2024-01-03-07:00:"
+    )
+    assert single.partition_key == "2024-01-03-09:00"
+    assert single.tags["dagster/partition"] == "2024-01-03-09:00"  # resolved like the daemon does
+    assert RANGE_START_TAG not in single.tags
+    assert single.tags[TABLE_TAG] == "orders"
+    state = CursorState.from_json(cursor)
+    assert set(state.folders) == {f"2024-01-03-0{h}:00" for h in (5, 6, 7, 9)}
+
+    clock.now += timedelta(minutes=1)
+    again, cursor, skip = tick(sensor, cursor, instance, [orders_asset])
+    assert again == [] and skip == "no new or changed hour folders"
+
+    put(tmp_path, datetime(2024, 1, 3, 6, tzinfo=UTC), "part-1.parquet")
+    clock.now += timedelta(minutes=1)
+    changed, cursor, _ = tick(sensor, cursor, instance, [orders_asset])
+    assert [(r.partition_key, r.tags[REASON_TAG]) for r in changed] == [
+        ("2024-01-03-06:00", REASON_NEW_FILES)
+    ]
+    assert changed[0].run_key != ranged.run_key
+
+
+def test_range_request_launches_one_run_over_the_whole_range(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    for i in range(30):  # 2024-01-01 00:00 .. 05:00 of the 2nd: old folders, an initial backfill
+        put(tmp_path, START + timedelta(hours=i))
+    clock = Clock(datetime(2024, 1, 5, 0, 30, tzinfo=UTC))
+    sensor = build_landing_sensor(TABLE, tmp_path, orders_asset, clock=clock)
+    requests, _, _ = tick(sensor, None, instance, [orders_asset])
+    assert len(requests) == 1
+    (request,) = requests
+    assert request.tags[REASON_TAG] == REASON_INITIAL
+    expected = tuple(hour_to_partition_key(START + timedelta(hours=i)) for i in range(30))
+    assert request.partition_key_range == dg.PartitionKeyRange(expected[0], expected[-1])
+
+    seen_ranges.clear()
+    result = dg.materialize([orders_asset], instance=instance, tags=dict(request.tags))
+    assert result.success
+    assert seen_ranges == [expected]  # one run, all 30 partitions
+    assert instance.get_materialized_partitions(dg.AssetKey("orders")) == set(expected)
+    (run,) = instance.get_runs()
+    assert run.tags[RANGE_START_TAG] == expected[0]
+    assert run.tags[RANGE_END_TAG] == expected[-1]
+    assert run.tags[TABLE_TAG] == "orders"
+
+
+def test_single_request_launches_a_partition_run(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    put(tmp_path, datetime(2024, 1, 3, 8, tzinfo=UTC))
+    sensor = build_landing_sensor(
+        TABLE, tmp_path, orders_asset, clock=Clock(datetime(2024, 1, 3, 10, 30, tzinfo=UTC))
+    )
+    (request,), _, _ = tick(sensor, None, instance, [orders_asset])
+    seen_ranges.clear()
+    tags = {k: v for k, v in request.tags.items() if not k.startswith("dagster/")}
+    result = dg.materialize(
+        [orders_asset], instance=instance, partition_key=request.partition_key, tags=tags
+    )
+    assert result.success
+    assert seen_ranges == [("2024-01-03-08:00",)]
+
+
+def test_asset_key_target_and_the_open_hour_with_a_real_clock(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    """With the wall clock, the open hour's partition does not exist yet: never requested early."""
+    now = datetime.now(UTC)
+    current = now.replace(minute=0, second=0, microsecond=0)
+    put(tmp_path, current)
+    put(tmp_path, current - timedelta(hours=1))
+    table = TableConfig(name="orders", primary_key=("id",), start=current - timedelta(days=2))
+    sensor = build_landing_sensor(table, tmp_path, dg.AssetKey("orders"))
+    requests, _, _ = tick(sensor, None, instance, [orders_asset])  # validated against the asset
+    assert [r.partition_key for r in requests] == [
+        hour_to_partition_key(current - timedelta(hours=1))
+    ]
+
+    @dg.asset(
+        name="orders",
+        partitions_def=dg.HourlyPartitionsDefinition(
+            start_date=(current - timedelta(days=2)).strftime("%Y-%m-%d-%H:%M"), end_offset=1
+        ),
+    )
+    def orders_open(context: dg.AssetExecutionContext) -> None:
+        """Partitions include the open hour (end_offset=1)."""
+
+    sensor = build_landing_sensor(table, tmp_path, orders_open)
+    requests, _, _ = tick(sensor, None, instance, [orders_open])
+    assert [r.partition_key_range for r in requests] == [
+        dg.PartitionKeyRange(
+            hour_to_partition_key(current - timedelta(hours=1)), hour_to_partition_key(current)
+        )
+    ]
+
+
+def test_range_tag_names_are_dagsters() -> None:
+    assert dagster_tags.ASSET_PARTITION_RANGE_START_TAG == RANGE_START_TAG
+    assert dagster_tags.ASSET_PARTITION_RANGE_END_TAG == RANGE_END_TAG
+    assert dagster_tags.PARTITION_NAME_TAG == "dagster/partition"
