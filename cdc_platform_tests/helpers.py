@@ -42,7 +42,9 @@ def write_parquet_events(
         fields = []
         for f in tbl.schema:
             cdc = next((c for c in CDC_FIELDS if c.name == f.name), None)
-            fields.append(cdc or (pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f))
+            fields.append(
+                cdc or f
+            )  # an all-None column stays Arrow type null, as pyarrow writes it
         tbl = tbl.cast(pa.schema(fields))
     else:
         tbl = pa.Table.from_pylist([dict(r) for r in rows], schema=schema)

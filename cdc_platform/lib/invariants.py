@@ -140,7 +140,7 @@ def run_checks(
     pairs = _consecutive_pairs(keyed, pk)
     outcomes.append(outcome(NO_OVERLAP, pairs.filter(F.col("_next_start") <= F.col(END))))
     outcomes.append(_contiguity(spark, paths, pk, keyed, pairs, outcome))
-    outcomes.append(_reconciliation(spark, paths, pk, keyed, outcome))
+    outcomes.append(_reconciliation(spark, paths, pk, keyed, outcome, whole_table=scope is None))
     order = {n: i for i, n in enumerate(CHECK_NAMES)}
     return sorted(outcomes, key=lambda o: order[o.name])
 
@@ -177,14 +177,19 @@ def _contiguity(
     return outcome(CONTIGUOUS, needs_delete.join(deletes, [*pk, END], "left_anti"))
 
 
-def _reconciliation(spark, paths, pk, table, outcome: Callable[..., CheckOutcome]) -> CheckOutcome:
-    """Recompute the checked keys from the change log; any difference (but synced) fails."""
+def _reconciliation(
+    spark, paths, pk, table, outcome: Callable[..., CheckOutcome], whole_table: bool = False
+) -> CheckOutcome:
+    """Recompute the checked keys from the change log; any difference (but synced) fails.
+
+    Over the whole table the keys are the change log's, so a key the table lost is caught too.
+    """
     events = changelog.read(spark, paths.changelog)
     if events is None:
         return outcome(MATCHES_CHANGELOG, table)
     columns = [c for c in table.columns if c != SYNCED]
     data_columns = [c for c in columns if c not in pk and c not in (START, END, ACTIVE)]
-    keys = table.select(*pk).distinct()
+    keys = (events if whole_table else table).select(*pk).distinct()
     missing = [c for c in data_columns if c not in events.columns]
     if missing:
         return outcome(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")

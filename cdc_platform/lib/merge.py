@@ -126,17 +126,17 @@ def _apply_once(
         else:
             old = spark.createDataFrame([], hist_schema)
         old_affected = old.join(affected, pk, "left_semi")
-        new_rows = _carry_synced(versions, old_affected, pk, data_columns, synced_at).select(
-            *columns
-        )
-        out = old.join(affected, pk, "left_anti").select(*columns).unionByName(new_rows)
+        compared = _compare_with_prior(versions, old_affected, pk, data_columns, synced_at)
+        compared = compared.persist(StorageLevel.MEMORY_AND_DISK)
+        untouched = old.join(affected, pk, "left_anti").select(*columns)
+        out = untouched.unionByName(compared.select(*columns))
         expected = sum(f.num_records or 0 for f in touched) + sum(
             f.num_records or 0 for f in pending
         )
         out = out.repartition(delta.file_count_for(expected), *pk).sortWithinPartitions(*pk, START)
         adds = delta.write_files(out, paths.history)
         try:
-            opened, closed = _count_changes(versions, old_affected, pk)
+            opened, closed = _count_changes(compared, old_affected, pk)
             fault_point("before_history_commit")
             version = delta.commit(
                 dt,
@@ -155,6 +155,8 @@ def _apply_once(
             raise
     finally:
         affected.unpersist()
+        if "compared" in locals():
+            compared.unpersist()
     return MergeResult(
         keys_affected=keys_affected,
         versions_opened=opened,
@@ -187,45 +189,49 @@ def _files_holding(
     return [by_path[os.path.normpath(unquote(urlparse(r["_file"]).path))] for r in hits]
 
 
-def _carry_synced(
+def _compare_with_prior(
     versions: DataFrame, old: DataFrame, pk: list[str], data_columns: list[str], synced_at: datetime
 ) -> DataFrame:
-    """A version that is exactly as before keeps its ``_fivetran_synced``; others get this run's."""
+    """The new versions, each compared with the version at the same ``(key, start)`` before.
+
+    A version exactly as before keeps its ``_fivetran_synced``; others get this run's. Two flags
+    feed the run's metadata: ``_opened`` (no version started there before) and ``_closed``
+    (active before, not any more).
+    """
     from pyspark.sql import functions as F
 
     renamed = {c: f"__old_{i}" for i, c in enumerate([*data_columns, END, ACTIVE, SYNCED])}
     prior = old.select(*pk, START, *[F.col(c).alias(a) for c, a in renamed.items()])
     joined = versions.join(prior, [*pk, START], "left")
-    unchanged: Column = F.col(renamed[SYNCED]).isNotNull()
+    existed = F.col(renamed[SYNCED]).isNotNull()
+    unchanged: Column = existed
     for c in [*data_columns, END, ACTIVE]:
         unchanged = unchanged & F.col(c).eqNullSafe(F.col(renamed[c]))
     synced = F.when(unchanged, F.col(renamed[SYNCED])).otherwise(F.lit(synced_at).cast("timestamp"))
-    return joined.withColumn(SYNCED, synced).drop(*renamed.values())
+    return (
+        joined.withColumn(SYNCED, synced)
+        .withColumn("_opened", ~existed)
+        .withColumn("_closed", existed & F.col(renamed[ACTIVE]) & ~F.col(ACTIVE))
+        .drop(*renamed.values())
+    )
 
 
-def _count_changes(versions: DataFrame, old: DataFrame, pk: list[str]) -> tuple[int, int]:
-    """Versions opened (new ``(key, start)``) and closed (active before, not active now)."""
+def _count_changes(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[int, int]:
+    """Versions opened and closed; an active version that vanished (a late event moved the
+    key's history) counts as closed too."""
     from pyspark.sql import functions as F
 
-    n = versions.select(
-        *pk, START, F.col(ACTIVE).alias("_new_active"), F.lit(True).alias("_in_new")
+    row = compared.agg(
+        F.sum(F.col("_opened").cast("int")).alias("opened"),
+        F.sum(F.col("_closed").cast("int")).alias("closed"),
+    ).first()
+    vanished = (
+        old.filter(F.col(ACTIVE))
+        .select(*pk, START)
+        .join(compared.select(*pk, START), [*pk, START], "left_anti")
+        .count()
     )
-    o = old.select(*pk, START, F.col(ACTIVE).alias("_old_active"), F.lit(True).alias("_in_old"))
-    row = (
-        n.join(o, [*pk, START], "full_outer")
-        .agg(
-            F.sum(F.when(F.col("_in_new") & F.col("_in_old").isNull(), 1).otherwise(0)).alias(
-                "opened"
-            ),
-            F.sum(
-                F.when(
-                    F.col("_old_active") & ~F.coalesce(F.col("_new_active"), F.lit(False)), 1
-                ).otherwise(0)
-            ).alias("closed"),
-        )
-        .first()
-    )
-    return int(row["opened"] or 0), int(row["closed"] or 0)
+    return int(row["opened"] or 0), int(row["closed"] or 0) + vanished
 
 
 def _discard(table_path: Path, adds: Sequence) -> None:

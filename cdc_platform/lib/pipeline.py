@@ -99,7 +99,12 @@ def materialize(
             spark, paths.changelog, events, table.primary_key, seq_range, events_read, synced_at
         )
         new_events = appended.new_events
-    quarantine.record(paths.quarantine, [reader.relative(p) for p in all_paths], set_aside)
+    quarantine.record(
+        paths.quarantine,
+        [reader.relative(p) for p in all_paths],
+        set_aside,
+        partitions=[hour_to_partition_key(h) for h in hours],
+    )
     fault_point("after_changelog_commit")
 
     version_before = (

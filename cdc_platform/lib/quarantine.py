@@ -41,9 +41,18 @@ def _quote(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def record(path: Path, files_read: Sequence[str], entries: Sequence[QuarantinedFile]) -> None:
-    """Replace the verdict of every file read in this run in one commit (small: one row a file)."""
-    if not files_read and not entries:
+def record(
+    path: Path,
+    files_read: Sequence[str],
+    entries: Sequence[QuarantinedFile],
+    partitions: Sequence[str] = (),
+) -> None:
+    """Replace the verdict of every file read in this run in one commit (small: one row a file).
+
+    A run reads every file of its ``partitions``, so their entries are replaced too: a set-aside
+    file that was removed (say re-delivered under another name) leaves the quarantine.
+    """
+    if not files_read and not entries and not partitions:
         return
     data = pa.Table.from_pylist([e.__dict__ for e in entries], schema=SCHEMA)
     if not DeltaTable.is_deltatable(str(path)):
@@ -52,11 +61,13 @@ def record(path: Path, files_read: Sequence[str], entries: Sequence[QuarantinedF
         Path(path).mkdir(parents=True, exist_ok=True)
         write_deltalake(str(path), data, mode="append")
         return
-    predicate = (
-        "file IN ("
-        + ", ".join(_quote(f) for f in sorted(set(files_read) | {e.file for e in entries}))
-        + ")"
-    )
+    files = sorted(set(files_read) | {e.file for e in entries})
+    clauses = [
+        f"{column} IN ({', '.join(_quote(v) for v in values)})"
+        for column, values in (("file", files), ("partition", sorted(set(partitions))))
+        if values
+    ]
+    predicate = " OR ".join(clauses)
     write_deltalake(str(path), data, mode="overwrite", predicate=predicate)
 
 

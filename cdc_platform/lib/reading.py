@@ -169,18 +169,10 @@ class LandingReader:
                 if missing:
                     return FileReport(path, 0, None, f"missing required column(s) {missing}")
                 tbl = self.load(path, columns=needed)
-                all_null = _all_null_columns(pq.read_metadata(path))
             else:
                 tbl = self.load(path)
                 schema = tbl.schema
-                all_null = {c for c in tbl.column_names if tbl[c].null_count == tbl.num_rows}
-            # A column with no values carries no type: a delete-only file is not a type clash.
-            schema = pa.schema(
-                [
-                    pa.field(f.name, pa.null() if f.name in all_null else normalize_type(f.type))
-                    for f in schema
-                ]
-            )
+            schema = pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
         except LandingFileError as exc:
             return FileReport(path, 0, None, str(exc), getattr(exc, "row", None))
         except Exception as exc:  # a reader bug or an exotic file must still name the file
@@ -191,7 +183,13 @@ class LandingReader:
         if error:
             return FileReport(path, tbl.num_rows, schema, error, row, bad)
         bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}
-        return FileReport(path, tbl.num_rows, schema, seq_min=bounds["min"], seq_max=bounds["max"])
+        return FileReport(
+            path,
+            tbl.num_rows,
+            schema,
+            seq_min=bounds["min"],
+            seq_max=bounds["max"],
+        )
 
     # -- pass 2: read -------------------------------------------------------------------------
 
@@ -210,19 +208,6 @@ class LandingReader:
             else:
                 arrays.append(pa.nulls(n, field.type))
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
-
-
-def _all_null_columns(meta: pq.FileMetaData) -> set[str]:
-    """Top-level columns whose footer statistics say every value is null."""
-    out = set()
-    for name, ci in top_level_leaves(meta).items():
-        if meta.num_rows == 0:
-            continue
-        stats = [meta.row_group(rg).column(ci).statistics for rg in range(meta.num_row_groups)]
-        counted = all(st is not None and st.has_null_count for st in stats)
-        if counted and sum(st.null_count for st in stats) == meta.num_rows:
-            out.add(name)
-    return out
 
 
 def validate_rows(tbl: pa.Table, primary_key: Sequence[str]) -> tuple[str | None, int | None, int]:
@@ -278,53 +263,36 @@ def inspect_files(
 def unify_schema(
     table: TableConfig, established: pa.Schema | None, reports: Sequence[FileReport]
 ) -> tuple[list[pa.Field], dict[str, str]]:
-    """The data columns after these files, and the files that must be set aside for a type clash.
+    """The key and data columns after these files, and the files set aside for a type clash.
 
-    Columns only ever get added (a column that disappears from the source stays, null from
-    then on); a file whose column type contradicts the table's is set aside, not coerced.
+    Columns are only ever added (a column that disappears from the source stays, null from
+    then on). A file whose column type contradicts the table's is set aside, not coerced. A
+    column of Arrow type ``null`` (every value null, no declared type) is no evidence of a
+    type: it never clashes, and is only added once some file gives it a real type.
     """
-    skip = {*table.primary_key, *CDC_COLUMNS, UNMODIFIED, SOURCE_FILE, SOURCE_ROW}
+    skip = {*CDC_COLUMNS, UNMODIFIED, SOURCE_FILE, SOURCE_ROW}
     fields: dict[str, pa.DataType] = {}
-    order: list[str] = []
     if established is not None:
-        for f in established:
-            fields[f.name] = f.type
-            order.append(f.name)
+        fields.update({f.name: f.type for f in established})
     rejected: dict[str, str] = {}
     for report in sorted(reports, key=lambda r: r.path):
         assert report.schema is not None
+        typed = [f for f in report.schema if f.name not in skip and not pa.types.is_null(f.type)]
         clash = None
-        for f in report.schema:
-            if f.name in (UNMODIFIED, SOURCE_FILE, SOURCE_ROW):
-                continue
+        for f in typed:
+            have = fields.get(f.name)
             if f.name.startswith(RESERVED_PREFIXES):
                 clash = f"column '{f.name}' uses a reserved system prefix {RESERVED_PREFIXES}"
-                break
-            have = fields.get(f.name)
-            if (
-                have is not None
-                and f.type != have
-                and not pa.types.is_null(f.type)
-                and not pa.types.is_null(have)
-            ):
+            elif have is not None and f.type != have:
                 clash = f"column '{f.name}' has type {f.type} in this file but {have} in the table"
+            if clash:
                 break
         if clash:
             rejected[report.path] = clash
             continue
-        for f in report.schema:
-            if f.name in skip and f.name not in table.primary_key:
-                continue
-            if f.name not in fields:
-                order.append(f.name)
-                fields[f.name] = f.type
-            elif pa.types.is_null(fields[f.name]):
-                fields[f.name] = f.type
-    out = []
-    for name in order:
-        t = fields[name]
-        out.append(pa.field(name, pa.string() if pa.types.is_null(t) else t))
-    return out, rejected
+        for f in typed:
+            fields.setdefault(f.name, f.type)
+    return [pa.field(name, t) for name, t in fields.items()], rejected
 
 
 def event_schema(key_and_data: Sequence[pa.Field]) -> pa.Schema:
