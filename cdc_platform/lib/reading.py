@@ -28,7 +28,6 @@ import pyarrow.parquet as pq
 from cdc_platform.lib.codecs import LandingFileError, decode_file
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.csv_format import read_csv_events
-from cdc_platform.lib.delta import top_level_leaves
 from cdc_platform.lib.keyring import Keyring
 
 if TYPE_CHECKING:
