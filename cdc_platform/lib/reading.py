@@ -163,7 +163,7 @@ class LandingReader:
         needed = [*self.table.primary_key, *CDC_COLUMNS]
         try:
             if not self.table.is_encoded:
-                schema = pq.read_schema(path)
+                schema = _read_parquet_schema(path)
                 missing = [c for c in needed if c not in schema.names]
                 if missing:
                     return FileReport(path, 0, None, f"missing required column(s) {missing}")
@@ -207,6 +207,13 @@ class LandingReader:
             else:
                 arrays.append(pa.nulls(n, field.type))
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
+
+
+def _read_parquet_schema(path: str) -> pa.Schema:
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise LandingFileError(f"not a readable Parquet file: {exc}") from None
 
 
 def validate_rows(tbl: pa.Table, primary_key: Sequence[str]) -> tuple[str | None, int | None, int]:

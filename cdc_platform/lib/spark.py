@@ -35,8 +35,8 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "4",
     "spark.sql.adaptive.enabled": "true",
-    # Shuffle and spill files hold decrypted rows; encrypt them like the landing files were.
-    "spark.io.encryption.enabled": "false",
+    # Shuffle and spill files hold decrypted rows: keep them encrypted on local disk too.
+    "spark.io.encryption.enabled": "true",
 }
 
 
