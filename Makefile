@@ -28,7 +28,7 @@ bench: java $(VENV)/.installed
 	$(BIN)/python benchmarks/sensor_tick.py
 
 java:
-	@command -v java >/dev/null 2>&1 || [ -x "$$JAVA_HOME/bin/java" ] || { echo "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."; exit 1; }
+	@command -v java >/dev/null 2>&1 || { [ -n "$$JAVA_HOME" ] && [ -x "$$JAVA_HOME/bin/java" ]; } || { echo "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."; exit 1; }
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: install Python 3.11 (Debian: apt-get install python3.11 python3.11-venv)."; exit 1; }

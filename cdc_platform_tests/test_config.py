@@ -1,0 +1,121 @@
+"""Config validation names the table and the field; a missing Java stops with one clear line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cdc_platform.lib.config import ConfigError, load_config
+from cdc_platform.lib.spark import JavaMissingError, check_java
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_valid_config_resolves_paths_against_its_folder(tmp_path):
+    cfg = load_config(
+        _config(
+            tmp_path,
+            """\
+            landing_root: land
+            warehouse_root: /abs/wh
+            tables:
+              - {name: orders, primary_key: [id], start: "2024-01-01-00:00"}
+              - name: pay
+                primary_key: id
+                start: "2024-02-01-05:00"
+                format: CSV
+                compression: zstd
+                encryption: aes-256-cbc
+                columns: {id: long, amount: "decimal(10,2)"}
+                lookback_hours: 4
+            """,
+        )
+    )
+    assert cfg.landing_root == (tmp_path / "land").resolve()
+    assert str(cfg.warehouse_root) == "/abs/wh"
+    pay = cfg.table("pay")
+    assert pay.primary_key == ("id",) and pay.format == "csv" and pay.lookback_hours == 4
+    assert pay.start_partition_key == "2024-02-01-05:00" and pay.is_encoded
+    assert not cfg.table("orders").is_encoded
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:00", primery: x}',
+            "table 'orders', field 'primery': unknown key",
+        ),
+        (
+            '{name: orders, start: "2024-01-01-00:00"}',
+            "table 'orders', field 'primary_key': required",
+        ),
+        (
+            '{name: orders, primary_key: [id], start: "2024-13-01-00:00"}',
+            "table 'orders', field 'start': '2024-13-01-00:00' is not a date",
+        ),
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:30"}',
+            "table 'orders', field 'start': '2024-01-01-00:30' must be on the hour",
+        ),
+        ("{name: orders, primary_key: [id]}", "table 'orders', field 'start': required"),
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:00", format: json}',
+            "table 'orders', field 'format': 'json' is not one of",
+        ),
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:00", format: csv}',
+            "table 'orders', field 'columns': a CSV table must declare",
+        ),
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:00", columns: {id: int128}}',
+            "table 'orders', field 'columns': column 'id' has unknown type",
+        ),
+        ('{name: 1orders, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
+    ],
+)
+def test_bad_table_config_is_rejected_naming_table_and_field(tmp_path, table, message):
+    path = _config(tmp_path, f"landing_root: l\nwarehouse_root: w\ntables:\n  - {table}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value)
+
+
+def test_unknown_top_level_key_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(
+            _config(tmp_path, "landing_root: l\nwarehouse_root: w\ntables: []\nwarehose: x\n")
+        )
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_the_repo_config_describes_the_demo_tables():
+    cfg = load_config(REPO / "cdc_platform.yaml")
+    assert [t.name for t in cfg.tables] == ["customers", "orders", "payments"]
+
+
+def test_missing_java_is_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    with pytest.raises(JavaMissingError, match="install a Java 17 runtime"):
+        check_java()
+    env = {"PATH": str(tmp_path), "HOME": os.environ.get("HOME", "/root")}
+    for target in ("test", "demo"):
+        proc = subprocess.run(
+            ["/usr/bin/make", "-s", target], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode != 0
+        assert proc.stdout.strip().splitlines() == [
+            "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."
+        ]

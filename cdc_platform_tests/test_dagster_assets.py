@@ -1,0 +1,353 @@
+"""The asset through a real Dagster instance: seeds' examples, ranges, the CLI, crashes."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from deltalake import DeltaTable
+
+from cdc_platform.defs.alerts import AlertWebhookResource
+from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.lib.config import REPO_ROOT, load_config
+from cdc_platform.lib.history import TMAX
+from cdc_platform.lib.landing import hour_folder
+from cdc_platform.lib.merge import FAULT_ENV
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
+from cdc_platform_tests.reference import reference_history
+
+MS = timedelta(milliseconds=1)
+SYSTEM = ["_fivetran_start", "_fivetran_end", "_fivetran_active"]
+
+
+def write_config(root: Path, tables: str) -> Path:
+    path = root / "cdc_platform.yaml"
+    path.write_text(
+        f"landing_root: landing\nwarehouse_root: warehouse\ntables:\n{textwrap.indent(tables, '  ')}"
+    )
+    return path
+
+
+def resources(spark_session=None) -> dict:
+    return {
+        "spark": SparkResource(stop_at_end_of_run=False),
+        "keyring": KeyringResource(),
+        "alert_webhook": AlertWebhookResource(),
+    }
+
+
+def run_partition(
+    defs, partition: str | None = None, tags: dict | None = None
+) -> dg.ExecuteInProcessResult:
+    result = dg.materialize(
+        [defs.asset, defs.checks],
+        partition_key=partition,
+        tags=tags,
+        instance=dg.DagsterInstance.ephemeral(),
+        resources=resources(),
+    )
+    assert result.success
+    evaluations = result.get_asset_check_evaluations()
+    assert len(evaluations) == 9 and all(e.passed for e in evaluations), [
+        e.check_name for e in evaluations if not e.passed
+    ]
+    return result
+
+
+def metadata(result: dg.ExecuteInProcessResult) -> dict:
+    """The run's materialization metadata (a range run records the same for each partition)."""
+    events = result.get_asset_materialization_events()
+    metas = [{k: v.value for k, v in e.materialization.metadata.items()} for e in events]
+    assert all(m == metas[0] for m in metas)
+    return metas[0] | {"partitions_recorded": len(events)}
+
+
+def test_seed_001_through_the_asset(spark, tmp_path):
+    platform = load_config(
+        write_config(tmp_path, '- name: abc\n  primary_key: [id]\n  start: "2020-01-01-00:00"\n')
+    )
+    defs = build_table_definitions(platform, platform.table("abc"))
+    d1 = datetime(2020, 1, 1, tzinfo=UTC)
+    d2, d3 = d1 + timedelta(days=1), d1 + timedelta(days=2)
+
+    def ev(op, seq, ts, id_, counter):
+        return {
+            "id": id_,
+            "counter": counter,
+            "cdc_operation_type": op,
+            "cdc_change_seq": seq,
+            "cdc_commit_timestamp": ts,
+        }
+
+    landing = platform.landing_root
+    write_parquet_events(
+        landing, "abc", d1, [ev("INSERT", 1, d1, "a", 10), ev("INSERT", 2, d1, "b", 20)]
+    )
+    write_parquet_events(
+        landing,
+        "abc",
+        d2,
+        [ev("UPDATE", 3, d2, "a", 30), ev("UPDATE", 4, d1, "b", 20), ev("INSERT", 5, d2, "c", 40)],
+    )
+    write_parquet_events(landing, "abc", d3, [ev("DELETE", 6, d3, "b", None)])
+    for day in (d3, d1, d2):  # any order
+        result = run_partition(defs, day.strftime("%Y-%m-%d-%H:%M"))
+    meta = metadata(result)
+    assert meta["files_read"] == 1 and meta["events_read"] == 3 and meta["delta_version"] >= 1
+
+    rows = history_rows(TablePaths.of(platform.warehouse_root, "abc").history, drop=())
+    synced = {r.pop("_fivetran_synced") for r in rows}
+    assert all(s is not None for s in synced)
+    expected = [
+        ("a", 10, d1, d2 - MS, False),
+        ("a", 30, d2, TMAX, True),
+        ("b", 20, d1, d3, False),
+        ("c", 40, d2, TMAX, True),
+    ]
+    assert normalize(rows, ["id", "counter", *SYSTEM]) == normalize(
+        [dict(zip(["id", "counter", *SYSTEM], e, strict=True)) for e in expected],
+        ["id", "counter", *SYSTEM],
+    )
+
+
+def test_seed_000_update_files_through_the_asset(spark, tmp_path):
+    """seeds/000: partial updates (unmodified cells) take the previous image's values."""
+    platform = load_config(
+        write_config(
+            tmp_path,
+            textwrap.dedent(
+                """\
+                - name: seed000
+                  primary_key: [ID]
+                  start: "2024-01-01-00:00"
+                  format: csv
+                  null_string: "\\\\N"
+                  unmodified_string: "__unmodified__"
+                  columns: {ID: long, COL1: string, COL2: long}
+                """
+            ),
+        )
+    )
+    defs = build_table_definitions(platform, platform.table("seed000"))
+    t = {i: datetime(2024, 1, 1, i, tzinfo=UTC) for i in range(1, 6)}
+    U = "__unmodified__"
+    rows = [
+        # The destination before the batch (seed's first table), as CDC events.
+        (1, "abc", 1, "INSERT", 1, t[1]),
+        (1, "pqr", 2, "UPDATE", 2, t[2]),
+        (2, "mno", 3, "INSERT", 3, t[2]),
+        # The update batch file: only the changed column, the rest unmodified.
+        (1, "xyz", U, "UPDATE", 4, t[3]),
+        (2, U, 1000, "UPDATE", 5, t[4]),
+        (1, "def", U, "UPDATE", 6, t[5]),
+    ]
+    folder = hour_folder(platform.landing_root, "seed000", t[5])
+    folder.mkdir(parents=True)
+    with (folder / "update_file.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(
+            ["cdc_change_seq", "COL2", "ID", "cdc_operation_type", "COL1", "cdc_commit_timestamp"]
+        )
+        for id_, c1, c2, op, seq, ts in rows:
+            w.writerow([seq, c2, id_, op, c1, ts.isoformat().replace("+00:00", "Z")])
+    run_partition(defs, t[5].strftime("%Y-%m-%d-%H:%M"))
+
+    final = history_rows(TablePaths.of(platform.warehouse_root, "seed000").history)
+    expected = [  # the seed's final destination table, cell by cell
+        (1, "abc", 1, t[1], t[2] - MS, False),
+        (1, "pqr", 2, t[2], t[3] - MS, False),
+        (2, "mno", 3, t[2], t[4] - MS, False),
+        (1, "def", 2, t[5], TMAX, True),
+        (1, "xyz", 2, t[3], t[5] - MS, False),
+        (2, "mno", 1000, t[4], TMAX, True),
+    ]
+    cols = ["ID", "COL1", "COL2", *SYSTEM]
+    assert normalize(final, cols) == normalize(
+        [dict(zip(cols, e, strict=True)) for e in expected], cols
+    )
+
+
+def test_range_backfill_is_one_run_and_equals_hourly_runs(spark, tmp_path):
+    spec = '- name: r\n  primary_key: [id]\n  start: "2024-01-01-00:00"\n'
+    h0 = datetime(2024, 1, 1, tzinfo=UTC)
+    events = [
+        {
+            "id": i % 3,
+            "v": i,
+            "cdc_operation_type": "UPDATE",
+            "cdc_change_seq": i,
+            "cdc_commit_timestamp": h0 + timedelta(minutes=37 * i),
+        }
+        for i in range(12)
+    ]
+    tables = {}
+    for mode in ("range", "hourly"):
+        root = tmp_path / mode
+        root.mkdir()
+        platform = load_config(write_config(root, spec))
+        for e in events:
+            hour = e["cdc_commit_timestamp"].replace(minute=0, second=0) + timedelta(
+                hours=e["v"] % 2
+            )
+            write_parquet_events(platform.landing_root, "r", hour, [e])
+        defs = build_table_definitions(platform, platform.table("r"))
+        if mode == "range":
+            result = run_partition(
+                defs, tags={RANGE_START_TAG: "2024-01-01-00:00", RANGE_END_TAG: "2024-01-01-08:00"}
+            )
+            meta = metadata(result)
+            assert (
+                meta["files_read"] == 12
+                and meta["events_new"] == 12
+                and meta["commit_attempts"] == 1
+            )
+            assert meta["delta_version"] == 1  # one commit for the whole range
+            assert meta["partitions_recorded"] == 9
+        else:
+            for hour in range(9):
+                run_partition(defs, f"2024-01-01-{hour:02d}:00")
+        tables[mode] = history_rows(TablePaths.of(platform.warehouse_root, "r").history)
+    assert tables["range"] == tables["hourly"]
+    assert normalize(tables["range"], ["id", "v", *SYSTEM]) == normalize(
+        reference_history(events, ["id"]), ["id", "v", *SYSTEM]
+    )
+
+
+def _subprocess_env(config: Path, home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "CDC_"))}
+    env |= {
+        "CDC_PLATFORM_CONFIG": str(config),
+        "DAGSTER_HOME": str(home),
+        "PYTHONPATH": str(REPO_ROOT),
+    }
+    return env
+
+
+def test_cli_materializes_one_partition(tmp_path):
+    """The README's command: `dagster asset materialize -m cdc_platform.definitions ...`."""
+    config = write_config(
+        tmp_path, '- name: orders\n  primary_key: [id]\n  start: "2024-01-01-00:00"\n'
+    )
+    platform = load_config(config)
+    h5 = datetime(2024, 1, 1, 5, tzinfo=UTC)
+    write_parquet_events(
+        platform.landing_root,
+        "orders",
+        h5,
+        [
+            {
+                "id": 1,
+                "status": "new",
+                "cdc_operation_type": "INSERT",
+                "cdc_change_seq": 1,
+                "cdc_commit_timestamp": h5,
+            }
+        ],
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    dagster = Path(sys.executable).parent / "dagster"
+    proc = subprocess.run(
+        [
+            str(dagster),
+            "asset",
+            "materialize",
+            "-m",
+            "cdc_platform.definitions",
+            "--select",
+            "orders",
+            "--partition",
+            "2024-01-01-05:00",
+        ],
+        env=_subprocess_env(config, home),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = history_rows(TablePaths.of(platform.warehouse_root, "orders").history)
+    assert [(r["id"], r["status"], r["_fivetran_active"]) for r in rows] == [(1, "new", True)]
+    instance = dg.DagsterInstance.from_config(str(home))
+    assert instance.get_latest_materialization_event(dg.AssetKey("orders")) is not None
+
+
+CRASH_SCRIPT = """
+import sys
+from datetime import UTC, datetime
+from cdc_platform.lib.config import load_config
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.spark import build_spark_session
+platform = load_config(sys.argv[1])
+spark = build_spark_session("local[1]", {"spark.sql.shuffle.partitions": "1"})
+hour = datetime.fromisoformat(sys.argv[2])
+materialize(spark, platform.table("k"), platform.landing_root, platform.warehouse_root, [hour])
+print("finished")
+"""
+
+
+@pytest.mark.parametrize("point", ["after_changelog_commit", "before_history_commit"])
+def test_killed_materialization_leaves_previous_version_and_rerun_converges(spark, tmp_path, point):
+    config = write_config(tmp_path, '- name: k\n  primary_key: [id]\n  start: "2024-01-01-00:00"\n')
+    platform = load_config(config)
+    h0, h1 = datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 1, 1, 1, tzinfo=UTC)
+    e = lambda op, seq, ts, id_, v: {
+        "id": id_,
+        "v": v,
+        "cdc_operation_type": op,
+        "cdc_change_seq": seq,
+        "cdc_commit_timestamp": ts,
+    }
+    first = [e("INSERT", 1, h0, 1, "a"), e("INSERT", 2, h0, 2, "b")]
+    second = [e("UPDATE", 3, h1, 1, "a2"), e("DELETE", 4, h1, 2, None), e("INSERT", 5, h1, 3, "c")]
+    write_parquet_events(platform.landing_root, "k", h0, first)
+    write_parquet_events(platform.landing_root, "k", h1, second)
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    env = _subprocess_env(config, tmp_path)
+    ok = subprocess.run(
+        [sys.executable, str(script), str(config), h0.isoformat()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    path = TablePaths.of(platform.warehouse_root, "k").history
+    version, before = DeltaTable(str(path)).version(), history_rows(path, drop=())
+
+    crashed = subprocess.run(
+        [sys.executable, str(script), str(config), h1.isoformat()],
+        env=env | {FAULT_ENV: point},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert crashed.returncode == -9 and "finished" not in crashed.stdout
+    assert DeltaTable(str(path)).version() == version
+    assert history_rows(path, drop=()) == before  # readers still see the previous table
+
+    rerun = subprocess.run(
+        [sys.executable, str(script), str(config), h1.isoformat()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    cols = ["id", "v", *SYSTEM]
+    assert normalize(history_rows(path), cols) == normalize(
+        reference_history(first + second, ["id"]), cols
+    )
