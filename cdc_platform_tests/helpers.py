@@ -21,6 +21,19 @@ CDC_FIELDS = [
 ]
 
 
+def event(
+    op: str, seq: int | None, ts: datetime | None, key: Any, key_column: str = "id", **cols: Any
+) -> dict[str, Any]:
+    """One change event: the key, data columns, and the three change columns."""
+    return {
+        key_column: key,
+        **cols,
+        "cdc_operation_type": op,
+        "cdc_change_seq": seq,
+        "cdc_commit_timestamp": ts,
+    }
+
+
 def write_parquet_events(
     landing_root: Path,
     table: str,

@@ -24,6 +24,7 @@ from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder
 from cdc_platform.lib.merge import FAULT_ENV
 from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import reference_history
 
@@ -81,26 +82,24 @@ def test_seed_001_through_the_asset(spark, tmp_path):
     d1 = datetime(2020, 1, 1, tzinfo=UTC)
     d2, d3 = d1 + timedelta(days=1), d1 + timedelta(days=2)
 
-    def ev(op, seq, ts, id_, counter):
-        return {
-            "id": id_,
-            "counter": counter,
-            "cdc_operation_type": op,
-            "cdc_change_seq": seq,
-            "cdc_commit_timestamp": ts,
-        }
-
     landing = platform.landing_root
     write_parquet_events(
-        landing, "abc", d1, [ev("INSERT", 1, d1, "a", 10), ev("INSERT", 2, d1, "b", 20)]
+        landing,
+        "abc",
+        d1,
+        [ev("INSERT", 1, d1, "a", counter=10), ev("INSERT", 2, d1, "b", counter=20)],
     )
     write_parquet_events(
         landing,
         "abc",
         d2,
-        [ev("UPDATE", 3, d2, "a", 30), ev("UPDATE", 4, d1, "b", 20), ev("INSERT", 5, d2, "c", 40)],
+        [
+            ev("UPDATE", 3, d2, "a", counter=30),
+            ev("UPDATE", 4, d1, "b", counter=20),
+            ev("INSERT", 5, d2, "c", counter=40),
+        ],
     )
-    write_parquet_events(landing, "abc", d3, [ev("DELETE", 6, d3, "b", None)])
+    write_parquet_events(landing, "abc", d3, [ev("DELETE", 6, d3, "b", counter=None)])
     for day in (d3, d1, d2):  # any order
         result = run_partition(defs, day.strftime("%Y-%m-%d-%H:%M"))
     meta = metadata(result)
@@ -303,15 +302,12 @@ def test_killed_materialization_leaves_previous_version_and_rerun_converges(spar
     config = write_config(tmp_path, '- name: k\n  primary_key: [id]\n  start: "2024-01-01-00:00"\n')
     platform = load_config(config)
     h0, h1 = datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 1, 1, 1, tzinfo=UTC)
-    e = lambda op, seq, ts, id_, v: {
-        "id": id_,
-        "v": v,
-        "cdc_operation_type": op,
-        "cdc_change_seq": seq,
-        "cdc_commit_timestamp": ts,
-    }
-    first = [e("INSERT", 1, h0, 1, "a"), e("INSERT", 2, h0, 2, "b")]
-    second = [e("UPDATE", 3, h1, 1, "a2"), e("DELETE", 4, h1, 2, None), e("INSERT", 5, h1, 3, "c")]
+    first = [ev("INSERT", 1, h0, 1, v="a"), ev("INSERT", 2, h0, 2, v="b")]
+    second = [
+        ev("UPDATE", 3, h1, 1, v="a2"),
+        ev("DELETE", 4, h1, 2, v=None),
+        ev("INSERT", 5, h1, 3, v="c"),
+    ]
     write_parquet_events(platform.landing_root, "k", h0, first)
     write_parquet_events(platform.landing_root, "k", h1, second)
     script = tmp_path / "crash.py"

@@ -18,22 +18,13 @@ from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import reference_history
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 MS = timedelta(milliseconds=1)
 TABLE = TableConfig(name="t", primary_key=("id",), start=H0)
-
-
-def ev(op: str, seq: int, ts: datetime, id_: int, **cols) -> dict:
-    return {
-        "id": id_,
-        **cols,
-        "cdc_operation_type": op,
-        "cdc_change_seq": seq,
-        "cdc_commit_timestamp": ts,
-    }
 
 
 def run(spark, lake, hours, table: TableConfig = TABLE):
