@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -90,8 +91,6 @@ def apply_pending(
 def _apply_once(
     spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], synced_at: datetime
 ) -> MergeResult:
-    from pyspark import StorageLevel
-
     pk = list(primary_key)
     applied = applied_changelog_version(paths)
     pending, changelog_version = changelog.pending_files(paths.changelog, applied)
@@ -111,8 +110,7 @@ def _apply_once(
 
     pending_events = changelog.read(spark, paths.changelog, pending)
     assert pending_events is not None
-    affected = pending_events.select(*pk).distinct().persist(StorageLevel.MEMORY_AND_DISK)
-    try:
+    with _cached(pending_events.select(*pk).distinct()) as affected:
         keys_affected = affected.count()
         touched = _files_holding(spark, paths.history, dt, hist_schema, affected, pk)
         events = changelog.read(spark, paths.changelog)
@@ -126,37 +124,33 @@ def _apply_once(
         else:
             old = spark.createDataFrame([], hist_schema)
         old_affected = old.join(affected, pk, "left_semi")
-        compared = _compare_with_prior(versions, old_affected, pk, data_columns, synced_at)
-        compared = compared.persist(StorageLevel.MEMORY_AND_DISK)
-        untouched = old.join(affected, pk, "left_anti").select(*columns)
-        out = untouched.unionByName(compared.select(*columns))
-        expected = sum(f.num_records or 0 for f in touched) + sum(
-            f.num_records or 0 for f in pending
-        )
-        out = out.repartition(delta.file_count_for(expected), *pk).sortWithinPartitions(*pk, START)
-        adds = delta.write_files(out, paths.history)
-        try:
-            opened, closed = _count_changes(compared, old_affected, pk)
-            fault_point("before_history_commit")
-            version = delta.commit(
-                dt,
-                adds,
-                delta.removes_for(touched),
-                delta.table_arrow_schema(dt),
-                app_transaction=(APP_ID, changelog_version),
-                metadata={
-                    "cdc_platform.keys_affected": keys_affected,
-                    "cdc_platform.changelog_version": changelog_version,
-                },
-                strict=True,
+        prior = _compare_with_prior(versions, old_affected, pk, data_columns, synced_at)
+        with _cached(prior) as compared:
+            untouched = old.join(affected, pk, "left_anti").select(*columns)
+            out = untouched.unionByName(compared.select(*columns))
+            expected = sum(f.num_records or 0 for f in touched) + sum(
+                f.num_records or 0 for f in pending
             )
-        except BaseException:
-            _discard(paths.history, adds)
-            raise
-    finally:
-        affected.unpersist()
-        if "compared" in locals():
-            compared.unpersist()
+            out = out.repartition(delta.file_count_for(expected), *pk)
+            adds = delta.write_files(out.sortWithinPartitions(*pk, START), paths.history)
+            try:
+                opened, closed = _count_changes(compared, old_affected, pk)
+                fault_point("before_history_commit")
+                version = delta.commit(
+                    dt,
+                    adds,
+                    delta.removes_for(touched),
+                    delta.table_arrow_schema(dt),
+                    app_transaction=(APP_ID, changelog_version),
+                    metadata={
+                        "cdc_platform.keys_affected": keys_affected,
+                        "cdc_platform.changelog_version": changelog_version,
+                    },
+                    strict=True,
+                )
+            except BaseException:
+                _discard(paths.history, adds)
+                raise
     return MergeResult(
         keys_affected=keys_affected,
         versions_opened=opened,
@@ -167,6 +161,18 @@ def _apply_once(
         history_version=version,
         changelog_version=changelog_version,
     )
+
+
+@contextmanager
+def _cached(df: DataFrame) -> Iterator[DataFrame]:
+    """Keep a DataFrame that several Spark jobs reuse in memory (spilling) for the block."""
+    from pyspark import StorageLevel
+
+    df = df.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        yield df
+    finally:
+        df.unpersist()
 
 
 def _files_holding(
