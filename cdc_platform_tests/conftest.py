@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cdc_platform.lib.spark import build_spark_session
+from cdc_platform_tests.webhook import Webhook, serve_webhook
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,3 +50,10 @@ def lake(tmp_path: Path) -> dict[str, Path]:
     landing.mkdir()
     warehouse.mkdir()
     return {"landing": landing, "warehouse": warehouse, "root": tmp_path}
+
+
+@pytest.fixture()
+def webhook() -> Iterator[Webhook]:
+    """A loopback HTTP server standing in for the alert webhook (records every POST)."""
+    with serve_webhook() as hook:
+        yield hook

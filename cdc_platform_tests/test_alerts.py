@@ -3,10 +3,6 @@
 import json
 import logging
 import socket
-import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import dagster as dg
 import pytest
@@ -19,69 +15,7 @@ from cdc_platform.defs.alerts import (
     build_run_failure_alert_sensor,
 )
 from cdc_platform.lib.alerts import AlertDeliveryError, build_alert, post_alert, redact_url
-
-SECRET_PATH = "/services/T0001/B0002/SeCrEtToKeN123456"
-SECRET_QUERY = "token=qs-secret-987"
-
-
-@dataclass
-class Captured:
-    path: str
-    content_type: str
-    body: dict
-
-
-@dataclass
-class Webhook:
-    """A loopback HTTP server recording what is POSTed and answering with `status`."""
-
-    port: int
-    posted: list[Captured] = field(default_factory=list)
-    status: int = 200
-    answer: bytes = b"ok"
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def secret_url(self) -> str:
-        return f"{self.base}{SECRET_PATH}?{SECRET_QUERY}"
-
-
-@pytest.fixture
-def webhook() -> Iterator[Webhook]:
-    state: dict[str, Webhook] = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            hook = state["hook"]
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length)
-            hook.posted.append(
-                Captured(self.path, self.headers.get("Content-Type", ""), json.loads(raw))
-            )
-            self.send_response(hook.status)
-            for name, value in hook.headers.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(hook.answer)))
-            self.end_headers()
-            self.wfile.write(hook.answer)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    state["hook"] = Webhook(port=server.server_address[1])
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state["hook"]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+from cdc_platform_tests.webhook import SECRET_PATH, SECRET_QUERY, Webhook
 
 
 def assert_no_secret(text: str) -> None:
@@ -344,3 +278,36 @@ def test_run_failure_sensor_delivery_error_is_redacted(webhook: Webhook) -> None
         with pytest.raises(AlertDeliveryError, match="HTTP 404") as info:
             build_run_failure_alert_sensor()(context)
     assert_no_secret(str(info.value))
+
+
+@dg.asset(name="checked")
+def checked_asset() -> None:
+    return None
+
+
+@dg.asset_check(asset=checked_asset, blocking=True)
+def always_fails() -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=False, metadata={"failing_keys": 1})
+
+
+def test_run_failure_sensor_skips_runs_failed_only_by_blocking_checks(webhook: Webhook) -> None:
+    """A failed check alerts itself (check_failed); the run failing for it adds no run_failed."""
+    resource = AlertWebhookResource(webhook_url=webhook.secret_url)
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = dg.materialize(
+            [checked_asset, always_fails], instance=instance, raise_on_error=False
+        )
+        assert not result.success
+        run = instance.get_run_by_id(result.run_id)
+        (record,) = instance.get_records_for_run(
+            run_id=result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE
+        ).records
+        context = dg.build_run_status_sensor_context(
+            sensor_name=RUN_FAILURE_SENSOR_NAME,
+            dagster_event=record.event_log_entry.dagster_event,
+            dagster_instance=instance,
+            dagster_run=run,
+            resources={"alert_webhook": resource},
+        )
+        build_run_failure_alert_sensor()(context)
+    assert webhook.posted == []

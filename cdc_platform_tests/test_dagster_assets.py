@@ -313,35 +313,25 @@ def test_killed_materialization_leaves_previous_version_and_rerun_converges(spar
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     env = _subprocess_env(config, tmp_path)
-    ok = subprocess.run(
-        [sys.executable, str(script), str(config), h0.isoformat()],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+
+    def materialize_in_subprocess(
+        hour: datetime, fault: str | None = None
+    ) -> subprocess.CompletedProcess:
+        extra = {FAULT_ENV: fault} if fault else {}
+        args = [sys.executable, str(script), str(config), hour.isoformat()]
+        return subprocess.run(args, env=env | extra, capture_output=True, text=True, timeout=600)
+
+    ok = materialize_in_subprocess(h0)
     assert ok.returncode == 0, ok.stderr[-2000:]
     path = TablePaths.of(platform.warehouse_root, "k").history
     version, before = DeltaTable(str(path)).version(), history_rows(path, drop=())
 
-    crashed = subprocess.run(
-        [sys.executable, str(script), str(config), h1.isoformat()],
-        env=env | {FAULT_ENV: point},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    crashed = materialize_in_subprocess(h1, fault=point)
     assert crashed.returncode == -9 and "finished" not in crashed.stdout
     assert DeltaTable(str(path)).version() == version
     assert history_rows(path, drop=()) == before  # readers still see the previous table
 
-    rerun = subprocess.run(
-        [sys.executable, str(script), str(config), h1.isoformat()],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    rerun = materialize_in_subprocess(h1)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     cols = ["id", "v", *SYSTEM]
     assert normalize(history_rows(path), cols) == normalize(

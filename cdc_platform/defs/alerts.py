@@ -17,6 +17,7 @@ from cdc_platform.lib.alerts import MAX_DETAIL_CHARS, build_alert, post_alert, r
 ALERT_WEBHOOK_ENV_VAR = "CDC_ALERT_WEBHOOK_URL"
 ALERT_RESOURCE_KEY = "alert_webhook"
 RUN_FAILURE_SENSOR_NAME = "cdc_run_failure_alerts"
+CHECK_FAILED_ERROR = "DagsterAssetCheckFailedError"  # a blocking check failed
 
 
 class AlertWebhookResource(dg.ConfigurableResource):
@@ -81,10 +82,15 @@ def partition_for_run(tags: Mapping[str, str]) -> str | None:
     return None
 
 
-def _root_message(error: Any) -> str:
+def _root_error(error: Any) -> Any:
     """The innermost cause of a serialised error: the user's exception, not Dagster's wrapper."""
     while getattr(error, "cause", None) is not None:
         error = error.cause
+    return error
+
+
+def _root_message(error: Any) -> str:
+    error = _root_error(error)
     cls_name = getattr(error, "cls_name", None)
     message = (getattr(error, "message", "") or "").strip()
     return f"{cls_name}: {message}" if cls_name and not message.startswith(cls_name) else message
@@ -100,6 +106,21 @@ def failure_detail(context: dg.RunFailureSensorContext) -> tuple[str, int]:
             parts.append(f"{event.step_key}: {_root_message(error)}")
     detail = "; ".join(parts) or (context.failure_event.message or "run failed")
     return detail[:MAX_DETAIL_CHARS], len(steps)
+
+
+def failed_only_on_checks(context: dg.RunFailureSensorContext) -> bool:
+    """True when every failed step failed because blocking checks failed.
+
+    Each failed check has already posted its own ``check_failed`` alert, with the failing keys;
+    a second ``run_failed`` alert for the same cause would only be noise.
+    """
+    errors = [
+        getattr(e.event_specific_data, "error", None) for e in context.get_step_failure_events()
+    ]
+    return bool(errors) and all(
+        e is not None and getattr(_root_error(e), "cls_name", None) == CHECK_FAILED_ERROR
+        for e in errors
+    )
 
 
 def build_run_failure_alert_sensor(
@@ -125,6 +146,11 @@ def build_run_failure_alert_sensor(
         context: dg.RunFailureSensorContext, alert_webhook: AlertWebhookResource
     ) -> None:
         run = context.dagster_run
+        if failed_only_on_checks(context):
+            context.log.info(
+                f"run {run.run_id} failed on blocking checks, already alerted per check"
+            )
+            return
         detail, failed_steps = failure_detail(context)
         payload = build_alert(
             "run_failed",

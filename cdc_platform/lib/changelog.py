@@ -89,30 +89,42 @@ def append(
     batch = events.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1").drop("_rn")
     batch = batch.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     schema = delta.arrow_schema_of(batch)
-    dt = delta.ensure_table(path, schema, description="cdc_platform change log")
-
-    # Only files whose seq range overlaps this batch can hold a duplicate of its events.
     lo, hi = seq_range
-    candidates = [
-        f
-        for f in delta.snapshot_files(dt)
-        if not (
-            f.min_values.get(SEQ) is not None and (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
-        )
-    ]
-    if candidates:
-        logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(*pk, SEQ)
-        batch = batch.join(logged, [*pk, SEQ], "left_anti")
-    columns = [f.name for f in delta.table_arrow_schema(dt)]
-    batch = batch.select(*[c if c in batch.columns else F.lit(None).alias(c) for c in columns])
-    adds = delta.write_files(batch.coalesce(delta.file_count_for(expected_rows)), path)
-    if not adds:
-        return AppendResult(0, dt.version())
-    new_events = sum(delta.num_records(a) for a in adds)
-    version = delta.commit(
-        dt, adds, [], delta.table_arrow_schema(dt), metadata={"cdc_platform.new_events": new_events}
-    )
-    return AppendResult(new_events, version)
+
+    def attempt() -> AppendResult:
+        dt = delta.ensure_table(path, schema, description="cdc_platform change log")
+        # Only files whose seq range overlaps this batch can hold a duplicate of its events.
+        candidates = [
+            f
+            for f in delta.snapshot_files(dt)
+            if f.min_values.get(SEQ) is None
+            or not (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
+        ]
+        new = batch
+        if candidates:
+            logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(*pk, SEQ)
+            new = batch.join(logged, [*pk, SEQ], "left_anti")
+        columns = [f.name for f in delta.table_arrow_schema(dt)]
+        new = new.select(*[c if c in new.columns else F.lit(None).alias(c) for c in columns])
+        adds = delta.write_files(new.coalesce(delta.file_count_for(expected_rows)), path)
+        if not adds:
+            return AppendResult(0, dt.version())
+        count = sum(delta.num_records(a) for a in adds)
+        try:  # strict: if another writer logged events meanwhile, dedupe against them again
+            version = delta.commit(
+                dt,
+                adds,
+                [],
+                delta.table_arrow_schema(dt),
+                metadata={"cdc_platform.new_events": count},
+                strict=True,
+            )
+        except BaseException:
+            delta.discard(path, adds)
+            raise
+        return AppendResult(count, version)
+
+    return delta.with_commit_retries(attempt, f"change log append to {path}")[0]
 
 
 def pending_files(

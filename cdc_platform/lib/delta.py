@@ -15,23 +15,29 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Field, Schema, Transaction
+from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+T = TypeVar("T")
+
 DATA_DIR = "data"
+# How often a writer recomputes and retries after another writer committed first.
+COMMIT_ATTEMPTS = 4
 # Rows per written file: big enough to avoid many small files, small enough to rewrite cheaply.
 ROWS_PER_FILE = 1_000_000
 # delta-spark truncates string statistics to this prefix length; longer strings get no bounds.
@@ -179,6 +185,26 @@ def top_level_leaves(meta: pq.FileMetaData) -> dict[str, int]:
     """Column-chunk index of each top-level primitive column (nested columns have several)."""
     leaves = [meta.schema.column(i).path for i in range(meta.num_columns)]
     return {path: i for i, path in enumerate(leaves) if "." not in path}
+
+
+def discard(table_path: Path, adds: Sequence[AddAction]) -> None:
+    """Delete files written for a commit that did not happen (no reader ever saw them)."""
+    for folder in {Path(table_path) / Path(a.path).parent for a in adds}:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def with_commit_retries(attempt: Callable[[], T], what: str) -> tuple[T, int]:
+    """Run ``attempt`` (compute, write, strict commit) until no other writer got in first.
+
+    Returns the result and the number of attempts it took; gives up after COMMIT_ATTEMPTS.
+    """
+    last: Exception | None = None
+    for n in range(1, COMMIT_ATTEMPTS + 1):
+        try:
+            return attempt(), n
+        except CommitFailedError as exc:
+            last = exc
+    raise RuntimeError(f"{what} lost {COMMIT_ATTEMPTS} races in a row") from last
 
 
 def file_stats(meta: pq.FileMetaData) -> dict[str, Any]:

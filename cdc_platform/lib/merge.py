@@ -10,7 +10,6 @@ leaves the previous version intact, and the next run finds the same pending work
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +19,6 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
-from deltalake.exceptions import CommitFailedError
 
 from cdc_platform.lib import changelog, delta
 from cdc_platform.lib.history import ACTIVE, END, START, SYNCED, build_versions
@@ -30,7 +28,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
 APP_ID = "cdc_platform/changelog"
-COMMIT_ATTEMPTS = 4
+COMMIT_ATTEMPTS = delta.COMMIT_ATTEMPTS
 FAULT_ENV = "CDC_PLATFORM_FAULT"
 
 
@@ -76,16 +74,11 @@ def apply_pending(
     spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], synced_at: datetime
 ) -> MergeResult:
     """Recompute the keys with pending change-log events; retry if another writer commits first."""
-    last_error: Exception | None = None
-    for attempt in range(1, COMMIT_ATTEMPTS + 1):
-        try:
-            result = _apply_once(spark, paths, primary_key, synced_at)
-            return MergeResult(**{**result.__dict__, "attempts": attempt})
-        except CommitFailedError as exc:  # a concurrent commit won: recompute against it
-            last_error = exc
-    raise RuntimeError(
-        f"history commit for {paths.history} lost {COMMIT_ATTEMPTS} races in a row"
-    ) from last_error
+    result, attempts = delta.with_commit_retries(
+        lambda: _apply_once(spark, paths, primary_key, synced_at),
+        f"history commit for {paths.history}",
+    )
+    return MergeResult(**{**result.__dict__, "attempts": attempts})
 
 
 def _apply_once(
@@ -149,7 +142,7 @@ def _apply_once(
                     strict=True,
                 )
             except BaseException:
-                _discard(paths.history, adds)
+                delta.discard(paths.history, adds)
                 raise
     return MergeResult(
         keys_affected=keys_affected,
@@ -238,9 +231,3 @@ def _count_changes(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[
         .count()
     )
     return int(row["opened"] or 0), int(row["closed"] or 0) + vanished
-
-
-def _discard(table_path: Path, adds: Sequence) -> None:
-    """Remove files written for a commit that did not happen (they were never visible)."""
-    for folder in {Path(table_path) / Path(a.path).parent for a in adds}:
-        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,467 @@
+"""The SCD2 invariant checks against real tables: a correct one passes, each corruption is caught.
+
+A small history table is built once through the real pipeline (updates, a delete, a re-insert
+after the delete). Each test corrupts a copy of it the way a buggy writer would (read it with
+deltalake, change rows, overwrite the Delta table with the same schema) and asserts that exactly
+the checks that corruption violates fail, with the failing count and the sample keys.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from cdc_platform.defs.alerts import AlertWebhookResource
+from cdc_platform.defs.factory import build_definitions, build_table_definitions
+from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.lib import invariants
+from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.history import TMAX
+from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import history_rows, write_parquet_events
+from cdc_platform_tests.webhook import Webhook
+
+H0 = datetime(2024, 1, 1, tzinfo=UTC)
+H1, H2, H3 = (H0 + timedelta(hours=i) for i in (1, 2, 3))
+T0, T1, T2, T3 = (h + timedelta(minutes=5) for h in (H0, H1, H2, H3))
+MS = timedelta(milliseconds=1)
+NAME = "inv"
+PK = ("id",)
+TABLE = TableConfig(name=NAME, primary_key=PK, start=H0)
+
+START, END, ACTIVE = "_fivetran_start", "_fivetran_end", "_fivetran_active"
+ALL = set(invariants.CHECK_NAMES)
+
+
+def ev(op: str, seq: int, ts: datetime, id_: int, v: int | None = None) -> dict[str, Any]:
+    """One change event; the name is row data that must never reach an alert."""
+    name = None if op == "DELETE" else f"PII-name-{id_}-{v}"
+    return {
+        "id": id_,
+        "name": name,
+        "v": v,
+        "cdc_operation_type": op,
+        "cdc_change_seq": seq,
+        "cdc_commit_timestamp": ts,
+    }
+
+
+def write_base_landing(landing: Path) -> None:
+    """Key 1: two updates; key 2: insert, delete, re-insert; key 3: insert; key 4: one update."""
+    write_parquet_events(
+        landing,
+        NAME,
+        H0,
+        [ev("INSERT", seq, T0, seq, 10 * seq) for seq in (1, 2, 3, 4)],
+    )
+    write_parquet_events(
+        landing,
+        NAME,
+        H1,
+        [ev("UPDATE", 5, T1, 1, 11), ev("DELETE", 6, T1, 2), ev("UPDATE", 7, T1, 4, 41)],
+    )
+    write_parquet_events(
+        landing, NAME, H2, [ev("UPDATE", 8, T2, 1, 12), ev("INSERT", 9, T2, 2, 21)]
+    )
+
+
+def version(id_: int, v: int, start: datetime, end: datetime) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "name": f"PII-name-{id_}-{v}",
+        "v": v,
+        START: start,
+        END: end,
+        ACTIVE: end == TMAX,
+    }
+
+
+EXPECTED = [
+    version(1, 10, T0, T1 - MS),
+    version(1, 11, T1, T2 - MS),
+    version(1, 12, T2, TMAX),
+    version(2, 20, T0, T1),  # closed by the delete at T1
+    version(2, 21, T2, TMAX),  # the re-insert
+    version(3, 30, T0, TMAX),
+    version(4, 40, T0, T1 - MS),
+    version(4, 41, T1, TMAX),
+]
+
+
+def sort_key(r: dict[str, Any]) -> tuple:
+    return (r["id"] is None, r["id"] or 0, r[START])
+
+
+@pytest.fixture(scope="module")
+def base(spark, tmp_path_factory) -> Path:
+    """A correct table built in two materializations; tests copy it, never change it."""
+    root = tmp_path_factory.mktemp("invariants_base")
+    write_base_landing(root / "landing")
+    materialize(spark, TABLE, root / "landing", root / "warehouse", [H0])
+    materialize(spark, TABLE, root / "landing", root / "warehouse", [H1, H2])
+    return root
+
+
+@pytest.fixture()
+def copy(base: Path, tmp_path: Path) -> Path:
+    """A private copy of the base lake (landing, history, change log, quarantine)."""
+    dest = tmp_path / "lake"
+    shutil.copytree(base, dest)
+    return dest
+
+
+def paths_of(root: Path) -> TablePaths:
+    return TablePaths.of(root / "warehouse", NAME)
+
+
+def outcomes_by_name(spark, root: Path, scope=None) -> dict[str, invariants.CheckOutcome]:
+    outcomes = invariants.run_checks(spark, paths_of(root), PK, scope)
+    assert [o.name for o in outcomes] == list(invariants.CHECK_NAMES)
+    return {o.name: o for o in outcomes}
+
+
+def failing(outcomes: dict[str, invariants.CheckOutcome]) -> set[str]:
+    return {n for n, o in outcomes.items() if not o.passed}
+
+
+def corrupt(table_path: Path, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]):
+    """What a buggy writer does: rewrite the whole table, same schema, different rows."""
+    dt = DeltaTable(str(table_path))
+    tbl = dt.to_pyarrow_table()
+    rows = change(tbl.to_pylist())
+    new = pa.Table.from_pylist(rows, schema=tbl.schema)
+    write_deltalake(str(table_path), new, mode="overwrite")
+    after = DeltaTable(str(table_path))
+    assert after.schema() == dt.schema()
+    assert after.to_pyarrow_table().schema.field(START).type == pa.timestamp("us", tz="UTC")
+
+
+def edit(id_: int, start: datetime, **changes: Any):
+    """A change that sets ``changes`` on the version (id_, start), which must exist."""
+
+    def change(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        hits = [r for r in rows if r["id"] == id_ and r[START] == start]
+        assert len(hits) == 1, (id_, start, rows)
+        hits[0].update(changes)
+        return rows
+
+    return change
+
+
+def duplicate(id_: int, start: datetime):
+    def change(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        (hit,) = [r for r in rows if r["id"] == id_ and r[START] == start]
+        return [*rows, dict(hit)]
+
+    return change
+
+
+def drop_key(id_: int):
+    def change(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in rows if r["id"] != id_]
+
+    return change
+
+
+# --- a correct table ----------------------------------------------------------------------------
+
+
+def test_correct_table_passes_every_check(spark, base: Path) -> None:
+    rows = history_rows(paths_of(base).history)
+    assert sorted(rows, key=sort_key) == sorted(EXPECTED, key=sort_key)
+    outcomes = outcomes_by_name(spark, base)
+    assert failing(outcomes) == set()
+    for o in outcomes.values():
+        assert (o.failing, o.sample) == (0, [])
+        if o.name != invariants.NO_QUARANTINE:
+            assert o.checked_keys == 4
+
+
+# --- each invariant, broken on purpose ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Corruption:
+    check: str
+    change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+    sample: list[Any]
+    # Checks that the corruption breaks too, by logic (not by accident): see each case.
+    also: set[str] = field(default_factory=set)
+
+
+CORRUPTIONS = {
+    # An old version left active. Active with an end that is not TMAX breaks active_iff too:
+    # a second active version either has a closed end (that) or a TMAX end (an overlap).
+    "two_active": Corruption(
+        invariants.ONE_ACTIVE,
+        edit(1, T0, **{ACTIVE: True}),
+        [1],
+        {invariants.ACTIVE_IFF_OPEN, invariants.MATCHES_CHANGELOG},
+    ),
+    "live_version_marked_inactive": Corruption(
+        invariants.ACTIVE_IFF_OPEN,
+        edit(3, T0, **{ACTIVE: False}),
+        [3],
+        {invariants.MATCHES_CHANGELOG},
+    ),
+    # The deleted version of key 2 now starts after its delete (and still before the re-insert).
+    "start_after_end": Corruption(
+        invariants.START_NOT_AFTER_END,
+        edit(2, T0, **{START: T1 + MS}),
+        [2],
+        {invariants.MATCHES_CHANGELOG},
+    ),
+    # The re-insert of key 2 starts at the delete's millisecond: the deleted version (which
+    # legitimately ends at its delete) now overlaps it; the gap rule is still explained.
+    "overlap": Corruption(
+        invariants.NO_OVERLAP,
+        edit(2, T2, **{START: T1}),
+        [2],
+        {invariants.MATCHES_CHANGELOG},
+    ),
+    # A gap of a minute between two versions of key 4, and key 4 was never deleted.
+    "gap_without_delete": Corruption(
+        invariants.CONTIGUOUS,
+        edit(4, T0, **{END: T1 - timedelta(minutes=1)}),
+        [4],
+        {invariants.MATCHES_CHANGELOG},
+    ),
+    # Key 3's only row loses its key: key 3 is then missing from the table as well.
+    "null_key": Corruption(
+        invariants.PK_NOT_NULL,
+        edit(3, T0, id=None),
+        [None],
+        {invariants.MATCHES_CHANGELOG},
+    ),
+    # A version written twice (double append). Two rows with one start always overlap.
+    "duplicate_version": Corruption(
+        invariants.UNIQUE_KEY_START,
+        duplicate(2, T0),
+        [2],
+        {invariants.NO_OVERLAP, invariants.MATCHES_CHANGELOG},
+    ),
+    "changed_value": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        edit(4, T1, v=999),
+        [4],
+    ),
+    # A writer that loses a key entirely: only the reconciliation with the change log sees it.
+    "lost_key": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        drop_key(3),
+        [3],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS), ids=list(CORRUPTIONS))
+def test_each_corruption_fails_exactly_its_checks(spark, copy: Path, case: str) -> None:
+    c = CORRUPTIONS[case]
+    corrupt(paths_of(copy).history, c.change)
+    outcomes = outcomes_by_name(spark, copy)
+    failed = outcomes[c.check]
+    assert not failed.passed
+    assert (failed.failing, failed.sample) == (1, c.sample), failed
+    assert failing(outcomes) == {c.check, *c.also}, {n: o for n, o in outcomes.items()}
+    for name in c.also:
+        assert outcomes[name].failing == 1, outcomes[name]
+    for name in ALL - {c.check, *c.also}:
+        assert (outcomes[name].failing, outcomes[name].sample) == (0, [])
+
+
+def test_a_quarantined_file_fails_only_its_check(spark, copy: Path) -> None:
+    folder = hour_folder(copy / "landing", NAME, H1)
+    (folder / "export-notes.txt").write_text("this is not a Parquet file\n")
+    result = materialize(spark, TABLE, copy / "landing", copy / "warehouse", [H1])
+    assert [q.file for q in result.quarantined] == [
+        f"{NAME}/year=2024/month=01/day=01/hour=01/export-notes.txt"
+    ]
+    assert result.events_new == 0
+    assert sorted(history_rows(paths_of(copy).history), key=sort_key) == sorted(
+        EXPECTED, key=sort_key
+    )
+
+    outcomes = outcomes_by_name(spark, copy)
+    assert failing(outcomes) == {invariants.NO_QUARANTINE}
+    q = outcomes[invariants.NO_QUARANTINE]
+    assert q.failing == 1
+    assert q.sample[0]["file"].endswith("hour=01/export-notes.txt")
+    assert q.sample[0]["reason"]
+
+
+# --- scoping: the keys a materialization touched ------------------------------------------------
+
+
+def keys_in_files_added_since(table_path: Path, since: int) -> set[int]:
+    """Independently of touched_keys: diff the add actions, read the new files with pyarrow."""
+    before = set(DeltaTable(str(table_path), version=since).file_uris())
+    added = [u for u in DeltaTable(str(table_path)).file_uris() if u not in before]
+    assert added
+    return {k for u in added for k in pq.read_table(u, columns=["id"])["id"].to_pylist()}
+
+
+def test_scope_is_the_keys_in_files_added_since(spark, copy: Path) -> None:
+    paths = paths_of(copy)
+    # A corruption outside the coming run's keys: key 3 (live) marked inactive.
+    corrupt(paths.history, edit(3, T0, **{ACTIVE: False}))
+    since = DeltaTable(str(paths.history)).version()
+
+    # Only new keys land next: the run adds one file and rewrites none.
+    write_parquet_events(
+        copy / "landing",
+        NAME,
+        H3,
+        [
+            ev("INSERT", 10, T3, 5, 50),
+            ev("INSERT", 11, T3, 6, 60),
+            ev("UPDATE", 12, T3 + timedelta(seconds=1), 6, 61),
+        ],
+    )
+    result = materialize(spark, TABLE, copy / "landing", copy / "warehouse", [H3])
+    assert result.history_version_before == since
+    assert (result.merge.keys_affected, result.merge.files_removed) == (2, 0)
+
+    scope = invariants.touched_keys(spark, paths, PK, since)
+    assert scope is not None
+    touched = {r["id"] for r in scope.collect()}
+    assert touched == {5, 6} == keys_in_files_added_since(paths.history, since)
+
+    scoped = outcomes_by_name(spark, copy, scope)
+    assert failing(scoped) == set()
+    assert scoped[invariants.ACTIVE_IFF_OPEN].checked_keys == 2
+
+    full = outcomes_by_name(spark, copy)
+    assert failing(full) == {invariants.ACTIVE_IFF_OPEN, invariants.MATCHES_CHANGELOG}
+    assert full[invariants.ACTIVE_IFF_OPEN].sample == [3]
+    assert full[invariants.ACTIVE_IFF_OPEN].checked_keys == 6
+
+    # No scope: every key; nothing added since the current version: no key.
+    everything = invariants.touched_keys(spark, paths, PK, None)
+    assert everything is not None
+    assert {r["id"] for r in everything.collect()} == {1, 2, 3, 4, 5, 6}
+    nothing = invariants.touched_keys(spark, paths, PK, DeltaTable(str(paths.history)).version())
+    assert nothing is not None and nothing.count() == 0
+
+
+# --- through Dagster: the asset, its checks, the alert ------------------------------------------
+
+
+MATERIALIZATION_FIELDS = {
+    "files_read",
+    "events_read",
+    "keys_affected",
+    "versions_opened",
+    "versions_closed",
+    "delta_version",
+    "seconds",
+}
+
+
+def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
+    platform = PlatformConfig(lake["landing"], lake["warehouse"], (TABLE,))
+    write_base_landing(lake["landing"])
+    defs = build_table_definitions(platform, TABLE)
+    resources = {
+        "spark": SparkResource(stop_at_end_of_run=False),
+        "keyring": KeyringResource(),
+        "alert_webhook": AlertWebhookResource(
+            webhook_url=webhook.secret_url, ui_base_url="http://dagster.test:3000"
+        ),
+    }
+    table_path = paths_of(lake["root"]).history
+
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = dg.materialize(
+            [defs.asset, defs.checks],
+            partition_key=hour_to_partition_key(H0),
+            instance=instance,
+            resources=resources,
+        )
+        assert result.success
+        (mat,) = result.get_asset_materialization_events()
+        meta = {k: v.value for k, v in mat.materialization.metadata.items()}
+        assert set(meta) >= MATERIALIZATION_FIELDS
+        assert (meta["files_read"], meta["events_read"], meta["keys_affected"]) == (1, 4, 4)
+        assert (meta["versions_opened"], meta["versions_closed"]) == (4, 0)
+        assert meta["delta_version"] == DeltaTable(str(table_path)).version()
+        assert meta["seconds"] > 0
+        evaluations = result.get_asset_check_evaluations()
+        assert {e.check_name for e in evaluations} == ALL
+        assert all(e.passed for e in evaluations), [e for e in evaluations if not e.passed]
+        assert {e.metadata["scope"].value for e in evaluations} == {"keys touched by this run"}
+        assert [c.body for c in webhook.posted] == []
+
+        # Corrupt the table, then run the checks alone (a job selecting only the checks).
+        corrupt(table_path, edit(3, T0, **{ACTIVE: False}))
+        checks_job = dg.define_asset_job(
+            "inv_checks_only", selection=dg.AssetSelection.checks(defs.checks)
+        )
+        defs_obj = dg.Definitions(
+            assets=[defs.asset], asset_checks=[defs.checks], jobs=[checks_job], resources=resources
+        )
+        run = defs_obj.get_job_def("inv_checks_only").execute_in_process(
+            instance=instance, raise_on_error=False
+        )
+        # The checks are blocking with ERROR severity: a failing one fails the step and the run.
+        assert not run.success
+        (step_failure,) = run.get_step_failure_events()
+        error = step_failure.step_failure_data.error
+        assert error is not None and "DagsterAssetCheckFailedError" in error.cls_name
+        assert run.get_asset_materialization_events() == []
+        by_name = {e.check_name: e for e in run.get_asset_check_evaluations()}
+        assert set(by_name) == ALL
+        assert {n for n, e in by_name.items() if not e.passed} == {
+            invariants.ACTIVE_IFF_OPEN,
+            invariants.MATCHES_CHANGELOG,
+        }
+        bad = by_name[invariants.ACTIVE_IFF_OPEN]
+        assert bad.metadata["failing_keys"].value == 1
+        assert bad.metadata["sample"].value == [3]
+        assert bad.metadata["checked_keys"].value == 4
+        assert bad.metadata["scope"].value == "whole table"
+        assert bad.severity == dg.AssetCheckSeverity.ERROR
+
+    # One alert per failing check, each a JSON POST to the loopback server.
+    assert sorted(b["check"] for b in (c.body for c in webhook.posted)) == sorted(
+        [invariants.ACTIVE_IFF_OPEN, invariants.MATCHES_CHANGELOG]
+    )
+    alert = next(
+        b for b in (c.body for c in webhook.posted) if b["check"] == invariants.ACTIVE_IFF_OPEN
+    )
+    assert {"text", "table", "check", "counts", "run_url"} <= set(alert)
+    assert alert["kind"] == "check_failed"
+    assert alert["table"] == NAME
+    assert alert["partition"] is None
+    assert alert["counts"] == {"failing_keys": 1, "checked_keys": 4}
+    assert alert["run_url"] == f"http://dagster.test:3000/runs/{run.run_id}"
+    assert alert["sample_keys"] == [3]
+    assert f"`{invariants.ACTIVE_IFF_OPEN}` failed on `{NAME}`" in alert["text"]
+    # Nothing of the rows but the sample keys: no data value, no timestamp, no secret.
+    for raw in (c.raw for c in webhook.posted):
+        text = raw.decode()
+        assert "PII-name" not in text
+        assert "2024-01-01" not in text
+        assert "9999-12-31" not in text
+    assert {b["sample_keys"] == [3] for b in (c.body for c in webhook.posted)} == {True}
+
+
+def test_full_table_check_job_selects_every_tables_checks(tmp_path: Path) -> None:
+    other = TableConfig(name="inv_other", primary_key=("k",), start=H0)
+    platform = PlatformConfig(tmp_path / "landing", tmp_path / "warehouse", (TABLE, other))
+    job = build_definitions(platform).get_job_def("cdc_full_table_checks")
+    selected = job.asset_layer.asset_graph.asset_check_keys
+    assert {(k.asset_key.to_user_string(), k.name) for k in selected} == {
+        (t, n) for t in (NAME, "inv_other") for n in invariants.CHECK_NAMES
+    }
