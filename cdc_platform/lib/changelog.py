@@ -29,6 +29,7 @@ from cdc_platform.lib.reading import (
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 SYSTEM = {*CDC_COLUMNS, UNMODIFIED, SOURCE_FILE, SOURCE_ROW, INGESTED_AT}
 
@@ -49,7 +50,7 @@ def key_and_data_fields(path: Path) -> pa.Schema | None:
     )
 
 
-def spark_schema(dt_schema: pa.Schema):  # -> StructType
+def spark_schema(dt_schema: pa.Schema) -> StructType:
     from pyspark.sql.pandas.types import from_arrow_schema
 
     return from_arrow_schema(

@@ -154,7 +154,12 @@ def _consecutive_pairs(table: DataFrame, pk: list[str]) -> DataFrame:
 
 
 def _contiguity(
-    spark, paths, pk, table, pairs, outcome: Callable[..., CheckOutcome]
+    spark: SparkSession,
+    paths: TablePaths,
+    pk: list[str],
+    table: DataFrame,
+    pairs: DataFrame,
+    outcome: Callable[..., CheckOutcome],
 ) -> CheckOutcome:
     """A version that does not hand over to its successor 1 ms later must end at a delete."""
     from pyspark.sql import functions as F
@@ -178,7 +183,12 @@ def _contiguity(
 
 
 def _reconciliation(
-    spark, paths, pk, table, outcome: Callable[..., CheckOutcome], whole_table: bool = False
+    spark: SparkSession,
+    paths: TablePaths,
+    pk: list[str],
+    table: DataFrame,
+    outcome: Callable[..., CheckOutcome],
+    whole_table: bool = False,
 ) -> CheckOutcome:
     """Recompute the checked keys from the change log; any difference (but synced) fails.
 

@@ -25,7 +25,9 @@ from cdc_platform.lib.history import ACTIVE, END, START, SYNCED, build_versions
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
     from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 APP_ID = "cdc_platform/changelog"
 COMMIT_ATTEMPTS = delta.COMMIT_ATTEMPTS
@@ -169,7 +171,12 @@ def _cached(df: DataFrame) -> Iterator[DataFrame]:
 
 
 def _files_holding(
-    spark: SparkSession, table_path: Path, dt, schema, keys: DataFrame, pk: list[str]
+    spark: SparkSession,
+    table_path: Path,
+    dt: DeltaTable,
+    schema: StructType,
+    keys: DataFrame,
+    pk: list[str],
 ) -> list[delta.DataFile]:
     """The history files that hold any of ``keys``: only the key columns are scanned."""
     from pyspark.sql import functions as F
