@@ -337,3 +337,24 @@ def test_killed_materialization_leaves_previous_version_and_rerun_converges(spar
     assert normalize(history_rows(path), cols) == normalize(
         reference_history(first + second, ["id"]), cols
     )
+
+
+def test_spark_resource_never_stops_a_session_it_did_not_start(spark, tmp_path):
+    """Run teardown stops only what the resource started: the caller's session survives."""
+    platform = load_config(
+        write_config(tmp_path, '- name: s\n  primary_key: [id]\n  start: "2024-01-01-00:00"\n')
+    )
+    defs = build_table_definitions(platform, platform.table("s"))
+    h0 = datetime(2024, 1, 1, tzinfo=UTC)
+    write_parquet_events(platform.landing_root, "s", h0, [ev("INSERT", 1, h0, 1, v="a")])
+    result = dg.materialize(
+        [defs.asset],
+        partition_key="2024-01-01-00:00",
+        instance=dg.DagsterInstance.ephemeral(),
+        resources={
+            "spark": SparkResource(),
+            "keyring": KeyringResource(),
+        },  # stop_at_end_of_run=True
+    )
+    assert result.success
+    assert spark.range(3).count() == 3  # still alive

@@ -19,7 +19,7 @@ KEYRING_ENV_VAR = "CDC_KEYRING"
 
 
 class SparkResource(LazyPySparkResource):
-    """A SparkSession created on first use and stopped when the run ends.
+    """A SparkSession created on first use and stopped when the run ends (if it started it).
 
     ``master`` is ``local[2]`` by default; point it at ``spark://host:7077``, ``yarn`` or
     ``k8s://https://...`` and put cluster settings in ``spark_config``. The platform always
@@ -33,15 +33,21 @@ class SparkResource(LazyPySparkResource):
         default=True, description="Stop the session when the run ends (tests share one instead)."
     )
 
+    _owns_session: bool = PrivateAttr(default=False)
+
     def _init_session(self) -> None:
         if self._spark_session is None:
+            from pyspark.sql import SparkSession
+
+            # A session someone else started (a notebook, a test suite) is reused, never stopped.
+            self._owns_session = SparkSession.getActiveSession() is None
             conf = {k: str(v) for k, v in self.spark_config.items()}
             self._spark_session = build_spark_session(self.master, conf, self.app_name)
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
-        if self._spark_session is not None and self.stop_at_end_of_run:
+        if self._spark_session is not None and self.stop_at_end_of_run and self._owns_session:
             self._spark_session.stop()
-            self._spark_session = None
+        self._spark_session = None
 
 
 class KeyringResource(dg.ConfigurableResource):

@@ -151,6 +151,8 @@ class LandingReader:
                 cols.append(column)
             elif name == OP:
                 cols.append(pc.utf8_upper(column.cast(pa.string())))
+            elif name == TS and pa.types.is_string(normalize_type(column.type)):
+                cols.append(_parse_timestamps(column.cast(pa.string())))
             else:
                 target = normalize_type(column.type)
                 cols.append(column if column.type == target else column.cast(target, safe=False))
@@ -209,6 +211,28 @@ class LandingReader:
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
 
 
+def _parse_timestamps(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """ISO-8601 strings (as Fivetran's Parquet writes instants) to UTC timestamps; naive means UTC.
+
+    Left as strings if any value does not parse: ``validate_rows`` then names the first one.
+    """
+    for target in (TS_TYPE, pa.timestamp("us")):
+        try:
+            return column.cast(target).cast(TS_TYPE)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            continue
+    return column
+
+
+def _first_unparsable(column: pa.ChunkedArray) -> int:
+    for i, value in enumerate(column.to_pylist()):
+        if value is not None and pa.types.is_string(
+            _parse_timestamps(pa.chunked_array([[value]])).type
+        ):
+            return i
+    return 0
+
+
 def _read_parquet_schema(path: str) -> pa.Schema:
     try:
         return pq.read_schema(path)
@@ -237,6 +261,13 @@ def validate_rows(tbl: pa.Table, primary_key: Sequence[str]) -> tuple[str | None
     checks.append((pc.is_null(tbl[TS]), f"{TS} is missing"))
     if not pa.types.is_integer(tbl[SEQ].type):
         return f"{SEQ} has type {tbl[SEQ].type}, expected an integer", None, 0
+    if pa.types.is_string(tbl[TS].type):
+        row = _first_unparsable(tbl[TS])
+        return (
+            f"row {row + 1}: {TS} {tbl[TS][row].as_py()!r} is not an ISO-8601 timestamp",
+            row + 1,
+            1,
+        )
     if not pa.types.is_timestamp(tbl[TS].type):
         return f"{TS} has type {tbl[TS].type}, expected a timestamp", None, 0
     any_bad = None

@@ -1,0 +1,74 @@
+"""The landing reader on its own (no Spark): the timestamp and type spellings exporters use."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.reading import TS_TYPE, LandingReader, unify_schema
+
+TABLE = TableConfig(name="x", primary_key=("id",), start=datetime(2024, 1, 1, tzinfo=UTC))
+EXPECTED = datetime(2024, 1, 1, 5, 0, 0, 123000, tzinfo=UTC)
+
+
+def _file(tmp_path: Path, ts: pa.Array, **extra: pa.Array) -> str:
+    n = len(ts)
+    path = tmp_path / "f.parquet"
+    columns = {
+        "id": list(range(n)),
+        "cdc_operation_type": ["Insert"] * n,
+        "cdc_change_seq": pa.array(range(n), pa.int32()),
+    }
+    pq.write_table(pa.table({**columns, "cdc_commit_timestamp": ts, **extra}), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "ts",
+    [
+        pa.array([datetime(2024, 1, 1, 5, 0, 0, 123000)], pa.timestamp("us")),  # naive = UTC
+        pa.array([1704085200123000000], pa.timestamp("ns", tz="UTC")),  # pandas' nanoseconds
+        pa.array([1704085200123], pa.timestamp("ms", tz="America/New_York")),
+        pa.array(["2024-01-01T05:00:00.123Z"]),  # Fivetran's Parquet writes instants as strings
+        pa.array(["2024-01-01T07:00:00.123+02:00"]),
+        pa.array(["2024-01-01 05:00:00.123"]),
+    ],
+    ids=["naive", "ns", "zoned-ms", "iso-z", "iso-offset", "iso-naive"],
+)
+def test_commit_timestamps_in_any_spelling_become_utc_micros(tmp_path, ts):
+    reader = LandingReader(TABLE, tmp_path)
+    path = _file(tmp_path, ts)
+    report = reader.inspect(path)
+    assert report.ok, report.error
+    schema = pa.schema(
+        [pa.field("cdc_operation_type", pa.string()), pa.field("cdc_commit_timestamp", TS_TYPE)]
+    )
+    (batch,) = reader.read_conformed(path, schema)
+    assert batch.column(0).to_pylist() == ["INSERT"]
+    assert batch.column(1).to_pylist() == [EXPECTED]
+
+
+def test_unparsable_timestamp_names_the_row(tmp_path):
+    report = LandingReader(TABLE, tmp_path).inspect(
+        _file(tmp_path, pa.array(["2024-01-01T05:00:00Z", "yesterday"]))
+    )
+    assert report.error == "row 2: cdc_commit_timestamp 'yesterday' is not an ISO-8601 timestamp"
+    assert report.error_row == 2
+
+
+def test_integer_widths_agree_and_untyped_columns_wait_for_a_type(tmp_path):
+    reader = LandingReader(TABLE, tmp_path)
+    a = reader.inspect(
+        _file(tmp_path, pa.array([EXPECTED]), amount=pa.array([1], pa.int32()), note=pa.nulls(1))
+    )
+    fields, clashes = unify_schema(TABLE, None, [a])
+    assert {f.name: f.type for f in fields} == {
+        "id": pa.int64(),
+        "amount": pa.int64(),
+    }  # note: no type yet
+    assert clashes == {}
