@@ -97,29 +97,28 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
         if key not in late:
             write(key)
     hours = sorted({h for h, _ in files})
+
+    def apply(hours_: list[datetime]) -> None:
+        result = materialize(spark, table, landing, warehouse, hours_)
+        assert result.quarantined == (), result.quarantined  # every generated file is valid
+
     # Phase 1: every folder, in random order, sometimes as a contiguous range in one run.
     for hour in data.draw(st.permutations(hours), label="order") if hours else []:
         if data.draw(st.booleans(), label="as range"):
-            later = [h for h in hours if h >= hour][
-                : data.draw(st.integers(1, 3), label="range len")
-            ]
-            materialize(spark, table, landing, warehouse, later)
+            length = data.draw(st.integers(1, 3), label="range len")
+            apply([h for h in hours if h >= hour][:length])
         else:
-            r = materialize(spark, table, landing, warehouse, [hour])
-            print("Q", r.quarantined, r.events_read, r.events_new)
+            apply([hour])
     # Phase 2: late files land in folders already materialized; replays must change nothing.
     for key in sorted(late):
         write(key)
-    replays = sorted(
-        {h for h, _ in late}
-        | set(
-            data.draw(st.lists(st.sampled_from(hours), max_size=2), label="replays")
-            if hours
-            else []
-        )
+    replayed = (
+        data.draw(st.lists(st.sampled_from(hours), max_size=2), label="replays") if hours else []
     )
-    for hour in data.draw(st.permutations(replays), label="phase 2 order"):
-        materialize(spark, table, landing, warehouse, [hour])
+    for hour in data.draw(
+        st.permutations(sorted({h for h, _ in late} | set(replayed))), label="phase 2"
+    ):
+        apply([hour])
 
     expected = reference_history(events, ["id"])
     path = TablePaths.of(warehouse, table.name).history
