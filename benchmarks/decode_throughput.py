@@ -205,7 +205,7 @@ def measure(spark, root: Path, enc: Encoding, events: pa.Table, keyring: Keyring
     # With Spark: pass 1 (inspect) and pass 2 (read + count), as the pipeline runs them.
     t_inspect, reports = best_of(args.reps, lambda: inspect_files(spark, reader, paths))
     assert all(r.ok for r in reports), [r.error for r in reports if not r.ok]
-    fields, clashes = unify_schema(enc.table, None, reports)
+    fields, clashes = unify_schema(None, reports)
     assert not clashes, clashes
     schema = event_schema(fields)
     t_read, count = best_of(args.reps, lambda: read_events(spark, reader, paths, schema).count())

@@ -66,7 +66,7 @@ def test_integer_widths_agree_and_untyped_columns_wait_for_a_type(tmp_path):
     a = reader.inspect(
         _file(tmp_path, pa.array([EXPECTED]), amount=pa.array([1], pa.int32()), note=pa.nulls(1))
     )
-    fields, clashes = unify_schema(TABLE, None, [a])
+    fields, clashes = unify_schema(None, [a])
     assert {f.name: f.type for f in fields} == {
         "id": pa.int64(),
         "amount": pa.int64(),

@@ -63,6 +63,11 @@ def open_table(table_path: Path, version: int | None = None) -> DeltaTable:
     return DeltaTable(str(table_path), version=version)
 
 
+def version_or_none(table_path: Path) -> int | None:
+    """The table's current version, or None before its first commit."""
+    return open_table(table_path).version() if exists(table_path) else None
+
+
 def snapshot_files(dt: DeltaTable) -> list[DataFile]:
     """The files of the loaded snapshot, with the min/max statistics the log carries."""
     actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()

@@ -90,8 +90,10 @@ def _apply_once(
     applied = applied_changelog_version(paths)
     pending, changelog_version = changelog.pending_files(paths.changelog, applied)
     if not pending:
-        version = delta.open_table(paths.history).version() if delta.exists(paths.history) else None
-        return MergeResult(history_version=version, changelog_version=changelog_version)
+        return MergeResult(
+            history_version=delta.version_or_none(paths.history),
+            changelog_version=changelog_version,
+        )
 
     key_and_data = changelog.key_and_data_fields(paths.changelog)
     assert key_and_data is not None

@@ -71,7 +71,7 @@ def materialize(
 
     reports = inspect_files(spark, reader, all_paths)
     readable = [r for r in reports if r.ok]
-    fields, clashes = unify_schema(table, changelog.key_and_data_fields(paths.changelog), readable)
+    fields, clashes = unify_schema(changelog.key_and_data_fields(paths.changelog), readable)
     good = [r for r in readable if r.path not in clashes]
 
     set_aside = [
@@ -107,9 +107,7 @@ def materialize(
     )
     fault_point("after_changelog_commit")
 
-    version_before = (
-        delta.open_table(paths.history).version() if delta.exists(paths.history) else None
-    )
+    version_before = delta.version_or_none(paths.history)
     merge = apply_pending(spark, paths, table.primary_key, synced_at)
     return MaterializeResult(
         table=table.name,

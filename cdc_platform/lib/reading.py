@@ -298,7 +298,7 @@ def inspect_files(
 
 
 def unify_schema(
-    table: TableConfig, established: pa.Schema | None, reports: Sequence[FileReport]
+    established: pa.Schema | None, reports: Sequence[FileReport]
 ) -> tuple[list[pa.Field], dict[str, str]]:
     """The key and data columns after these files, and the files set aside for a type clash.
 
