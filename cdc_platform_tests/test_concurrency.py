@@ -25,7 +25,7 @@ from cdc_platform.defs.factory import build_table_definitions, pool_name
 from cdc_platform.lib import invariants, merge
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.merge import COMMIT_ATTEMPTS
-from cdc_platform.lib.pipeline import MaterializeResult, materialize
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import history_rows, write_parquet_events
 
@@ -83,10 +83,12 @@ def lakes(spark, tmp_path_factory) -> dict[str, Path]:
     return {"base": base, "reference": reference}
 
 
-def run_together(spark, root: Path, calls: Sequence[list[datetime]]) -> list[MaterializeResult]:
+def run_together(
+    spark, root: Path, calls: Sequence[list[datetime]]
+) -> list[MaterializationOutcome]:
     """Start one thread per call, released at the same moment; re-raise any thread's error."""
     barrier = threading.Barrier(len(calls))
-    results: list[MaterializeResult | None] = [None] * len(calls)
+    results: list[MaterializationOutcome | None] = [None] * len(calls)
     errors: list[BaseException] = []
 
     def work(i: int, hours: list[datetime]) -> None:
@@ -155,7 +157,7 @@ def test_a_lost_commit_race_is_recomputed_and_retried(
     """Deterministic: another writer commits hours 1 and 2 just before this one commits hour 1."""
     root = copy_of(lakes, tmp_path)
     real_fault_point = merge.fault_point
-    rival: list[MaterializeResult] = []
+    rival: list[MaterializationOutcome] = []
     started: list[str] = []
 
     def rival_commits_first(name: str) -> None:

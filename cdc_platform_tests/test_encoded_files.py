@@ -36,7 +36,7 @@ from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.invariants import CHECK_NAMES, NO_QUARANTINE
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
-from cdc_platform.lib.pipeline import MaterializeResult, materialize
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import history_rows
 
@@ -146,7 +146,7 @@ def csv_table(
 
 def run(
     spark, lake: dict[str, Path], table: TableConfig, hour: datetime, keyring: Keyring | None
-) -> MaterializeResult:
+) -> MaterializationOutcome:
     return materialize(spark, table, lake["landing"], lake["warehouse"], [hour], keyring)
 
 

@@ -9,8 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.reading import TS_TYPE, LandingReader, unify_schema
+from cdc_platform.lib.reading import LandingReader, unify_schema
 
 TABLE = TableConfig(name="x", primary_key=("id",), start=datetime(2024, 1, 1, tzinfo=UTC))
 EXPECTED = datetime(2024, 1, 1, 5, 0, 0, 123000, tzinfo=UTC)
@@ -57,7 +58,9 @@ def test_unparsable_timestamp_names_the_row(tmp_path):
     report = LandingReader(TABLE, tmp_path).inspect(
         _file(tmp_path, pa.array(["2024-01-01T05:00:00Z", "yesterday"]))
     )
-    assert report.error == "row 2: cdc_commit_timestamp 'yesterday' is not an ISO-8601 timestamp"
+    assert report.error == (
+        "row 2, column 'cdc_commit_timestamp': 'yesterday' is not an ISO-8601 timestamp"
+    )
     assert report.error_row == 2
 
 

@@ -24,7 +24,7 @@ from cdc_platform.lib import invariants
 from cdc_platform.lib.alerts import build_alert
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.landing import hours_between
-from cdc_platform.lib.pipeline import MaterializeResult, materialize
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths
 
 GROUP = "cdc_history"
@@ -138,7 +138,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
     return TableDefinitions(history_table, history_checks, sensor)
 
 
-def materialization_metadata(result: MaterializeResult) -> dict[str, Any]:
+def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
     m = result.merge
     quarantined = [
         {"file": q.file, "partition": q.partition, "row": q.row, "reason": q.reason}

@@ -15,23 +15,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+from deltalake.exceptions import TableNotFoundError
 
 from cdc_platform.lib import delta
-from cdc_platform.lib.history import INGESTED_AT
-from cdc_platform.lib.reading import (
-    CDC_COLUMNS,
+from cdc_platform.lib.columns import (
+    CHANGELOG_SYSTEM_COLUMNS,
+    INGESTED_AT,
     SEQ,
     SOURCE_FILE,
     SOURCE_ROW,
-    UNMODIFIED,
-    normalize_type,
+    col,
+    cols,
+    internal,
 )
+from cdc_platform.lib.reading import normalize_type
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
-SYSTEM = {*CDC_COLUMNS, UNMODIFIED, SOURCE_FILE, SOURCE_ROW, INGESTED_AT}
+SYSTEM = set(CHANGELOG_SYSTEM_COLUMNS)
+_RN = internal("rn")
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,8 @@ def append(
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
-    w = Window.partitionBy(*pk, SEQ).orderBy(SOURCE_FILE, SOURCE_ROW)
-    batch = events.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1").drop("_rn")
+    w = Window.partitionBy(*cols(pk), col(SEQ)).orderBy(col(SOURCE_FILE), col(SOURCE_ROW))
+    batch = events.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
     batch = batch.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
     schema = delta.arrow_schema_of(batch)
     lo, hi = seq_range
@@ -103,10 +107,12 @@ def append(
         ]
         new = batch
         if candidates:
-            logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(*pk, SEQ)
+            logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(
+                *cols([*pk, SEQ])
+            )
             new = batch.join(logged, [*pk, SEQ], "left_anti")
         columns = [f.name for f in delta.table_arrow_schema(dt)]
-        new = new.select(*[c if c in new.columns else F.lit(None).alias(c) for c in columns])
+        new = new.select(*[col(c) if c in new.columns else F.lit(None).alias(c) for c in columns])
         adds = delta.write_files(new.coalesce(delta.file_count_for(expected_rows)), path)
         if not adds:
             return AppendResult(0, dt.version())
@@ -141,9 +147,8 @@ def pending_files(
     if applied_version >= dt.version():
         return [], dt.version()
     try:
-        before = {
-            f.path for f in delta.snapshot_files(delta.open_table(path, version=applied_version))
-        }
-    except Exception:
-        return now, dt.version()  # that version's log was cleaned up: recompute every key
+        old = delta.open_table(path, version=applied_version)
+    except TableNotFoundError:  # "no files in log segment": that version's log was cleaned up
+        return now, dt.version()  # so recompute every key; any other error is raised
+    before = {f.path for f in delta.snapshot_files(old)}
     return [f for f in now if f.path not in before], dt.version()

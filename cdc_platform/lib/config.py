@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
+
 CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG_PATH = REPO_ROOT / "cdc_platform.yaml"
@@ -177,11 +179,16 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         pk = [pk]
     if not pk or not isinstance(pk, list) or not all(isinstance(c, str) and c for c in pk):
         raise fail("primary_key", "required; a non-empty list of column names")
-    if len(set(pk)) != len(pk):
-        raise fail("primary_key", "lists a column twice")
-    bad_pk = [c for c in pk if c.startswith(("cdc_", "_fivetran_", "_cdc_"))]
+    # Any other name works, dots and backticks included: every Spark reference is quoted.
+    if len({c.lower() for c in pk}) != len(pk):
+        raise fail("primary_key", "lists a column twice (names are case-insensitive in Delta)")
+    bad_pk = [c for c in pk if c.lower() in CDC_COLUMNS or c.lower().startswith("cdc_")]
+    bad_pk += [c for c in pk if is_reserved(c)]
     if bad_pk:
         raise fail("primary_key", f"system column(s) {bad_pk} cannot be part of the key")
+    unprintable = [c for c in pk if not c.isprintable()]
+    if unprintable:
+        raise fail("primary_key", f"column name(s) {unprintable} contain control characters")
 
     start_raw = raw.get("start")
     if start_raw is None:

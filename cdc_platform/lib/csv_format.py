@@ -25,15 +25,13 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from cdc_platform.lib.codecs import LandingFileError
+from cdc_platform.lib.columns import CDC_COLUMNS, OP, SEQ, TS, TS_TYPE, UNMODIFIED
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
-__all__ = ["CDC_COLUMNS", "CDC_TYPES", "UNMODIFIED_COLUMN", "arrow_type", "read_csv_events"]
+__all__ = ["CDC_TYPES", "arrow_type", "read_csv_events"]
 
-OP, SEQ, TS = "cdc_operation_type", "cdc_change_seq", "cdc_commit_timestamp"
-CDC_COLUMNS = (OP, SEQ, TS)
 CDC_TYPES = {OP: "string", SEQ: "long", TS: "timestamp"}
-UNMODIFIED_COLUMN = "_cdc_unmodified"
-TIMESTAMP_TYPE = pa.timestamp("us", tz="UTC")
 
 _SIMPLE_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -43,18 +41,13 @@ _SIMPLE_TYPES: dict[str, pa.DataType] = {
     "double": pa.float64(),
     "float": pa.float32(),
     "boolean": pa.bool_(),
-    "timestamp": TIMESTAMP_TYPE,
+    "timestamp": TS_TYPE,
     "date": pa.date32(),
     "binary": pa.binary(),
 }
 _DECIMAL_RE = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")
 _HEADER_SCAN_LIMIT = 1 << 20  # a header row longer than this is not a header
 _SHOWN_VALUE_CHARS = 60
-
-# timestamps: a date alone; a time followed by a zone offset; more than 6 fraction digits
-_DATE_ONLY_RE = r"^\d{4}-\d{2}-\d{2}$"
-_HAS_OFFSET_RE = r"[T ]\d{2}(?::\d{2}){0,2}(?:[.,]\d+)?(?:Z|[+-]\d{2}(?::?\d{2})?)$"
-_EXTRA_FRACTION_RE = r"([.,]\d{6})\d+"
 _BASE64_RE = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 
@@ -120,7 +113,8 @@ def read_csv_events(
             raise LandingFileError(
                 f"{where}: expected {expected} cells, found {actual}{hint}", row, source
             ) from None
-        raise LandingFileError(f"malformed CSV: {exc}", None, source) from None
+        detail = "" if table.encryption != "none" else f": {exc}"
+        raise LandingFileError(f"malformed CSV{detail}", None, source) from None
 
     if raw.column_names != header:  # pyarrow read the same header row we did
         raise LandingFileError(
@@ -247,6 +241,7 @@ class _PrefixedStream(io.RawIOBase):
 
 def _convert(raw: pa.Table, header: list[str], table: TableConfig, source: str) -> pa.Table:
     n = raw.num_rows
+    hide = table.encryption != "none"  # reasons never quote a decrypted cell
     data_cols = [c for c in header if c not in CDC_COLUMNS]
     names: list[str] = []
     arrays: list[pa.Array] = []
@@ -271,88 +266,56 @@ def _convert(raw: pa.Table, header: list[str], table: TableConfig, source: str) 
             if missing is None
             else pc.if_else(missing, pa.scalar(None, pa.string()), strings)
         )
-        arrays.append(_cast_column(values, strings, target, type_name, name, source))
+        arrays.append(_cast_column(values, strings, target, type_name, name, source, hide))
         names.append(name)
 
-    names.append(UNMODIFIED_COLUMN)
+    names.append(UNMODIFIED)
     arrays.append(_unmodified_lists(n, data_cols, unmodified_masks))
     return pa.Table.from_arrays(arrays, names=names)
 
 
 def _cast_column(
-    values: pa.Array, strings: pa.Array, target: pa.DataType, type_name: str, name: str, source: str
+    values: pa.Array,
+    strings: pa.Array,
+    target: pa.DataType,
+    type_name: str,
+    name: str,
+    source: str,
+    hide: bool,
 ) -> pa.Array:
     """Cast one column of strings (nulls already applied); on failure, name the first bad row."""
     if pa.types.is_string(target):
         return values
     if pa.types.is_binary(target):
-        return _decode_base64(values, strings, name, source)
+        return _decode_base64(values, strings, name, source, hide)
     cast = _caster(target)
     try:
         return cast(values)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError) as exc:
-        row = _first_failure(values, cast)
+    except CAST_ERRORS as exc:
+        row = first_failure(values, cast)
         if row is None:
+            detail = "" if hide else f": {exc}"
             raise LandingFileError(
-                f"column '{name}': cannot cast to {type_name}: {exc}", None, source
+                f"column '{name}': cannot cast to {type_name}{detail}", None, source
             ) from None
         raise LandingFileError(
-            f"row {row + 1}, column '{name}': {_show(strings[row].as_py())} is not a valid {type_name}",
+            f"row {row + 1}, column '{name}': {_show(strings[row].as_py(), hide)}"
+            f" is not a valid {type_name}",
             row + 1,
             source,
         ) from None
 
 
 def _caster(target: pa.DataType) -> Callable[[pa.Array], pa.Array]:
+    """Timestamps go through the one ISO-8601 parser every landing format shares."""
     if pa.types.is_timestamp(target):
-        return lambda a: _cast_timestamps(a, target)
+        return lambda a: pc.cast(parse_timestamps(a), target)
     return lambda a: pc.cast(a, target)
 
 
-def _cast_timestamps(strings: pa.Array, target: pa.DataType) -> pa.Array:
-    """Fast paths first: all with a zone offset, then all naive (= UTC), then mixed."""
-    try:
-        return pc.cast(strings, target)
-    except pa.ArrowInvalid:
-        pass
-    try:
-        return pc.cast(pc.cast(strings, pa.timestamp(target.unit)), target)
-    except pa.ArrowInvalid:
-        pass
-    return pc.cast(_normalize_timestamps(strings), target)
-
-
-def _normalize_timestamps(strings: pa.Array) -> pa.Array:
-    """ISO-8601 text Arrow can parse as UTC: naive -> 'Z', date alone -> midnight, fraction -> us."""
-    s = pc.replace_substring_regex(strings, _EXTRA_FRACTION_RE, r"\1")
-    date_only = pc.match_substring_regex(s, _DATE_ONLY_RE)
-    has_offset = pc.match_substring_regex(s, _HAS_OFFSET_RE)
-    with_midnight = pc.binary_join_element_wise(s, "T00:00:00Z", "")
-    with_z = pc.binary_join_element_wise(s, "Z", "")
-    return pc.if_else(date_only, with_midnight, pc.if_else(has_offset, s, with_z))
-
-
-def _first_failure(values: pa.Array, cast: Callable[[pa.Array], pa.Array]) -> int | None:
-    """Index of the first value that does not cast, by bisection (about one more pass)."""
-    lo, hi = 0, len(values)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        try:
-            cast(values.slice(lo, mid - lo))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError):
-            hi = mid
-        else:
-            lo = mid
-    if hi - lo != 1:
-        return None
-    try:
-        cast(values.slice(lo, 1))
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError):
-        return lo
-    return None
-
-
-def _decode_base64(values: pa.Array, strings: pa.Array, name: str, source: str) -> pa.Array:
+def _decode_base64(
+    values: pa.Array, strings: pa.Array, name: str, source: str, hide: bool
+) -> pa.Array:
     """Vectorised base64 -> binary: validate by regex, decode all cells in one call, re-split."""
     n = len(values)
     if n == 0:
@@ -363,7 +326,8 @@ def _decode_base64(values: pa.Array, strings: pa.Array, name: str, source: str) 
     if not pc.all(valid).as_py():
         row = pc.index(valid, False).as_py()
         raise LandingFileError(
-            f"row {row + 1}, column '{name}': {_show(strings[row].as_py())} is not valid base64 (binary)",
+            f"row {row + 1}, column '{name}': {_show(strings[row].as_py(), hide)}"
+            " is not valid base64 (binary)",
             row + 1,
             source,
         )
@@ -426,7 +390,10 @@ def _unmodified_lists(n: int, data_cols: list[str], masks: list[pa.Array | None]
     return pa.ListArray.from_arrays(offsets, values, type=pa.list_(pa.string()))
 
 
-def _show(value: str | None) -> str:
+def _show(value: str | None, hide: bool) -> str:
+    """A cell as a reason quotes it; never for an encrypted table (``hide``)."""
+    if hide:
+        return "the value"
     if value is None:
         return "null"
     if len(value) > _SHOWN_VALUE_CHARS:

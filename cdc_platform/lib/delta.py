@@ -143,6 +143,8 @@ def write_files(df: DataFrame, table_path: Path) -> list[AddAction]:
                 stats=json.dumps(file_stats(meta)),
             )
         )
+    if not adds:  # nothing to commit (say, a replay with no new events): leave no empty folder
+        shutil.rmtree(out_dir, ignore_errors=True)
     return adds
 
 
@@ -280,7 +282,10 @@ def _stat_value(t: pa.DataType, value: Any, upper: bool) -> Any:
         ts = value if value.tzinfo else value.replace(tzinfo=UTC)
         ms = ts.replace(microsecond=(ts.microsecond // 1000) * 1000)
         if upper and ms != ts:
-            ms += timedelta(milliseconds=1)
+            try:
+                ms += timedelta(milliseconds=1)
+            except OverflowError:  # within 1 ms of datetime.max: no exact upper bound
+                return None
         return ms.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms.microsecond // 1000:03d}Z"
     if kind == "date":
         return value.isoformat() if isinstance(value, date | datetime) else None

@@ -15,28 +15,62 @@ one step, which is what lets this run as window functions instead of a Python lo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from functools import reduce
 from typing import TYPE_CHECKING
 
-from cdc_platform.lib.reading import OP, SEQ, SOURCE_FILE, SOURCE_ROW, TS, UNMODIFIED
+from cdc_platform.lib.columns import (
+    ACTIVE,
+    END,
+    INGESTED_AT,
+    OP,
+    SEQ,
+    SOURCE_FILE,
+    SOURCE_ROW,
+    START,
+    SYNCED,
+    TMAX,
+    TMAX_SQL,
+    TS,
+    UNMODIFIED,
+    col,
+    cols,
+    internal,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
-START = "_fivetran_start"
-END = "_fivetran_end"
-ACTIVE = "_fivetran_active"
-SYNCED = "_fivetran_synced"
-SYSTEM_COLUMNS = (START, END, ACTIVE, SYNCED)
-TMAX = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
-INGESTED_AT = "_cdc_ingested_at"
+__all__ = [  # the column names are re-exported for existing callers; their home is columns.py
+    "ACTIVE",
+    "END",
+    "INGESTED_AT",
+    "START",
+    "SYNCED",
+    "TMAX",
+    "build_versions",
+    "dedupe_events",
+    "tmax_literal",
+]
+
+# The fold's working columns: under the internal prefix, so never a source column's name.
+_RN = internal("rn")
+_SEQ = internal("seq")
+_MS = internal("ms")
+_DEL = internal("del")
+_UNMOD = internal("unmod")
+_IMG = internal("img")
+_HAS_IMAGE = internal("has_image")
+_ENDS_DELETED = internal("ends_deleted")
+_LIVE_BEFORE = internal("live_before")
+_PREV_IMG = internal("prev_img")
+_OPENS = internal("opens")
+_NEXT_CLOSE = internal("next_close")
 
 
 def tmax_literal() -> Column:
     from pyspark.sql import functions as F
 
-    return F.lit("9999-12-31 23:59:59.999").cast("timestamp")
+    return F.lit(TMAX_SQL).cast("timestamp")
 
 
 def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
@@ -44,17 +78,14 @@ def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
+    pk = cols(list(primary_key))
     order = [
-        F.col(c).asc_nulls_last()
+        col(c).asc_nulls_last()
         for c in (INGESTED_AT, SOURCE_FILE, SOURCE_ROW)
         if c in events.columns
     ]
-    w = (
-        Window.partitionBy(*primary_key, SEQ).orderBy(*order)
-        if order
-        else Window.partitionBy(*primary_key, SEQ).orderBy(SEQ)
-    )
-    return events.withColumn("_rn", F.row_number().over(w)).filter("_rn = 1").drop("_rn")
+    w = Window.partitionBy(*pk, col(SEQ)).orderBy(*(order or [col(SEQ)]))
+    return events.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
 
 
 def build_versions(
@@ -62,73 +93,75 @@ def build_versions(
 ) -> DataFrame:
     """Every version of every key in ``events``: key, data columns, start, end, active.
 
-    ``events`` must hold *all* events of the keys it covers (order does not matter).
+    ``events`` must hold *all* events of the keys it covers (order does not matter). Column
+    names are used verbatim (quoted), and the working columns live under the internal prefix,
+    so a source column called ``_seq``, ``a.b`` or ``a`b`` is just data. Images are compared
+    with ``<=>``, which every supported column type allows (maps are set aside on reading).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
+    pkc = cols(pk)
     ev = dedupe_events(events, pk).select(
-        *pk,
-        *data_columns,
-        F.col(SEQ).alias("_seq"),
-        F.date_trunc("millisecond", F.col(TS)).alias("_ms"),
-        (F.upper(F.col(OP)) == F.lit("DELETE")).alias("_del"),
-        F.coalesce(F.col(UNMODIFIED), F.array().cast("array<string>")).alias("_unmod"),
+        *pkc,
+        *cols(list(data_columns)),
+        col(SEQ).alias(_SEQ),
+        F.date_trunc("millisecond", col(TS)).alias(_MS),
+        (F.upper(col(OP)) == F.lit("DELETE")).alias(_DEL),
+        F.coalesce(col(UNMODIFIED), F.array().cast("array<string>")).alias(_UNMOD),
     )
 
     # Rule 1: resolve unmodified cells against the key's last image (deletes carry no image).
     w_events = (
-        Window.partitionBy(*pk)
-        .orderBy("_ms", "_seq")
+        Window.partitionBy(*pkc)
+        .orderBy(col(_MS), col(_SEQ))
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
     resolved = []
     for c in data_columns:
         known = F.when(
-            ~F.col("_del") & ~F.array_contains("_unmod", c), F.struct(F.col(c).alias("v"))
+            ~col(_DEL) & ~F.array_contains(col(_UNMOD), F.lit(c)), F.struct(col(c).alias("v"))
         )
         resolved.append(F.last(known, ignorenulls=True).over(w_events).getField("v").alias(c))
     image = F.struct(*resolved) if data_columns else F.struct(F.lit(True).alias("_"))
-    ev = ev.select(*pk, "_seq", "_ms", "_del", image.alias("_img"))
+    ev = ev.select(*pkc, col(_SEQ), col(_MS), col(_DEL), image.alias(_IMG))
 
     # One step per (key, millisecond).
-    steps = ev.groupBy(*pk, "_ms").agg(
-        F.max(~F.col("_del")).alias("_has_image"),
-        F.max_by("_del", "_seq").alias("_ends_deleted"),
-        F.max_by("_img", F.when(~F.col("_del"), F.col("_seq"))).alias("_img"),
+    steps = ev.groupBy(*pkc, col(_MS)).agg(
+        F.max(~col(_DEL)).alias(_HAS_IMAGE),
+        F.max_by(col(_DEL), col(_SEQ)).alias(_ENDS_DELETED),
+        F.max_by(col(_IMG), F.when(~col(_DEL), col(_SEQ))).alias(_IMG),
     )
 
-    w_steps = Window.partitionBy(*pk).orderBy("_ms")
-    live_after = F.col("_has_image") & ~F.col("_ends_deleted")
+    w_steps = Window.partitionBy(*pkc).orderBy(col(_MS))
+    live_after = col(_HAS_IMAGE) & ~col(_ENDS_DELETED)
     steps = steps.withColumn(
-        "_live_before", F.coalesce(F.lag(live_after).over(w_steps), F.lit(False))
+        _LIVE_BEFORE, F.coalesce(F.lag(live_after).over(w_steps), F.lit(False))
     )
-    steps = steps.withColumn("_prev_img", F.lag("_img").over(w_steps))
-    same_image = _images_equal(F.col("_img"), F.col("_prev_img"), data_columns)
-    steps = steps.withColumn("_opens", F.col("_has_image") & ~(F.col("_live_before") & same_image))
+    steps = steps.withColumn(_PREV_IMG, F.lag(col(_IMG)).over(w_steps))
+    same_image = _images_equal(col(_IMG), col(_PREV_IMG), data_columns)
+    steps = steps.withColumn(_OPENS, col(_HAS_IMAGE) & ~(col(_LIVE_BEFORE) & same_image))
 
     one_ms = F.expr("INTERVAL 1 MILLISECOND")
-    closes_previous_at = F.when(F.col("_opens"), F.col("_ms") - one_ms).when(
-        F.col("_ends_deleted"), F.col("_ms")
-    )
+    closes_previous_at = F.when(col(_OPENS), col(_MS) - one_ms).when(col(_ENDS_DELETED), col(_MS))
     w_after = w_steps.rowsBetween(1, Window.unboundedFollowing)
     steps = steps.withColumn(
-        "_next_close", F.first(closes_previous_at, ignorenulls=True).over(w_after)
+        _NEXT_CLOSE, F.first(closes_previous_at, ignorenulls=True).over(w_after)
     )
 
     end = (
-        F.when(F.col("_ends_deleted"), F.col("_ms"))
-        .when(F.col("_next_close").isNotNull(), F.col("_next_close"))
+        F.when(col(_ENDS_DELETED), col(_MS))
+        .when(col(_NEXT_CLOSE).isNotNull(), col(_NEXT_CLOSE))
         .otherwise(tmax_literal())
     )
-    versions = steps.filter("_opens").select(
-        *pk,
-        *[F.col("_img").getField(c).alias(c) for c in data_columns],
-        F.col("_ms").alias(START),
+    versions = steps.filter(col(_OPENS)).select(
+        *pkc,
+        *[col(_IMG).getField(c).alias(c) for c in data_columns],
+        col(_MS).alias(START),
         end.alias(END),
     )
-    return versions.withColumn(ACTIVE, F.col(END) == tmax_literal())
+    return versions.withColumn(ACTIVE, col(END) == tmax_literal())
 
 
 def _images_equal(a: Column, b: Column, data_columns: Sequence[str]) -> Column:

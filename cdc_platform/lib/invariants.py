@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib import changelog, delta, quarantine
-from cdc_platform.lib.history import ACTIVE, END, START, SYNCED, build_versions, tmax_literal
-from cdc_platform.lib.reading import OP, TS
+from cdc_platform.lib.columns import ACTIVE, END, OP, START, SYNCED, TS
+from cdc_platform.lib.history import build_versions, tmax_literal
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:

@@ -3,6 +3,11 @@
 Only file *names* are handled here (the driver never reads file contents). A partition key
 is Dagster's hourly key ``YYYY-MM-DD-HH:MM``; an hour folder is where that hour's files land.
 Note the folder's hour is when the file was delivered, not when its events were committed.
+
+Nothing in the landing zone is ever silently skipped but marker files (``.``/``_`` names):
+a symlink (to a file or a folder) is never followed, a file in a sub-folder of an hour folder
+is not read, and anything but a regular file is not opened; each is listed with the reason it
+is set aside, so the run records it in the quarantine.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ class LandingFile:
     path: str
     size: int
     mtime_ns: int
+    set_aside: str | None = None  # why it is not read (symlink, in a sub-folder, ...), if so
 
-    def relative_to(self, root: Path) -> str:
-        return os.path.relpath(self.path, root)
+
+SYMLINK = "symlink: links in the landing zone are not followed"
+IN_SUBFOLDER = "in a sub-folder of the hour folder: only files directly in an hour folder are read"
+NOT_A_FILE = "not a regular file"
 
 
 def partition_key_to_hour(key: str) -> datetime:
@@ -72,25 +80,66 @@ def is_data_file(name: str) -> bool:
 
 
 def files_in_hour(landing_root: Path, table: str, hour: datetime) -> list[LandingFile]:
-    """The data files of one hour folder, sorted by path; empty if the folder is missing."""
+    """The data files of one hour folder, sorted by path; empty if the folder is missing.
+
+    Entries that are not read carry ``set_aside``: symlinks (never followed, their target
+    never touched), files in sub-folders, and anything that is not a regular file.
+    """
     found: list[LandingFile] = []
     for folder in _folder_variants(landing_root, table, hour):
+        link = _linked_ancestor(Path(landing_root), folder)
+        if link is not None:
+            found.append(_set_aside(link, SYMLINK))
+            continue
         try:
             entries = list(os.scandir(folder))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             continue
         for entry in entries:
-            if entry.is_file() and is_data_file(entry.name):
-                st = entry.stat()
+            if not is_data_file(entry.name):
+                continue
+            if entry.is_symlink():
+                found.append(_set_aside(Path(entry.path), SYMLINK))
+            elif entry.is_dir(follow_symlinks=False):
+                found.extend(_files_below(Path(entry.path)))
+            elif entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
                 found.append(LandingFile(os.path.abspath(entry.path), st.st_size, st.st_mtime_ns))
+            else:
+                found.append(_set_aside(Path(entry.path), NOT_A_FILE))
     return sorted(found)
 
 
-def files_in_hours(landing_root: Path, table: str, hours: Iterable[datetime]) -> list[LandingFile]:
-    out: list[LandingFile] = []
-    for hour in hours:
-        out.extend(files_in_hour(landing_root, table, hour))
-    return out
+def _linked_ancestor(root: Path, folder: Path) -> Path | None:
+    """The first folder between ``root`` (excluded) and ``folder`` that is a symlink, if any."""
+    current = root
+    for part in folder.relative_to(root).parts:
+        current = current / part
+        if current.is_symlink():
+            return current
+    return None
+
+
+def _files_below(folder: Path) -> Iterator[LandingFile]:
+    """Every entry under a sub-folder of an hour folder, set aside (links not followed)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if not is_data_file(entry.name):
+            continue
+        if entry.is_symlink():
+            yield _set_aside(Path(entry.path), SYMLINK)
+        elif entry.is_dir(follow_symlinks=False):
+            yield from _files_below(Path(entry.path))
+        else:
+            yield _set_aside(Path(entry.path), IN_SUBFOLDER)
+
+
+def _set_aside(path: Path, reason: str) -> LandingFile:
+    st = os.lstat(path)
+    return LandingFile(os.path.abspath(path), st.st_size, st.st_mtime_ns, reason)
 
 
 def hours_between(first: datetime, last: datetime) -> Iterator[datetime]:

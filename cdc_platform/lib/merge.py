@@ -21,7 +21,17 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 
 from cdc_platform.lib import changelog, delta
-from cdc_platform.lib.history import ACTIVE, END, START, SYNCED, build_versions
+from cdc_platform.lib.columns import (
+    ACTIVE,
+    END,
+    HISTORY_SYSTEM_COLUMNS,
+    START,
+    SYNCED,
+    col,
+    cols,
+    internal,
+)
+from cdc_platform.lib.history import build_versions
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -32,6 +42,10 @@ if TYPE_CHECKING:
 APP_ID = "cdc_platform/changelog"
 COMMIT_ATTEMPTS = delta.COMMIT_ATTEMPTS
 FAULT_ENV = "CDC_PLATFORM_FAULT"
+# Working columns, under the internal prefix (never a source column's name).
+_FILE = internal("file")
+_OPENED = internal("opened")
+_CLOSED = internal("closed")
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,7 @@ def _apply_once(
     assert key_and_data is not None
     schema = history_schema(pk, key_and_data)
     data_columns = [
-        f.name for f in schema if f.name not in pk and f.name not in (START, END, ACTIVE, SYNCED)
+        f.name for f in schema if f.name not in pk and f.name not in HISTORY_SYSTEM_COLUMNS
     ]
     dt = delta.ensure_table(paths.history, schema, description="cdc_platform history-mode table")
     hist_schema = changelog.spark_schema(delta.table_arrow_schema(dt))
@@ -107,7 +121,7 @@ def _apply_once(
 
     pending_events = changelog.read(spark, paths.changelog, pending)
     assert pending_events is not None
-    with _cached(pending_events.select(*pk).distinct()) as affected:
+    with _cached(pending_events.select(*cols(pk)).distinct()) as affected:
         keys_affected = affected.count()
         touched = _files_holding(spark, paths.history, dt, hist_schema, affected, pk)
         events = changelog.read(spark, paths.changelog)
@@ -123,13 +137,13 @@ def _apply_once(
         old_affected = old.join(affected, pk, "left_semi")
         prior = _compare_with_prior(versions, old_affected, pk, data_columns, synced_at)
         with _cached(prior) as compared:
-            untouched = old.join(affected, pk, "left_anti").select(*columns)
-            out = untouched.unionByName(compared.select(*columns))
+            untouched = old.join(affected, pk, "left_anti").select(*cols(columns))
+            out = untouched.unionByName(compared.select(*cols(columns)))
             expected = sum(f.num_records or 0 for f in touched) + sum(
                 f.num_records or 0 for f in pending
             )
-            out = out.repartition(delta.file_count_for(expected), *pk)
-            adds = delta.write_files(out.sortWithinPartitions(*pk, START), paths.history)
+            out = out.repartition(delta.file_count_for(expected), *cols(pk))
+            adds = delta.write_files(out.sortWithinPartitions(*cols([*pk, START])), paths.history)
             try:
                 opened, closed = _count_changes(compared, old_affected, pk)
                 fault_point("before_history_commit")
@@ -191,10 +205,12 @@ def _files_holding(
         for p, f in zip(delta.absolute_paths(table_path, files), files, strict=True)
     }
     scan = (
-        spark.read.schema(schema).parquet(*by_path).select(*pk, F.input_file_name().alias("_file"))
+        spark.read.schema(schema)
+        .parquet(*by_path)
+        .select(*cols(pk), F.input_file_name().alias(_FILE))
     )
-    hits = scan.join(keys, pk, "left_semi").select("_file").distinct().collect()
-    return [by_path[os.path.normpath(unquote(urlparse(r["_file"]).path))] for r in hits]
+    hits = scan.join(keys, pk, "left_semi").select(col(_FILE)).distinct().collect()
+    return [by_path[os.path.normpath(unquote(urlparse(r[_FILE]).path))] for r in hits]
 
 
 def _compare_with_prior(
@@ -203,23 +219,23 @@ def _compare_with_prior(
     """The new versions, each compared with the version at the same ``(key, start)`` before.
 
     A version exactly as before keeps its ``_fivetran_synced``; others get this run's. Two flags
-    feed the run's metadata: ``_opened`` (no version started there before) and ``_closed``
+    feed the run's metadata: ``_OPENED`` (no version started there before) and ``_CLOSED``
     (active before, not any more).
     """
     from pyspark.sql import functions as F
 
-    renamed = {c: f"__old_{i}" for i, c in enumerate([*data_columns, END, ACTIVE, SYNCED])}
-    prior = old.select(*pk, START, *[F.col(c).alias(a) for c, a in renamed.items()])
+    renamed = {c: internal(f"old_{i}") for i, c in enumerate([*data_columns, END, ACTIVE, SYNCED])}
+    prior = old.select(*cols([*pk, START]), *[col(c).alias(a) for c, a in renamed.items()])
     joined = versions.join(prior, [*pk, START], "left")
-    existed = F.col(renamed[SYNCED]).isNotNull()
+    existed = col(renamed[SYNCED]).isNotNull()
     unchanged: Column = existed
     for c in [*data_columns, END, ACTIVE]:
-        unchanged = unchanged & F.col(c).eqNullSafe(F.col(renamed[c]))
-    synced = F.when(unchanged, F.col(renamed[SYNCED])).otherwise(F.lit(synced_at).cast("timestamp"))
+        unchanged = unchanged & col(c).eqNullSafe(col(renamed[c]))
+    synced = F.when(unchanged, col(renamed[SYNCED])).otherwise(F.lit(synced_at).cast("timestamp"))
     return (
         joined.withColumn(SYNCED, synced)
-        .withColumn("_opened", ~existed)
-        .withColumn("_closed", existed & F.col(renamed[ACTIVE]) & ~F.col(ACTIVE))
+        .withColumn(_OPENED, ~existed)
+        .withColumn(_CLOSED, existed & col(renamed[ACTIVE]) & ~col(ACTIVE))
         .drop(*renamed.values())
     )
 
@@ -230,13 +246,13 @@ def _count_changes(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[
     from pyspark.sql import functions as F
 
     row = compared.agg(
-        F.sum(F.col("_opened").cast("int")).alias("opened"),
-        F.sum(F.col("_closed").cast("int")).alias("closed"),
+        F.sum(col(_OPENED).cast("int")).alias("opened"),
+        F.sum(col(_CLOSED).cast("int")).alias("closed"),
     ).first()
     vanished = (
-        old.filter(F.col(ACTIVE))
-        .select(*pk, START)
-        .join(compared.select(*pk, START), [*pk, START], "left_anti")
+        old.filter(col(ACTIVE))
+        .select(*cols([*pk, START]))
+        .join(compared.select(*cols([*pk, START])), [*pk, START], "left_anti")
         .count()
     )
     return int(row["opened"] or 0), int(row["closed"] or 0) + vanished

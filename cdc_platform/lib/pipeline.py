@@ -3,13 +3,16 @@
 This is the one function the Dagster asset calls; it has no Dagster import so it can be run
 and tested on its own. A range of hours is one pass: every file of every hour is read in one
 Spark job and merged in one commit, not hour by hour.
+
+Every file the pipeline cannot process is set aside (quarantined, with its reason) while it
+is inspected, before any of it reaches the change log: what the change log holds always folds.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +23,7 @@ from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key
 from cdc_platform.lib.merge import MergeResult, apply_pending, fault_point
 from cdc_platform.lib.reading import (
+    FileReport,
     LandingReader,
     event_schema,
     inspect_files,
@@ -32,12 +36,14 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
+class LandingRootMissingError(FileNotFoundError):
+    """The configured landing root does not exist (a typo or an unmounted volume)."""
+
+
 @dataclass(frozen=True)
-class MaterializeResult:
+class MaterializationOutcome:
     """What one materialization did; every figure ends up in the Dagster metadata."""
 
-    table: str
-    partitions: tuple[str, ...]
     files_read: int
     events_read: int
     events_new: int
@@ -46,7 +52,6 @@ class MaterializeResult:
     seconds: float
     synced_at: datetime
     history_version_before: int | None = None
-    files: tuple[str, ...] = field(default=())
 
 
 def materialize(
@@ -57,19 +62,33 @@ def materialize(
     hours: Sequence[datetime],
     keyring: Keyring | None = None,
     synced_at: datetime | None = None,
-) -> MaterializeResult:
+) -> MaterializationOutcome:
+    """Apply every file of ``hours`` to the table: change log first, then the history table.
+
+    Raises LandingRootMissingError if ``landing_root`` does not exist; a missing table or hour
+    folder inside it is just an hour with no files.
+    """
+    if not Path(landing_root).is_dir():
+        raise LandingRootMissingError(
+            f"landing_root {landing_root} does not exist or is not a folder: check the config"
+            f" (or mount the landing volume); table {table.name!r} was not materialized"
+        )
     started = time.monotonic()
     synced_at = _to_ms(synced_at or datetime.now(UTC))
     paths = TablePaths.of(warehouse_root, table.name)
     reader = LandingReader(table, landing_root, keyring)
 
     partition_of: dict[str, str] = {}
+    not_read: dict[str, str] = {}  # symlinks, files in sub-folders: never opened
     for hour in hours:
         for f in files_in_hour(landing_root, table.name, hour):
             partition_of[f.path] = hour_to_partition_key(hour)
+            if f.set_aside is not None:
+                not_read[f.path] = f.set_aside
     all_paths = sorted(partition_of)
 
-    reports = inspect_files(spark, reader, all_paths)
+    reports = [FileReport(p, 0, None, reason) for p, reason in sorted(not_read.items())]
+    reports += inspect_files(spark, reader, [p for p in all_paths if p not in not_read])
     readable = [r for r in reports if r.ok]
     fields, clashes = unify_schema(changelog.key_and_data_fields(paths.changelog), readable)
     good = [r for r in readable if r.path not in clashes]
@@ -109,9 +128,7 @@ def materialize(
 
     version_before = delta.version_or_none(paths.history)
     merge = apply_pending(spark, paths, table.primary_key, synced_at)
-    return MaterializeResult(
-        table=table.name,
-        partitions=tuple(hour_to_partition_key(h) for h in hours),
+    return MaterializationOutcome(
         files_read=len(all_paths),
         events_read=events_read,
         events_new=new_events,
@@ -120,7 +137,6 @@ def materialize(
         seconds=round(time.monotonic() - started, 3),
         synced_at=synced_at,
         history_version_before=version_before,
-        files=tuple(reader.relative(p) for p in all_paths),
     )
 
 

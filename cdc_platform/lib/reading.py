@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,23 +26,45 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cdc_platform.lib.codecs import LandingFileError, decode_file
+from cdc_platform.lib.columns import (
+    CDC_COLUMNS,
+    OP,
+    OPERATIONS,
+    SEQ,
+    SOURCE_FILE,
+    SOURCE_ROW,
+    TMAX,
+    TMIN,
+    TS,
+    TS_TYPE,
+    UNMODIFIED,
+    UNMODIFIED_TYPE,
+    is_reserved,
+)
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.csv_format import read_csv_events
 from cdc_platform.lib.keyring import Keyring
+from cdc_platform.lib.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-OP = "cdc_operation_type"
-SEQ = "cdc_change_seq"
-TS = "cdc_commit_timestamp"
-CDC_COLUMNS = (OP, SEQ, TS)
-OPERATIONS = ("INSERT", "UPDATE", "DELETE")
-UNMODIFIED = "_cdc_unmodified"
-SOURCE_FILE = "_cdc_source_file"
-SOURCE_ROW = "_cdc_source_row"
-TS_TYPE = pa.timestamp("us", tz="UTC")
-RESERVED_PREFIXES = ("_fivetran_", "_cdc_")
+__all__ = [
+    "FileReport",
+    "LandingReader",
+    "event_schema",
+    "inspect_files",
+    "normalize_type",
+    "read_events",
+    "unify_schema",
+    "unsupported_type",
+    "validate_rows",
+]
+
+INT64_MAX = 2**63 - 1
+# Spark, Delta and Python's datetime all represent years 1 to 9999, no more.
+_DATE_MIN, _DATE_MAX = -719_162, 2_932_896  # 0001-01-01 and 9999-12-31, in days since 1970
+_US_MIN, _US_MAX = _DATE_MIN * 86_400_000_000, (_DATE_MAX + 1) * 86_400_000_000 - 1
 
 
 @dataclass(frozen=True)
@@ -63,14 +85,35 @@ class FileReport:
         return self.error is None
 
 
+# -- types ----------------------------------------------------------------------------------------
+
+
 def normalize_type(t: pa.DataType) -> pa.DataType:
-    """One Arrow type per logical type, so files written by different tools agree."""
+    """One Arrow type per logical type, so files written by different tools agree.
+
+    Per Arrow type (every type Parquet can carry):
+
+    * bool; int8..int64 and uint8..uint32 -> int64; uint64 -> int64, a value above 2^63-1
+      sets the file aside ("out of range"), it never wraps;
+    * float16/32/64 -> float64; decimal32/64/128/256 of precision <= 38 -> decimal128;
+    * string, large_string, string_view -> string; binary, large, fixed, view -> binary;
+    * date32/64 -> date32; time32/64 -> string (Delta has no time type);
+    * timestamp of any unit, with or without zone -> timestamp[us, UTC] (naive means UTC,
+      nanoseconds are truncated to microseconds);
+    * list, large_list, fixed_size_list, list_view -> list of the normalized element type;
+      struct -> struct of normalized fields; dictionary -> its value type; null stays null
+      (no evidence of a type yet).
+
+    ``unsupported_type`` names the types that are set aside instead.
+    """
     if pa.types.is_dictionary(t):
         return normalize_type(t.value_type)
     if pa.types.is_integer(t):
         return pa.int64()
     if pa.types.is_floating(t):
         return pa.float64()
+    if pa.types.is_decimal(t):
+        return pa.decimal128(t.precision, t.scale) if t.precision <= 38 else t
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return pa.string()
     if (
@@ -86,13 +129,118 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
         return pa.date32()
     if pa.types.is_time(t):
         return pa.string()
+    if _is_list(t):
+        return pa.list_(normalize_type(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, normalize_type(f.type)) for f in t])
     return t
+
+
+def unsupported_type(t: pa.DataType) -> str | None:
+    """Why a column of Arrow type ``t`` cannot be kept (the file is set aside), or None.
+
+    Decisions: a **map** (anywhere, also inside a list or struct) is rejected: Spark can
+    neither compare nor order maps, and the fold must compare images to find no-op updates (a
+    canonical form would change the column's type in the table). **duration** and **interval**
+    have no Delta type; **decimal** beyond 38 digits has no Spark or Delta type; a struct with
+    no field or with field names equal but for case cannot be stored in Delta.
+    """
+    if pa.types.is_dictionary(t):
+        return unsupported_type(t.value_type)
+    if pa.types.is_map(t):
+        return "map columns are not supported (Spark cannot compare maps)"
+    if pa.types.is_duration(t):
+        return "duration columns are not supported (Delta has no duration type)"
+    if pa.types.is_interval(t):
+        return "interval columns are not supported (Delta has no interval type)"
+    if pa.types.is_decimal(t) and t.precision > 38:
+        return f"decimal precision {t.precision} is above the 38 digits Spark and Delta support"
+    if _is_list(t):
+        return unsupported_type(t.value_type)
+    if pa.types.is_struct(t):
+        if t.num_fields == 0:
+            return "a struct without fields cannot be stored"
+        names = [f.name.lower() for f in t]
+        if len(set(names)) != len(names):
+            return "a struct with field names equal but for case cannot be stored"
+        for f in t:
+            why = unsupported_type(f.type)
+            if why:
+                return why
+        return None
+    simple = (
+        pa.types.is_null(t)
+        or pa.types.is_boolean(t)
+        or pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_string_view(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_fixed_size_binary(t)
+        or pa.types.is_binary_view(t)
+        or pa.types.is_timestamp(t)
+        or pa.types.is_date(t)
+        or pa.types.is_time(t)
+    )
+    return None if simple else f"type {t} is not supported"
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return (
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_fixed_size_list(t)
+        or pa.types.is_list_view(t)
+        or pa.types.is_large_list_view(t)
+    )
+
+
+def _needs_value_check(t: pa.DataType) -> bool:
+    """True if normalizing a column of type ``t`` can fail on some value (checked in pass 1)."""
+    if pa.types.is_dictionary(t):
+        return _needs_value_check(t.value_type)
+    return (
+        pa.types.is_uint64(t)
+        or pa.types.is_timestamp(t)
+        or pa.types.is_date(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_nested(t)
+    )
+
+
+def _is_string_like(t: pa.DataType) -> bool:
+    return pa.types.is_string(normalize_type(t))
+
+
+def _to_type(values: pa.Array, target: pa.DataType) -> pa.Array:
+    """``values`` as ``target``, never losing a value: raises ArrowInvalid if one does not fit.
+
+    Nanosecond timestamps are truncated to microseconds (the one documented loss: Spark and
+    Delta keep microseconds); Spark's date and timestamp range (years 1 to 9999) is enforced.
+    """
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if pa.types.is_timestamp(values.type) and values.type.unit == "ns":
+        values = pc.floor_temporal(values, unit="microsecond")
+    out = values if values.type == target else values.cast(target, safe=True)
+    if pa.types.is_timestamp(target) or pa.types.is_date(target):
+        bounds = pc.min_max(out.cast(pa.int64() if pa.types.is_timestamp(target) else pa.int32()))
+        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
+        low, high = (_US_MIN, _US_MAX) if pa.types.is_timestamp(target) else (_DATE_MIN, _DATE_MAX)
+        if lo is not None and (lo < low or hi > high):
+            raise pa.ArrowInvalid("outside the years 1 to 9999")
+    return out
 
 
 class LandingReader:
     """Decodes a table's landing files; picklable, so Spark ships it to the tasks.
 
     The keyring travels inside the pickled task closure, never in Spark conf, logs or the UI.
+    For an encrypted table no reason ever quotes a cell (or a library message that might):
+    reasons name the row and the column only.
     """
 
     def __init__(
@@ -101,6 +249,7 @@ class LandingReader:
         self.table = table
         self.landing_root = str(landing_root)
         self.keyring = keyring or Keyring.empty()
+        self.hide_values = table.encryption != "none"
 
     def __repr__(self) -> str:
         return f"LandingReader({self.table.name!r})"
@@ -110,9 +259,21 @@ class LandingReader:
     def relative(self, path: str) -> str:
         return os.path.relpath(path, self.landing_root)
 
+    def show(self, value: object) -> str:
+        """A cell as a reason may quote it: never for an encrypted table."""
+        if self.hide_values:
+            return "the value"
+        text = repr(value)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    def _detail(self, exc: BaseException) -> str:
+        return "" if self.hide_values else f": {exc}"
+
     def load(self, path: str, columns: Sequence[str] | None = None) -> pa.Table:
         """The file's rows as Arrow, types normalized; raises LandingFileError with a reason."""
         t = self.table
+        if os.path.islink(path):  # listed as a file, replaced by a link since: never follow it
+            raise LandingFileError("symlink: links in the landing zone are not followed")
         try:
             if not t.is_encoded:
                 tbl = pq.read_table(path, columns=list(columns) if columns else None)
@@ -141,23 +302,76 @@ class LandingReader:
             raise
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             kind = "Parquet" if t.format == "parquet" else t.format.upper()
-            raise LandingFileError(f"not a readable {kind} file: {exc}") from None
+            raise LandingFileError(f"not a readable {kind} file{self._detail(exc)}") from None
+        self._check_names(tbl.schema)
         return self._normalize(tbl)
 
+    def _check_names(self, schema: pa.Schema) -> None:
+        """Column names the table can hold: each once (ignoring case), none reserved or empty."""
+        seen: dict[str, str] = {}
+        for f in schema:
+            if not f.name:
+                raise LandingFileError("a column has an empty name")
+            other = seen.get(f.name.lower())
+            if other == f.name:
+                raise LandingFileError(f"column '{f.name}' appears twice")
+            if other is not None:
+                raise LandingFileError(
+                    f"columns '{other}' and '{f.name}' differ only in case"
+                    " (Delta column names are case-insensitive)"
+                )
+            seen[f.name.lower()] = f.name
+            if f.name == UNMODIFIED:
+                if not (pa.types.is_null(f.type) or normalize_type(f.type) == UNMODIFIED_TYPE):
+                    raise LandingFileError(
+                        f"column '{UNMODIFIED}' has type {f.type}, expected list<string>"
+                    )
+            elif is_reserved(f.name):
+                raise LandingFileError(
+                    f"column '{f.name}' uses a reserved system prefix (_fivetran_, _cdc_)"
+                )
+            elif f.name not in CDC_COLUMNS:
+                why = unsupported_type(f.type)
+                if why:
+                    raise LandingFileError(f"column '{f.name}' has type {f.type}: {why}")
+
     def _normalize(self, tbl: pa.Table) -> pa.Table:
-        cols, names = [], []
+        cols = []
         for name, column in zip(tbl.column_names, tbl.columns, strict=True):
-            if name == UNMODIFIED:
-                cols.append(column)
-            elif name == OP:
-                cols.append(pc.utf8_upper(column.cast(pa.string())))
-            elif name == TS and pa.types.is_string(normalize_type(column.type)):
-                cols.append(_parse_timestamps(column.cast(pa.string())))
+            if name == OP:
+                convert: Callable[[pa.Array], pa.Array] = lambda a: pc.utf8_upper(  # noqa: E731
+                    _to_type(a, pa.string())
+                )
+            elif name == TS and _is_string_like(column.type):
+                convert = parse_timestamps
+            elif name == UNMODIFIED and pa.types.is_null(column.type):
+                convert = lambda a: pa.nulls(len(a), UNMODIFIED_TYPE)  # noqa: E731
             else:
                 target = normalize_type(column.type)
-                cols.append(column if column.type == target else column.cast(target, safe=False))
-            names.append(name)
-        return pa.table(cols, names=names)
+                convert = lambda a, target=target: _to_type(a, target)  # noqa: E731
+            cols.append(self._convert(name, column.combine_chunks(), convert))
+        return pa.table(cols, names=tbl.column_names)
+
+    def _convert(
+        self, name: str, values: pa.Array, convert: Callable[[pa.Array], pa.Array]
+    ) -> pa.Array:
+        try:
+            return convert(values)
+        except CAST_ERRORS:
+            pass
+        row = first_failure(values, convert)
+        if name == TS and _is_string_like(values.type):
+            what = "is not an ISO-8601 timestamp"
+        elif pa.types.is_integer(values.type):
+            what = "is out of range for a 64-bit integer"
+        elif pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
+            what = "is out of range (years 1 to 9999)"
+        else:
+            what = f"cannot be read as {normalize_type(values.type)} without losing it"
+        if row is None:
+            raise LandingFileError(f"column '{name}': a value {what}")
+        shown = self.show(values[row].as_py())
+        raise LandingFileError(f"row {row + 1}, column '{name}': {shown} {what}", row + 1)
 
     # -- pass 1: inspect ----------------------------------------------------------------------
 
@@ -166,10 +380,12 @@ class LandingReader:
         try:
             if not self.table.is_encoded:
                 schema = _read_parquet_schema(path)
+                self._check_names(schema)
                 missing = [c for c in needed if c not in schema.names]
                 if missing:
                     return FileReport(path, 0, None, f"missing required column(s) {missing}")
-                tbl = self.load(path, columns=needed)
+                checked = [f.name for f in schema if f.name in needed or _needs_value_check(f.type)]
+                tbl = self.load(path, columns=checked)
             else:
                 tbl = self.load(path)
                 schema = tbl.schema
@@ -178,9 +394,12 @@ class LandingReader:
             return FileReport(path, 0, None, str(exc), getattr(exc, "row", None))
         except Exception as exc:  # a reader bug or an exotic file must still name the file
             return FileReport(
-                path, 0, None, f"could not read the file: {type(exc).__name__}: {exc}"
+                path,
+                0,
+                None,
+                f"could not read the file: {type(exc).__name__}{self._detail(exc)}",
             )
-        error, row, bad = validate_rows(tbl, self.table.primary_key)
+        error, row, bad = validate_rows(tbl, self.table.primary_key, self.show)
         if error:
             return FileReport(path, tbl.num_rows, schema, error, row, bad)
         bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}
@@ -205,48 +424,41 @@ class LandingReader:
             elif field.name == SOURCE_ROW:
                 arrays.append(pa.array(range(1, n + 1), pa.int64()))
             elif field.name in tbl.column_names:
-                arrays.append(tbl.column(field.name).cast(field.type, safe=False))
+                arrays.append(tbl.column(field.name).cast(field.type))  # checked in pass 1
             else:
                 arrays.append(pa.nulls(n, field.type))
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
 
 
-def _parse_timestamps(column: pa.ChunkedArray) -> pa.ChunkedArray:
-    """ISO-8601 strings (as Fivetran's Parquet writes instants) to UTC timestamps; naive means UTC.
-
-    Left as strings if any value does not parse: ``validate_rows`` then names the first one.
-    """
-    for target in (TS_TYPE, pa.timestamp("us")):
-        try:
-            return column.cast(target).cast(TS_TYPE)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            continue
-    return column
-
-
-def _first_unparsable(column: pa.ChunkedArray) -> int:
-    for i, value in enumerate(column.to_pylist()):
-        if value is not None and pa.types.is_string(
-            _parse_timestamps(pa.chunked_array([[value]])).type
-        ):
-            return i
-    return 0
-
-
 def _read_parquet_schema(path: str) -> pa.Schema:
+    if os.path.islink(path):
+        raise LandingFileError("symlink: links in the landing zone are not followed")
     try:
         return pq.read_schema(path)
     except (pa.ArrowException, OSError) as exc:
         raise LandingFileError(f"not a readable Parquet file: {exc}") from None
 
 
-def validate_rows(tbl: pa.Table, primary_key: Sequence[str]) -> tuple[str | None, int | None, int]:
-    """The first bad row (1-based) and why, plus how many rows are bad; (None, None, 0) if clean."""
+def validate_rows(
+    tbl: pa.Table,
+    primary_key: Sequence[str],
+    show: Callable[[object], str] = repr,
+) -> tuple[str | None, int | None, int]:
+    """The first bad row (1-based) and why, plus how many rows are bad; (None, None, 0) if clean.
+
+    ``show`` renders a cell for the reason (an encrypted table's reader never shows one).
+    A commit timestamp must lie in [0001-01-01, 9999-12-31T23:59:59.999Z): at TMAX or later
+    a version could not be told from a live one (a delete there would leave the key active).
+    """
     missing = [c for c in (*primary_key, *CDC_COLUMNS) if c not in tbl.column_names]
     if missing:
         return f"missing required column(s) {missing}", None, 0
     if tbl.num_rows == 0:
         return None, None, 0
+    if not pa.types.is_integer(tbl[SEQ].type):
+        return f"{SEQ} has type {tbl[SEQ].type}, expected an integer", None, 0
+    if not pa.types.is_timestamp(tbl[TS].type):
+        return f"{TS} has type {tbl[TS].type}, expected a timestamp", None, 0
     checks: list[tuple[pa.ChunkedArray, str]] = []
     for key in primary_key:
         checks.append((pc.is_null(tbl[key]), f"primary key column '{key}' is null"))
@@ -259,17 +471,16 @@ def validate_rows(tbl: pa.Table, primary_key: Sequence[str]) -> tuple[str | None
     )
     checks.append((pc.is_null(tbl[SEQ]), f"{SEQ} is missing"))
     checks.append((pc.is_null(tbl[TS]), f"{TS} is missing"))
-    if not pa.types.is_integer(tbl[SEQ].type):
-        return f"{SEQ} has type {tbl[SEQ].type}, expected an integer", None, 0
-    if pa.types.is_string(tbl[TS].type):
-        row = _first_unparsable(tbl[TS])
-        return (
-            f"row {row + 1}: {TS} {tbl[TS][row].as_py()!r} is not an ISO-8601 timestamp",
-            row + 1,
-            1,
+    ts = tbl[TS].cast(TS_TYPE)
+    out_of_range = pc.or_(
+        pc.less(ts, pa.scalar(TMIN, TS_TYPE)), pc.greater_equal(ts, pa.scalar(TMAX, TS_TYPE))
+    )
+    checks.append(
+        (
+            pc.fill_null(out_of_range, False),
+            f"{TS} is out of range (must be before 9999-12-31T23:59:59.999Z)",
         )
-    if not pa.types.is_timestamp(tbl[TS].type):
-        return f"{TS} has type {tbl[TS].type}, expected a timestamp", None, 0
+    )
     any_bad = None
     for mask, _ in checks:
         any_bad = mask if any_bad is None else pc.or_(any_bad, mask)
@@ -281,7 +492,7 @@ def validate_rows(tbl: pa.Table, primary_key: Sequence[str]) -> tuple[str | None
         if mask[first].as_py():
             detail = reason
             if reason.startswith(OP):
-                detail = f"{OP} {op[first].as_py()!r} is not INSERT, UPDATE or DELETE"
+                detail = f"{OP} {show(op[first].as_py())} is not INSERT, UPDATE or DELETE"
             more = f" ({bad_count} bad rows in all)" if bad_count > 1 else ""
             return f"row {first + 1}: {detail}{more}", first + 1, bad_count
     raise AssertionError("unreachable: a bad row matched no check")
@@ -307,20 +518,29 @@ def unify_schema(
     column of Arrow type ``null`` (every value null, no declared type) is no evidence of a
     type: it never clashes, and is only added once some file gives it a real type.
     """
-    skip = {*CDC_COLUMNS, UNMODIFIED, SOURCE_FILE, SOURCE_ROW}
+    skip = {*CDC_COLUMNS, UNMODIFIED}
     fields: dict[str, pa.DataType] = {}
     if established is not None:
         fields.update({f.name: f.type for f in established})
+    by_lower = {name.lower(): name for name in fields}
     rejected: dict[str, str] = {}
     for report in sorted(reports, key=lambda r: r.path):
         assert report.schema is not None
         typed = [f for f in report.schema if f.name not in skip and not pa.types.is_null(f.type)]
         clash = None
-        for f in typed:
+        for f in report.schema:
             have = fields.get(f.name)
-            if f.name.startswith(RESERVED_PREFIXES):
-                clash = f"column '{f.name}' uses a reserved system prefix {RESERVED_PREFIXES}"
-            elif have is not None and f.type != have:
+            same_but_case = by_lower.get(f.name.lower())
+            if f.name in skip:
+                continue
+            if is_reserved(f.name):
+                clash = f"column '{f.name}' uses a reserved system prefix (_fivetran_, _cdc_)"
+            elif same_but_case is not None and same_but_case != f.name:
+                clash = (
+                    f"column '{f.name}' differs only in case from the table's column"
+                    f" '{same_but_case}' (Delta column names are case-insensitive)"
+                )
+            elif have is not None and not pa.types.is_null(f.type) and f.type != have:
                 clash = f"column '{f.name}' has type {f.type} in this file but {have} in the table"
             if clash:
                 break
@@ -329,6 +549,7 @@ def unify_schema(
             continue
         for f in typed:
             fields.setdefault(f.name, f.type)
+            by_lower.setdefault(f.name.lower(), f.name)
     return [pa.field(name, t) for name, t in fields.items()], rejected
 
 
@@ -340,7 +561,7 @@ def event_schema(key_and_data: Sequence[pa.Field]) -> pa.Schema:
             pa.field(OP, pa.string()),
             pa.field(SEQ, pa.int64()),
             pa.field(TS, TS_TYPE),
-            pa.field(UNMODIFIED, pa.list_(pa.string())),
+            pa.field(UNMODIFIED, UNMODIFIED_TYPE),
             pa.field(SOURCE_FILE, pa.string()),
             pa.field(SOURCE_ROW, pa.int64()),
         ]

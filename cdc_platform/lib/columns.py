@@ -1,0 +1,83 @@
+"""The names and types of the CDC, system and internal columns, in one place.
+
+* CDC columns: the three change columns every landing file carries.
+* System columns: what the platform adds. ``_fivetran_*`` in the history table, ``_cdc_*``
+  in the change log. A source column may not use either prefix (``_cdc_unmodified``, the
+  CSV reader's list of unmodified cells, is the one ``_cdc_`` column a decoded file carries).
+* Internal columns: the fold's and the merge's working columns. They live under
+  ``INTERNAL_PREFIX``, itself under the reserved ``_cdc_`` prefix, so they can never collide
+  with a source column, whatever it is called.
+
+``quoted`` makes any column name safe to hand to Spark, which otherwise parses dots and
+backticks in a name as a struct path or a quoted identifier.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column
+
+# -- CDC columns of a landing file ----------------------------------------------------------------
+OP = "cdc_operation_type"
+SEQ = "cdc_change_seq"
+TS = "cdc_commit_timestamp"
+CDC_COLUMNS = (OP, SEQ, TS)
+OPERATIONS = ("INSERT", "UPDATE", "DELETE")
+
+# -- system columns the platform adds -------------------------------------------------------------
+UNMODIFIED = "_cdc_unmodified"
+SOURCE_FILE = "_cdc_source_file"
+SOURCE_ROW = "_cdc_source_row"
+INGESTED_AT = "_cdc_ingested_at"
+CHANGELOG_SYSTEM_COLUMNS = (*CDC_COLUMNS, UNMODIFIED, SOURCE_FILE, SOURCE_ROW, INGESTED_AT)
+
+START = "_fivetran_start"
+END = "_fivetran_end"
+ACTIVE = "_fivetran_active"
+SYNCED = "_fivetran_synced"
+HISTORY_SYSTEM_COLUMNS = (START, END, ACTIVE, SYNCED)
+
+# -- types -------------------------------------------------------------------------------------
+TS_TYPE = pa.timestamp("us", tz="UTC")
+UNMODIFIED_TYPE = pa.list_(pa.string())
+# The end of a live version (HISTORY_MODE section 2). A commit timestamp at or after TMAX is out
+# of range: a version starting or deleted there could not be told apart from a live one.
+TMAX = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+TMAX_SQL = "9999-12-31 23:59:59.999"
+# The earliest instant Spark, Delta and Python's datetime all represent.
+TMIN = datetime(1, 1, 1, tzinfo=UTC)
+
+# -- reserved name spaces -------------------------------------------------------------------------
+RESERVED_PREFIXES = ("_fivetran_", "_cdc_")
+INTERNAL_PREFIX = "_cdc_tmp_"
+
+
+def internal(name: str) -> str:
+    """The name of an internal working column (never a source column's name)."""
+    return INTERNAL_PREFIX + name
+
+
+def is_reserved(name: str) -> bool:
+    """True for names in the platform's name spaces (a source column may not use them)."""
+    return name.lower().startswith(RESERVED_PREFIXES)
+
+
+def quote(name: str) -> str:
+    """``name`` as a Spark SQL identifier: in backticks, backticks inside doubled."""
+    return "`" + name.replace("`", "``") + "`"
+
+
+def col(name: str) -> Column:
+    """The column called exactly ``name`` (dots and backticks are part of the name)."""
+    from pyspark.sql import functions as F
+
+    return F.col(quote(name))
+
+
+def cols(names: list[str] | tuple[str, ...]) -> list[Column]:
+    return [col(n) for n in names]
