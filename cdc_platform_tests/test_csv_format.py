@@ -478,3 +478,29 @@ def test_streamed_decoding_into_the_reader(tmp_path):
         tbl = read_csv_events(stream, table(SIMPLE), str(p))
     assert tbl.equals(read_csv_events(raw, table(SIMPLE), str(p)))
     assert tbl.column("name")[29_999].as_py() == "v29999\\"
+
+
+def test_bad_timestamp_among_mixed_spellings_names_its_own_row():
+    """The one parser every format shares: mixed zones parse, the bad cell's row is named."""
+    cells = ["2024-01-01T05:00:00Z", "2024-01-01 05:00:00", "2024-01-01T07:00:00+02:00", "soon"]
+    rows = [[str(i), c, "INSERT", str(i), c] for i, c in enumerate(cells)]
+    err = error(["id", "at", *CDC], rows, {"id": "long", "at": "timestamp"})
+    assert (err.row, str(err)) == (4, "row 4, column 'at': 'soon' is not a valid timestamp")
+
+
+def test_encrypted_table_reasons_never_quote_a_cell():
+    secret = "not-a-number-SECRETPLAINTEXT"
+    enc = TableConfig(
+        name="orders",
+        primary_key=("id",),
+        start=datetime(2024, 1, 1, tzinfo=UTC),
+        format="csv",
+        encryption="aes-256-cbc",
+        columns={"id": "long", "b": "binary"},
+    )
+    for header, row in ((["id", *CDC], [secret]), (["id", "b", *CDC], ["1", f"{secret}!"])):
+        data = jackson_csv(header, [[*row, "INSERT", "1", TS]])
+        with pytest.raises(LandingFileError) as info:
+            read_csv_events(data, enc, source="t.csv")
+        assert "SECRET" not in str(info.value)
+        assert str(info.value).startswith("row 1, column ")

@@ -277,7 +277,8 @@ def _stat_value(t: pa.DataType, value: Any, upper: bool) -> Any:
     if kind == "int" or kind == "bool":
         return value if kind == "int" else bool(value)
     if kind == "float":
-        return None if (value is None or math.isnan(value)) else value
+        # JSON has no NaN or infinity (delta-rs rejects the log entry): no bound then
+        return None if (value is None or not math.isfinite(value)) else value
     if kind == "timestamp":
         ts = value if value.tzinfo else value.replace(tzinfo=UTC)
         ms = ts.replace(microsecond=(ts.microsecond // 1000) * 1000)
