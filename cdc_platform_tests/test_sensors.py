@@ -170,17 +170,21 @@ def test_single_request_launches_a_partition_run(
     assert seen_ranges == [("2024-01-03-08:00",)]
 
 
-def test_asset_key_target_and_the_open_hour_with_a_real_clock(
-    tmp_path: Path, instance: dg.DagsterInstance
-) -> None:
+def test_the_open_hour_with_a_real_clock(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     """With the wall clock, the open hour's partition does not exist yet: never requested early."""
     now = datetime.now(UTC)
     current = now.replace(minute=0, second=0, microsecond=0)
     put(tmp_path, current)
     put(tmp_path, current - timedelta(hours=1))
     table = TableConfig(name="orders", primary_key=("id",), start=current - timedelta(days=2))
-    sensor = build_landing_sensor(table, tmp_path, dg.AssetKey("orders"))
-    requests, _, _ = tick(sensor, None, instance, [orders_asset])  # validated against the asset
+    orders_now = dg.asset(
+        name="orders",
+        partitions_def=dg.HourlyPartitionsDefinition(
+            start_date=(current - timedelta(days=2)).strftime("%Y-%m-%d-%H:%M")
+        ),
+    )(lambda: None)
+    sensor = build_landing_sensor(table, tmp_path, orders_now)
+    requests, _, _ = tick(sensor, None, instance, [orders_now])  # validated against the asset
     assert [r.partition_key for r in requests] == [
         hour_to_partition_key(current - timedelta(hours=1))
     ]
