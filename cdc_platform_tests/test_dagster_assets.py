@@ -351,3 +351,5 @@ def test_spark_resource_never_stops_a_session_it_did_not_start(spark, tmp_path):
     )
     assert result.success
     assert spark.range(3).count() == 3  # still alive
+    SparkResource().stop()  # the public stop() too: only what a SparkResource started
+    assert spark.range(3).count() == 3
