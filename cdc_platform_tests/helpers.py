@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+from cdc_platform.defs.alerts import AlertWebhookResource
+from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.landing import hour_folder
 
 CDC_FIELDS = [
@@ -78,3 +80,15 @@ def normalize(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> list
     """Rows as tuples over ``columns`` (missing -> None), sorted, for exact comparison."""
     out = [tuple(r.get(c) for c in columns) for r in rows]
     return sorted(out, key=lambda t: tuple((v is None, str(v)) for v in t))
+
+
+def dagster_resources(**overrides: Any) -> dict[str, Any]:
+    """The one resource set Dagster-level tests run with: Spark that leaves the suite's shared
+    session running, the keyring named by ``CDC_KEYRING`` (none: an empty one), no webhook.
+    Pass a key to replace one, e.g. ``keyring=KeyringResource(path=...)``."""
+    return {
+        "spark": SparkResource(stop_at_end_of_run=False),
+        "keyring": KeyringResource(),
+        "alert_webhook": AlertWebhookResource(),
+        **overrides,
+    }

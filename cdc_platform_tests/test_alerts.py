@@ -3,19 +3,31 @@
 import json
 import logging
 import socket
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 import pytest
 
 from cdc_platform.defs.alerts import (
     ALERT_WEBHOOK_ENV_VAR,
+    CHECK_ALERT_SENSOR_NAME,
+    MAX_DELIVERY_ATTEMPTS,
     RUN_FAILURE_SENSOR_NAME,
     AlertWebhookResource,
     alert_webhook_from_env,
+    build_check_failure_alert_sensor,
     build_run_failure_alert_sensor,
 )
+from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.lib import invariants
 from cdc_platform.lib.alerts import AlertDeliveryError, build_alert, post_alert, redact_url
+from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.webhook import SECRET_PATH, SECRET_QUERY, Webhook
+
+START = datetime(2024, 1, 1, tzinfo=UTC)
 
 
 def assert_no_secret(text: str) -> None:
@@ -311,3 +323,137 @@ def test_run_failure_sensor_skips_runs_failed_only_by_blocking_checks(webhook: W
         )
         build_run_failure_alert_sensor()(context)
     assert webhook.posted == []
+
+
+# --- the check alert sensor -------------------------------------------------------------------
+
+
+def sensor_logs(capfd: pytest.CaptureFixture[str]) -> str:
+    """What a sensor logged so far (Dagster's sensor logger writes to stderr)."""
+    out, err = capfd.readouterr()
+    return out + err
+
+
+def closed_port_url() -> str:
+    """A webhook URL nobody listens on (the port was bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}{SECRET_PATH}?{SECRET_QUERY}"
+
+
+def test_unreachable_webhook_never_loses_check_results(
+    spark, lake, webhook: Webhook, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 7, item 1: with the webhook down and one file set aside, all 9 results are recorded;
+    the alert sensor logs the failed delivery (redacted), retries, and posts once it is up."""
+    table = TableConfig(name="alerted", primary_key=("id",), start=START)
+    platform = PlatformConfig(lake["landing"], lake["warehouse"], (table,))
+    hour = START + timedelta(hours=5)
+    write_parquet_events(lake["landing"], "alerted", hour, [ev("INSERT", 1, hour, 1, v="a")])
+    bad = hour_folder(lake["landing"], "alerted", hour) / "part-bad.parquet"
+    bad.write_bytes(b"not a parquet file")
+    defs = build_table_definitions(platform, table)
+    down = AlertWebhookResource(webhook_url=closed_port_url(), timeout_seconds=2)
+    alerts = build_check_failure_alert_sensor(list(defs.checks.check_keys))
+    assert alerts.name == CHECK_ALERT_SENSOR_NAME
+
+    def alert_tick(instance, cursor: str | None, hook: AlertWebhookResource) -> str | None:
+        context = dg.build_sensor_context(
+            cursor=cursor, instance=instance, resources={"alert_webhook": hook}
+        )
+        return alerts.evaluate_tick(context).cursor
+
+    with dg.instance_for_test() as instance:
+        cursor = alert_tick(instance, None, down)  # first tick: the baseline
+        result = dg.materialize(
+            [defs.asset, defs.checks],
+            partition_key=hour_to_partition_key(hour),
+            instance=instance,
+            resources=dagster_resources(alert_webhook=down),
+            raise_on_error=False,
+        )
+        (mat,) = result.get_asset_materialization_events()
+        assert mat.materialization.metadata["files_quarantined"].value == 1
+        passed = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        assert passed == {name: name != invariants.NO_QUARANTINE for name in invariants.CHECK_NAMES}
+        assert len(passed) == 9
+        # Recorded in the instance too, not only in the run's result.
+        records = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+            list(defs.checks.check_keys)
+        )
+        assert {k.name: r.event.asset_check_evaluation.passed for k, r in records.items()} == (
+            passed
+        )
+        assert not result.success  # the blocking check failed the run, as it should
+
+        sensor_logs(capfd)
+        cursor = alert_tick(instance, cursor, down)  # webhook down: logged, kept
+        logged = sensor_logs(capfd)
+        assert "alert not delivered (attempt 1, will retry)" in logged
+        assert "could not reach alert webhook http://127.0.0.1:" in logged
+        assert_no_secret(logged)
+        assert cursor is not None and len(json.loads(cursor)["pending"]) == 1
+        assert webhook.posted == []
+
+        up = AlertWebhookResource(webhook_url=webhook.secret_url, ui_base_url="http://ui:3000")
+        cursor = alert_tick(instance, cursor, up)
+        (got,) = webhook.posted
+        assert got.body["kind"] == "check_failed"
+        assert got.body["check"] == invariants.NO_QUARANTINE
+        assert got.body["table"] == "alerted"
+        assert got.body["partition"] == hour_to_partition_key(hour)
+        assert got.body["counts"]["failing_keys"] == 1
+        # The pending alert was built on the first tick, when the UI URL was the default.
+        assert got.body["run_url"].endswith(f"/runs/{result.run_id}")
+        assert cursor is not None and json.loads(cursor)["pending"] == []
+
+        alert_tick(instance, cursor, up)  # nothing new: nothing posted twice
+        assert len(webhook.posted) == 1
+
+
+def test_undeliverable_alerts_are_retried_a_bounded_number_of_times(
+    webhook: Webhook, capfd: pytest.CaptureFixture[str]
+) -> None:
+    webhook.status = 503
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    sensor = build_check_failure_alert_sensor([dg.AssetCheckKey(dg.AssetKey("checked"), "x")])
+    cursor = json.dumps(
+        {"v": 1, "checks": {}, "pending": [{"payload": {"text": "hi"}, "attempts": 0}]}
+    )
+    with dg.instance_for_test() as instance:
+        for _ in range(MAX_DELIVERY_ATTEMPTS + 2):
+            context = dg.build_sensor_context(
+                cursor=cursor, instance=instance, resources={"alert_webhook": hook}
+            )
+            cursor = sensor.evaluate_tick(context).cursor
+    assert len(webhook.posted) == MAX_DELIVERY_ATTEMPTS
+    assert json.loads(cursor or "{}")["pending"] == []
+    logged = sensor_logs(capfd)
+    assert f"giving up on alert after {MAX_DELIVERY_ATTEMPTS} attempts" in logged
+    assert_no_secret(logged)
+
+
+def test_check_alert_sensor_alerts_only_new_failures(webhook: Webhook) -> None:
+    """First tick: a baseline (old failures are history). Then one alert per new failure."""
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    key = dg.AssetCheckKey(dg.AssetKey("checked"), "always_fails")
+    sensor = build_check_failure_alert_sensor([key])
+
+    def run_and_tick(instance, cursor: str | None) -> str | None:
+        dg.materialize([checked_asset, always_fails], instance=instance, raise_on_error=False)
+        context = dg.build_sensor_context(
+            cursor=cursor, instance=instance, resources={"alert_webhook": hook}
+        )
+        return sensor.evaluate_tick(context).cursor
+
+    with dg.instance_for_test() as instance:
+        cursor = run_and_tick(instance, None)
+        assert webhook.posted == []
+        cursor = run_and_tick(instance, cursor)
+        cursor = run_and_tick(instance, cursor)
+    assert [(c.body["check"], c.body["counts"]) for c in webhook.posted] == [
+        ("always_fails", {"failing_keys": 1}),
+        ("always_fails", {"failing_keys": 1}),
+    ]
+    assert len({c.body["run_id"] for c in webhook.posted}) == 2

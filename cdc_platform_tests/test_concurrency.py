@@ -8,26 +8,33 @@ recomputes against the winner and retries (a bounded number of times).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import pytest
 import yaml
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
 from cdc_platform.defs.factory import build_table_definitions, pool_name
+from cdc_platform.defs.launcher import process_alive
 from cdc_platform.lib import invariants, merge
-from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
+from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.merge import COMMIT_ATTEMPTS
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths
-from cdc_platform_tests.helpers import history_rows, write_parquet_events
+from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1, H2 = H0 + timedelta(hours=1), H0 + timedelta(hours=2)
@@ -233,3 +240,138 @@ def test_one_writer_per_table_is_configured() -> None:
     assert pool_name(TABLE) == f"cdc_table_{NAME}"
     assert defs.asset.op.pool == f"cdc_table_{NAME}"
     assert defs.asset.op.pools == {f"cdc_table_{NAME}"}
+
+
+# --- a killed run frees its slot ---------------------------------------------------------------
+
+KILLED = "killed"
+FREE_SLOTS_AFTER_SECONDS = 1
+
+
+def killed_run_home(root: Path) -> Path:
+    """A DAGSTER_HOME with the shipped dagster.yaml, its slot grace shortened for the test."""
+    home = root / "dagster_home"
+    home.mkdir()
+    settings = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
+    settings["run_monitoring"]["free_slots_after_run_end_seconds"] = FREE_SLOTS_AFTER_SECONDS
+    (home / "dagster.yaml").write_text(yaml.safe_dump(settings))
+    return home
+
+
+def monitoring_iteration(instance: dg.DagsterInstance) -> None:
+    """One pass of the monitoring daemon `dagster dev` runs (run health, then slot release)."""
+    from dagster._core.workspace.context import WorkspaceProcessContext
+    from dagster._core.workspace.load_target import EmptyWorkspaceTarget
+    from dagster._daemon.daemon import MonitoringDaemon
+
+    with WorkspaceProcessContext(instance, EmptyWorkspaceTarget()) as context:
+        errors = [e for e in MonitoringDaemon(interval_seconds=1).run_iteration(context) if e]
+    assert errors == []
+
+
+def test_shipped_instance_monitors_runs() -> None:
+    instance_yaml = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
+    monitoring = instance_yaml["run_monitoring"]
+    assert monitoring["enabled"] is True
+    assert monitoring["max_resume_run_attempts"] == 0
+    assert monitoring["free_slots_after_run_end_seconds"] > 0
+    assert instance_yaml["run_launcher"] == {
+        "module": "cdc_platform.defs.launcher",
+        "class": "LocalRunLauncher",
+    }
+
+
+def test_kill_9_of_a_run_frees_its_slot_and_the_next_run_completes(spark, tmp_path: Path) -> None:
+    """Issue 7, item 12: kill -9 of a run's process group while it holds the table's pool slot;
+    run monitoring marks the run failed, the slot is freed, and the next run completes."""
+    started = time.monotonic()
+    table = TableConfig(name=KILLED, primary_key=("id",), start=H0)
+    config = tmp_path / "cdc_platform.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "landing_root": str(tmp_path / "landing"),
+                "warehouse_root": str(tmp_path / "warehouse"),
+                "tables": [{"name": KILLED, "primary_key": ["id"], "start": "2024-01-01-00:00"}],
+            }
+        )
+    )
+    write_parquet_events(tmp_path / "landing", KILLED, H0, [ev("INSERT", 1, T0, 1, 10)])
+    home = killed_run_home(tmp_path)
+    pool = pool_name(table)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "CDC_"))}
+    env |= {"DAGSTER_HOME": str(home), CONFIG_ENV_VAR: str(config), "PYTHONPATH": str(REPO_ROOT)}
+    dagster_cli = Path(sys.executable).parent / "dagster"
+    command = [str(dagster_cli), "asset", "materialize", "-m", "cdc_platform.definitions"]
+    command += ["--select", KILLED, "--partition", "2024-01-01-00:00"]
+    log = (tmp_path / "run.log").open("w+")
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    instance = dg.DagsterInstance.from_config(str(home))
+    try:
+        deadline = time.monotonic() + 300
+        while not instance.event_log_storage.get_concurrency_info(pool).claimed_slots:
+            assert proc.poll() is None, "the run ended before it claimed its slot"
+            assert time.monotonic() < deadline, "the run never claimed its pool slot"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)  # the run worker and everything it started
+        proc.wait(timeout=60)
+        (run,) = instance.get_runs()
+        assert run.status == dg.DagsterRunStatus.STARTED  # nobody will ever finish it...
+        info = instance.event_log_storage.get_concurrency_info(pool)
+        assert info.active_run_ids == {run.run_id}  # ...and it holds the slot: the leak
+
+        monitoring_iteration(instance)
+        failed = instance.get_run_by_id(run.run_id)
+        assert failed is not None and failed.status == dg.DagsterRunStatus.FAILURE
+        (failure,) = instance.get_records_for_run(
+            run_id=run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE
+        ).records
+        assert "is gone" in (failure.event_log_entry.dagster_event.message or "")
+
+        time.sleep(FREE_SLOTS_AFTER_SECONDS + 1)
+        monitoring_iteration(instance)
+        info = instance.event_log_storage.get_concurrency_info(pool)
+        assert info.claimed_slots == [] and info.active_run_ids == set()
+
+        # The next run of the table takes the slot and completes.
+        platform = PlatformConfig(tmp_path / "landing", tmp_path / "warehouse", (table,))
+        defs = build_table_definitions(platform, table)
+        result = dg.materialize(
+            [defs.asset, defs.checks],
+            partition_key="2024-01-01-00:00",
+            instance=instance,
+            resources=dagster_resources(),
+        )
+        assert result.success
+        next_run = instance.get_run_by_id(result.run_id)
+        assert next_run is not None and next_run.status == dg.DagsterRunStatus.SUCCESS
+        assert [c.passed for c in result.get_asset_check_evaluations()] == [True] * 9
+        rows = history_rows(TablePaths.of(tmp_path / "warehouse", KILLED).history)
+        assert [(r["id"], r["v"], r["_fivetran_active"]) for r in rows] == [(1, 10, True)]
+        assert instance.event_log_storage.get_concurrency_info(pool).claimed_slots == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        log.close()
+        instance.dispose()
+    print(f"kill -9 / monitor / next run: {time.monotonic() - started:.1f}s")
+
+
+def test_worker_health_check(tmp_path: Path) -> None:
+    """The launcher's check: a live pid is RUNNING; a gone or zombie pid is FAILED."""
+    assert process_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while process_alive(child.pid):  # a zombie until reaped: not alive
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child.wait()
+    assert not process_alive(child.pid)

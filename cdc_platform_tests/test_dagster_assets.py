@@ -15,17 +15,21 @@ import dagster as dg
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder
 from cdc_platform.lib.merge import FAULT_ENV
 from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import (
+    dagster_resources,
+    history_rows,
+    normalize,
+    write_parquet_events,
+)
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import reference_history
 
 MS = timedelta(milliseconds=1)
@@ -40,14 +44,6 @@ def write_config(root: Path, tables: str) -> Path:
     return path
 
 
-def resources(spark_session=None) -> dict:
-    return {
-        "spark": SparkResource(stop_at_end_of_run=False),
-        "keyring": KeyringResource(),
-        "alert_webhook": AlertWebhookResource(),
-    }
-
-
 def run_partition(
     defs, partition: str | None = None, tags: dict | None = None
 ) -> dg.ExecuteInProcessResult:
@@ -56,7 +52,7 @@ def run_partition(
         partition_key=partition,
         tags=tags,
         instance=dg.DagsterInstance.ephemeral(),
-        resources=resources(),
+        resources=dagster_resources(),
     )
     assert result.success
     evaluations = result.get_asset_check_evaluations()
@@ -351,10 +347,9 @@ def test_spark_resource_never_stops_a_session_it_did_not_start(spark, tmp_path):
         [defs.asset],
         partition_key="2024-01-01-00:00",
         instance=dg.DagsterInstance.ephemeral(),
-        resources={
-            "spark": SparkResource(),
-            "keyring": KeyringResource(),
-        },  # stop_at_end_of_run=True
+        resources=dagster_resources(spark=SparkResource()),  # stop_at_end_of_run=True
     )
     assert result.success
     assert spark.range(3).count() == 3  # still alive
+    SparkResource().stop()  # the public stop() too: only what a SparkResource started
+    assert spark.range(3).count() == 3

@@ -21,16 +21,15 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from cdc_platform.defs.alerts import AlertWebhookResource
+from cdc_platform.defs.alerts import AlertWebhookResource, build_check_failure_alert_sensor
 from cdc_platform.defs.factory import build_definitions, build_table_definitions
-from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib import invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
-from cdc_platform_tests.helpers import history_rows, write_parquet_events
+from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 from cdc_platform_tests.webhook import Webhook
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -373,16 +372,22 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
     platform = PlatformConfig(lake["landing"], lake["warehouse"], (TABLE,))
     write_base_landing(lake["landing"])
     defs = build_table_definitions(platform, TABLE)
-    resources = {
-        "spark": SparkResource(stop_at_end_of_run=False),
-        "keyring": KeyringResource(),
-        "alert_webhook": AlertWebhookResource(
-            webhook_url=webhook.secret_url, ui_base_url="http://dagster.test:3000"
-        ),
-    }
+    hook = AlertWebhookResource(
+        webhook_url=webhook.secret_url, ui_base_url="http://dagster.test:3000"
+    )
+    resources = dagster_resources(alert_webhook=hook)
     table_path = paths_of(lake["root"]).history
+    alerts = build_check_failure_alert_sensor(list(defs.checks.check_keys))
+
+    def alert_tick(cursor: str | None) -> str | None:
+        """One tick of the check alert sensor, as the daemon would run it."""
+        context = dg.build_sensor_context(
+            cursor=cursor, instance=instance, resources={"alert_webhook": hook}
+        )
+        return alerts.evaluate_tick(context).cursor
 
     with dg.DagsterInstance.ephemeral() as instance:
+        cursor = alert_tick(None)
         result = dg.materialize(
             [defs.asset, defs.checks],
             partition_key=hour_to_partition_key(H0),
@@ -401,6 +406,7 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
         assert {e.check_name for e in evaluations} == ALL
         assert all(e.passed for e in evaluations), [e for e in evaluations if not e.passed]
         assert {e.metadata["scope"].value for e in evaluations} == {"keys touched by this run"}
+        cursor = alert_tick(cursor)
         assert [c.body for c in webhook.posted] == []
 
         # Corrupt the table, then run the checks alone (a job selecting only the checks).
@@ -432,6 +438,8 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
         assert bad.metadata["checked_keys"].value == 4
         assert bad.metadata["scope"].value == "whole table"
         assert bad.severity == dg.AssetCheckSeverity.ERROR
+        assert webhook.posted == []  # checks never post: the alert sensor does
+        alert_tick(cursor)
 
     # One alert per failing check, each a JSON POST to the loopback server.
     assert sorted(b["check"] for b in (c.body for c in webhook.posted)) == sorted(

@@ -7,7 +7,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from dagster._core.storage import tags as dagster_tags
+from deltalake import DeltaTable
 
+from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.sensors import (
     RANGE_END_TAG,
     RANGE_START_TAG,
@@ -15,7 +17,8 @@ from cdc_platform.defs.sensors import (
     TABLE_TAG,
     build_landing_sensor,
 )
-from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib import quarantine
+from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.sensor_cursor import (
     REASON_INITIAL,
@@ -23,6 +26,9 @@ from cdc_platform.lib.sensor_cursor import (
     REASON_NEW_FOLDER,
     CursorState,
 )
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import event as ev
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
 TABLE = TableConfig(name="orders", primary_key=("id",), start=START, sensor_interval_seconds=45)
@@ -55,10 +61,14 @@ class Clock:
 
 
 def tick(
-    sensor: dg.SensorDefinition, cursor: str | None, instance: dg.DagsterInstance, assets: list
+    sensor: dg.SensorDefinition,
+    cursor: str | None,
+    instance: dg.DagsterInstance,
+    assets: list,
+    resources: dict | None = None,
 ) -> tuple[list[dg.RunRequest], str | None, str | None]:
     """Evaluate like the daemon does (partition keys are resolved and validated)."""
-    defs = dg.Definitions(assets=assets, sensors=[sensor])
+    defs = dg.Definitions(assets=assets, sensors=[sensor], resources=resources)
     context = dg.build_sensor_context(cursor=cursor, instance=instance, definitions=defs)
     data = sensor.evaluate_tick(context)
     return list(data.run_requests or []), data.cursor, data.skip_message
@@ -170,17 +180,21 @@ def test_single_request_launches_a_partition_run(
     assert seen_ranges == [("2024-01-03-08:00",)]
 
 
-def test_asset_key_target_and_the_open_hour_with_a_real_clock(
-    tmp_path: Path, instance: dg.DagsterInstance
-) -> None:
+def test_the_open_hour_with_a_real_clock(tmp_path: Path, instance: dg.DagsterInstance) -> None:
     """With the wall clock, the open hour's partition does not exist yet: never requested early."""
     now = datetime.now(UTC)
     current = now.replace(minute=0, second=0, microsecond=0)
     put(tmp_path, current)
     put(tmp_path, current - timedelta(hours=1))
     table = TableConfig(name="orders", primary_key=("id",), start=current - timedelta(days=2))
-    sensor = build_landing_sensor(table, tmp_path, dg.AssetKey("orders"))
-    requests, _, _ = tick(sensor, None, instance, [orders_asset])  # validated against the asset
+    orders_now = dg.asset(
+        name="orders",
+        partitions_def=dg.HourlyPartitionsDefinition(
+            start_date=(current - timedelta(days=2)).strftime("%Y-%m-%d-%H:%M")
+        ),
+    )(lambda: None)
+    sensor = build_landing_sensor(table, tmp_path, orders_now)
+    requests, _, _ = tick(sensor, None, instance, [orders_now])  # validated against the asset
     assert [r.partition_key for r in requests] == [
         hour_to_partition_key(current - timedelta(hours=1))
     ]
@@ -207,3 +221,82 @@ def test_range_tag_names_are_dagsters() -> None:
     assert dagster_tags.ASSET_PARTITION_RANGE_START_TAG == RANGE_START_TAG
     assert dagster_tags.ASSET_PARTITION_RANGE_END_TAG == RANGE_END_TAG
     assert dagster_tags.PARTITION_NAME_TAG == "dagster/partition"
+
+
+def test_first_tick_starts_from_what_is_already_applied(
+    spark, lake, instance: dg.DagsterInstance
+) -> None:
+    """Issue 7, item 17: after every hour was materialized (as `make demo` does), the sensor's
+    first tick requests nothing; then a new file triggers exactly its hour."""
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    table = TableConfig(name="orders", primary_key=("id",), start=START)
+    platform = PlatformConfig(landing, warehouse, (table,))
+    h0, h1, h2, h3 = (START + timedelta(hours=i) for i in range(4))
+    write_parquet_events(landing, "orders", h0, [ev("INSERT", 1, h0, 1, v="a")])
+    write_parquet_events(landing, "orders", h1, [ev("UPDATE", 2, h1, 1, v="b")])
+    # A re-delivery of events already logged: read, but in no change-log row.
+    write_parquet_events(landing, "orders", h2, [ev("UPDATE", 2, h1, 1, v="b")])
+    (hour_folder(landing, "orders", h2) / "part-bad.parquet").write_bytes(b"not parquet")
+    defs = build_table_definitions(platform, table)
+    result = dg.materialize(
+        [defs.asset],
+        instance=instance,
+        resources=dagster_resources(),
+        tags={RANGE_START_TAG: hour_to_partition_key(h0), RANGE_END_TAG: hour_to_partition_key(h2)},
+    )
+    assert result.success
+    paths = TablePaths.of(warehouse, "orders")
+    logged = DeltaTable(str(paths.changelog)).to_pyarrow_table(columns=["_cdc_source_file"])
+    assert not any("hour=02" in f for f in logged["_cdc_source_file"].to_pylist())
+    assert len(quarantine.current(paths.quarantine)) == 1
+
+    # A file that landed after the materialization and was never read.
+    write_parquet_events(landing, "orders", h3, [ev("INSERT", 3, h3, 3, v="c")])
+    clock = Clock(datetime(2024, 1, 1, 4, 30, tzinfo=UTC))  # window: hours 0..3
+    sensor = build_landing_sensor(table, landing, defs.asset, warehouse_root=warehouse, clock=clock)
+    requests, cursor, _ = tick(sensor, None, instance, [defs.asset], dagster_resources())
+    assert [(r.partition_key, r.tags[REASON_TAG]) for r in requests] == [
+        (hour_to_partition_key(h3), REASON_NEW_FOLDER)
+    ]
+    # Everything else was applied: remembered as if requested, so nothing else runs.
+    assert set(CursorState.from_json(cursor).folders) == {
+        hour_to_partition_key(h) for h in (h0, h1, h2, h3)
+    }
+
+    result = dg.materialize(
+        [defs.asset],
+        instance=instance,
+        resources=dagster_resources(),
+        partition_key=hour_to_partition_key(h3),
+    )
+    assert result.success
+    # A reset cursor (or the first tick of `make ui` after `make demo`): nothing to request.
+    clock.now += timedelta(minutes=1)
+    requests, cursor, skip = tick(sensor, None, instance, [defs.asset], dagster_resources())
+    assert requests == [] and skip == "no new or changed hour folders"
+
+    write_parquet_events(landing, "orders", h1, [ev("UPDATE", 4, h1, 1, v="d")])
+    clock.now += timedelta(minutes=1)
+    requests, cursor, _ = tick(sensor, cursor, instance, [defs.asset], dagster_resources())
+    assert [(r.partition_key, r.tags[REASON_TAG]) for r in requests] == [
+        (hour_to_partition_key(h1), REASON_NEW_FILES)
+    ]
+
+
+def test_without_a_ledger_the_first_tick_requests_every_folder(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    """Nothing recorded as applied (a fresh warehouse): every closed folder is requested."""
+    for h in (1, 2):
+        put(tmp_path / "landing", START + timedelta(hours=h))
+    sensor = build_landing_sensor(
+        TABLE,
+        tmp_path / "landing",
+        orders_asset,
+        warehouse_root=tmp_path / "warehouse",
+        clock=Clock(datetime(2024, 1, 1, 5, 30, tzinfo=UTC)),
+    )
+    requests, _, _ = tick(sensor, None, instance, [orders_asset])
+    assert [r.partition_key_range for r in requests] == [
+        dg.PartitionKeyRange("2024-01-01-01:00", "2024-01-01-02:00")
+    ]

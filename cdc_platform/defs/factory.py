@@ -5,6 +5,7 @@ whole range, in one run) calls the pure pipeline. The checks are the SCD2 invari
 Spark after every materialization on the keys it touched, and over everything on a schedule.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -13,17 +14,15 @@ import dagster as dg
 
 from cdc_platform.defs.alerts import (
     ALERT_RESOURCE_KEY,
-    AlertWebhookResource,
     alert_webhook_from_env,
+    build_check_failure_alert_sensor,
     build_run_failure_alert_sensor,
-    partition_for_run,
 )
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import build_landing_sensor
-from cdc_platform.lib import invariants
-from cdc_platform.lib.alerts import build_alert
+from cdc_platform.lib import applied_files, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.landing import hours_between
+from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key, hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -72,6 +71,14 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
         context.log.info(
             f"{table.name}: applying {len(hours)} hour folder(s) {context.partition_key_range}"
         )
+        # Listed before reading: every file listed here is read (or was deleted meanwhile), so
+        # the ledger never claims a file that was not read; one landing later is picked up by
+        # the sensor as usual.
+        listed = [
+            applied_files.AppliedFile(hour_to_partition_key(h), f)
+            for h in hours
+            for f in files_in_hour(platform.landing_root, table.name, h)
+        ]
         result = materialize(
             spark.spark_session,
             table,
@@ -82,6 +89,14 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
         )
         for q in result.quarantined:
             context.log.warning(f"{table.name}: set aside {q.file}: {q.reason}")
+        applied_files.record(
+            applied_files.ledger_path(platform.warehouse_root, table.name),
+            platform.landing_root,
+            [hour_to_partition_key(h) for h in hours],
+            listed,
+            context.run.run_id,
+            result.synced_at,
+        )
         return dg.MaterializeResult(metadata=materialization_metadata(result))
 
     check_specs = [
@@ -91,35 +106,20 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
 
     @dg.multi_asset_check(specs=check_specs, name=f"{table.name}_invariants", can_subset=False)
     def history_checks(
-        context: dg.AssetCheckExecutionContext,
-        spark: SparkResource,
-        alert_webhook: AlertWebhookResource,
-    ) -> Any:
-        since = _version_before_this_run(context, key)
+        context: dg.AssetCheckExecutionContext, spark: SparkResource
+    ) -> Iterable[dg.AssetCheckResult]:
+        """Results only: the check alert sensor reads them from the instance and posts alerts."""
+        materialized_here, since = _version_before_this_run(context, key)
         session = spark.spark_session
         scope = (
             invariants.touched_keys(session, paths, table.primary_key, since)
-            if since is not None
+            if materialized_here
             else None
         )
         scope_label = "keys touched by this run" if scope is not None else "whole table"
-        partition = partition_for_run(context.run.tags)
         for o in invariants.run_checks(session, paths, table.primary_key, scope):
             if not o.passed:
                 context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s)")
-                alert_webhook.send(
-                    build_alert(
-                        "check_failed",
-                        table=table.name,
-                        partition=partition,
-                        check=o.name,
-                        counts={"failing_keys": o.failing, "checked_keys": o.checked_keys or 0},
-                        run_id=context.run.run_id,
-                        ui_base_url=alert_webhook.ui_base_url,
-                        detail=o.detail or invariants.DESCRIPTIONS[o.name],
-                        sample_keys=o.sample,
-                    )
-                )
             yield dg.AssetCheckResult(
                 asset_key=key,
                 check_name=o.name,
@@ -128,13 +128,15 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
                 metadata={
                     "failing_keys": o.failing,
                     "sample": dg.MetadataValue.json(_jsonable(o.sample)),
-                    "checked_keys": o.checked_keys if o.checked_keys is not None else -1,
+                    "checked_keys": o.checked_keys,  # None (null) when not counted
                     "scope": scope_label,
                     **({"detail": o.detail} if o.detail else {}),
                 },
             )
 
-    sensor = build_landing_sensor(table, platform.landing_root, history_table)
+    sensor = build_landing_sensor(
+        table, platform.landing_root, history_table, warehouse_root=platform.warehouse_root
+    )
     return TableDefinitions(history_table, history_checks, sensor)
 
 
@@ -156,11 +158,10 @@ def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
         "rows_written": m.rows_written,
         "files_added": m.files_added,
         "files_removed": m.files_removed,
-        "delta_version": m.history_version if m.history_version is not None else -1,
-        VERSION_BEFORE: result.history_version_before
-        if result.history_version_before is not None
-        else -1,
-        "changelog_version": m.changelog_version if m.changelog_version is not None else -1,
+        # None (a null metadata value) when there is no such version (nothing committed yet).
+        "delta_version": m.history_version,
+        VERSION_BEFORE: result.history_version_before,
+        "changelog_version": m.changelog_version,
         "commit_attempts": m.attempts,
         "seconds": result.seconds,
         "synced_at": result.synced_at.isoformat(),
@@ -169,13 +170,13 @@ def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
 
 def _version_before_this_run(
     context: dg.AssetCheckExecutionContext, key: dg.AssetKey
-) -> int | None:
-    """The table version before this run's materialization, or None if this run made none."""
+) -> tuple[bool, int | None]:
+    """(whether this run materialized the table, its version before that; None: no table)."""
     event = context.instance.get_latest_materialization_event(key)
     if event is None or event.run_id != context.run.run_id or event.asset_materialization is None:
-        return None
+        return False, None
     value = event.asset_materialization.metadata.get(VERSION_BEFORE)
-    return int(value.value) if value is not None else None
+    return True, (int(value.value) if value is not None and value.value is not None else None)
 
 
 def _jsonable(value: Any) -> Any:
@@ -199,7 +200,11 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
     return dg.Definitions(
         assets=[t.asset for t in tables],
         asset_checks=[t.checks for t in tables],
-        sensors=[*(t.sensor for t in tables), build_run_failure_alert_sensor()],
+        sensors=[
+            *(t.sensor for t in tables),
+            build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
+            build_run_failure_alert_sensor(),
+        ],
         jobs=[check_job],
         schedules=[
             dg.ScheduleDefinition(

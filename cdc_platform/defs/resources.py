@@ -6,48 +6,79 @@ Both are lazy: defining them (and importing this module) starts no JVM and reads
 from __future__ import annotations
 
 import os
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
-from dagster_pyspark import LazyPySparkResource
 from pydantic import Field, PrivateAttr
 
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.spark import build_spark_session
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 KEYRING_ENV_VAR = "CDC_KEYRING"
 
+# Spark has one SparkContext per process, and Dagster runs each step with a *copy* of the
+# resource object it was given, so which session a SparkResource started is process-wide state:
+# it lets ``stop()`` on the object the caller holds stop the session a run's copy started.
+_started_lock = threading.Lock()
+_started: list[SparkSession] = []
 
-class SparkResource(LazyPySparkResource):
+
+class SparkResource(dg.ConfigurableResource):
     """A SparkSession created on first use and stopped when the run ends (if it started it).
 
     ``master`` is ``local[2]`` by default; point it at ``spark://host:7077``, ``yarn`` or
     ``k8s://https://...`` and put cluster settings in ``spark_config``. The platform always
     adds what correctness needs (UTC session time zone, TIMESTAMP_MICROS Parquet output).
+    A session that was already running when the resource was first used (a notebook, a test
+    suite) is reused and never stopped by it.
     """
 
     master: str = Field(default="local[2]", description="Spark master URL.")
     spark_config: dict[str, Any] = Field(default_factory=dict, description="Extra Spark conf.")
     app_name: str = "cdc_platform"
     stop_at_end_of_run: bool = Field(
-        default=True, description="Stop the session when the run ends (tests share one instead)."
+        default=True,
+        description="Stop the session when the run ends; False keeps it for the next run "
+        "(then call stop() when done).",
     )
 
-    _owns_session: bool = PrivateAttr(default=False)
+    _session: Any = PrivateAttr(default=None)
 
-    def _init_session(self) -> None:
-        if self._spark_session is None:
+    @property
+    def spark_session(self) -> SparkSession:
+        """The session, built on first access (``lib.spark.build_spark_session``)."""
+        if self._session is None:
             from pyspark.sql import SparkSession
 
-            # A session someone else started (a notebook, a test suite) is reused, never stopped.
-            self._owns_session = SparkSession.getActiveSession() is None
-            conf = {k: str(v) for k, v in self.spark_config.items()}
-            self._spark_session = build_spark_session(self.master, conf, self.app_name)
+            with _started_lock:
+                already_running = SparkSession.getActiveSession() is not None
+                conf = {k: str(v) for k, v in self.spark_config.items()}
+                session = build_spark_session(self.master, conf, self.app_name)
+                if not already_running and not any(s is session for s in _started):
+                    _started.append(session)
+            self._session = session
+        return self._session
+
+    def stop(self) -> None:
+        """Stop the session a SparkResource started in this process; never a session it only
+        reused. Safe to call more than once (and when nothing was started)."""
+        with _started_lock:
+            while _started:
+                _started.pop().stop()
+        self._session = None
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
-        if self._spark_session is not None and self.stop_at_end_of_run and self._owns_session:
-            self._spark_session.stop()
-        self._spark_session = None
+        session, self._session = self._session, None
+        if session is None or not self.stop_at_end_of_run:
+            return
+        with _started_lock:
+            if any(s is session for s in _started):
+                _started.remove(session)
+                session.stop()
 
 
 class KeyringResource(dg.ConfigurableResource):

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import dagster as dg
 
+from cdc_platform.lib import applied_files
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.sensor_cursor import CursorState, PartitionRequest, evaluate
+from cdc_platform.lib.sensor_cursor import CursorState, PartitionRequest, evaluate, seed_state
 
 # Dagster's own tag names (dagster._core.storage.tags); spelled out to avoid a private import.
 PARTITION_TAG = "dagster/partition"
@@ -33,12 +34,11 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def _end_offset(target: dg.AssetsDefinition | dg.AssetKey) -> int:
+def _end_offset(target: dg.AssetsDefinition) -> int:
     """How many not-yet-closed hours the target's partitions include (0 unless configured)."""
-    if isinstance(target, dg.AssetsDefinition):
-        partitions_def = target.partitions_def
-        if isinstance(partitions_def, dg.TimeWindowPartitionsDefinition):
-            return partitions_def.end_offset
+    partitions_def = target.partitions_def
+    if isinstance(partitions_def, dg.TimeWindowPartitionsDefinition):
+        return partitions_def.end_offset
     return 0
 
 
@@ -54,23 +54,25 @@ def run_request_for(table: TableConfig, request: PartitionRequest) -> dg.RunRequ
 def build_landing_sensor(
     table: TableConfig,
     landing_root: Path,
-    target: dg.AssetsDefinition | dg.AssetKey,
+    target: dg.AssetsDefinition,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
     *,
+    warehouse_root: Path | None = None,
     clock: Callable[[], datetime] = _utcnow,
 ) -> dg.SensorDefinition:
     """A sensor requesting runs of ``target`` for new/changed hour folders of ``table``.
 
-    ``clock`` exists for tests; the cursor (see ``CursorState``) is the only state, so resetting
-    it from the UI re-requests every folder that exists (an initial backfill).
+    The cursor (see ``CursorState``) is the only state. When it is empty (the first tick, or a
+    reset from the UI) it is seeded from the files the table's materializations already read
+    (``lib.applied_files``, under ``warehouse_root``): only folders holding a file never read are
+    requested. ``clock`` exists for tests.
     """
     end_offset = _end_offset(target)
-    selection = target if isinstance(target, dg.AssetsDefinition) else [target]
 
     @dg.sensor(
         name=f"{table.name}_landing_sensor",
         minimum_interval_seconds=table.sensor_interval_seconds,
-        target=selection,
+        target=target,
         default_status=default_status,
         description=(
             f"Requests runs of {table.name} when hour folders under {landing_root}/{table.name} "
@@ -80,10 +82,15 @@ def build_landing_sensor(
         tags={TABLE_TAG: table.name},
     )
     def _landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        now = clock()
         state = CursorState.from_json(context.cursor)
-        requests, new_state = evaluate(
-            table, Path(landing_root), clock(), state, end_offset=end_offset
-        )
+        if not context.cursor and warehouse_root is not None:
+            done = applied_files.applied(applied_files.ledger_path(warehouse_root, table.name))
+            state = seed_state(table, Path(landing_root), now, done, end_offset=end_offset)
+            context.log.info(
+                f"{table.name}: empty cursor; {len(state.folders)} hour folder(s) already applied"
+            )
+        requests, new_state = evaluate(table, Path(landing_root), now, state, end_offset=end_offset)
         for request in requests:
             context.log.info(
                 f"{table.name}: requesting {request.first}..{request.last} "

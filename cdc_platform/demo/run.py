@@ -101,8 +101,7 @@ def main() -> None:
                 f"{history.version():>8} {status}"
             )
     finally:
-        if spark._spark_session is not None:
-            spark._spark_session.stop()
+        spark.stop()
     print(
         f"done in {time.monotonic() - started:.1f}s; `make ui` opens these runs in the Dagster UI"
     )

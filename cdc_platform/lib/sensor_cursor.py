@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -129,6 +129,33 @@ def lookback_window(
     last = current - HOUR + timedelta(hours=end_offset)
     first = max(current - timedelta(hours=table.lookback_hours), table.start)
     return first, last
+
+
+def seed_state(
+    table: TableConfig,
+    landing_root: Path,
+    now: datetime,
+    applied: Collection[tuple[str, int, int]],
+    *,
+    end_offset: int = 0,
+) -> CursorState:
+    """The starting cursor when there is none: every hour folder whose current files were all
+    applied already (``applied``: (landing-relative path, size, mtime_ns) of each file read) is
+    remembered with its fingerprint, exactly as if the sensor had requested it. The first tick
+    then requests only folders holding a file never read. One walk of the table's tree.
+    """
+    done = set(applied)
+    folders: dict[str, str] = {}
+    _, last = lookback_window(table, now, end_offset)
+    for hour in sorted({h for h, _ in all_hour_folders(landing_root, table.name)}):
+        if hour < table.start or hour > last:
+            continue
+        files = files_in_hour(landing_root, table.name, hour)
+        if files and all(
+            (os.path.relpath(f.path, landing_root), f.size, f.mtime_ns) in done for f in files
+        ):
+            folders[hour_to_partition_key(hour)] = fingerprint(files)
+    return CursorState(folders=folders)
 
 
 def sweep_due(table: TableConfig, now: datetime, state: CursorState) -> bool:

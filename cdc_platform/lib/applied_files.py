@@ -1,0 +1,105 @@
+"""Which landing files each hourly partition was last materialized from.
+
+One row per file read, replaced partition by partition on every materialization:
+``<warehouse_root>/_cdc/<table>/applied_files``. The landing sensor reads it when its cursor is
+empty (first start, or a reset from the UI) so that it starts from what is already applied
+instead of requesting every folder again.
+
+Why not the change log's ``_cdc_source_file``: a file whose events were all duplicates of events
+logged before (a re-delivery), or that holds no rows, is read but never appears there, and a
+file name says nothing about a file rewritten in place. This ledger holds every file read with
+the size and mtime the sensor fingerprints, so "applied" means exactly "this content was read".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+
+from cdc_platform.lib.landing import LandingFile
+from cdc_platform.lib.warehouse import TablePaths
+
+SCHEMA = pa.schema(
+    [
+        pa.field("partition", pa.string()),
+        pa.field("file", pa.string()),  # relative to the landing root, like _cdc_source_file
+        pa.field("size", pa.int64()),
+        pa.field("mtime_ns", pa.int64()),
+        pa.field("run_id", pa.string()),
+        pa.field("applied_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+FileIdentity = tuple[str, int, int]  # (landing-relative path, size, mtime_ns)
+
+
+@dataclass(frozen=True)
+class AppliedFile:
+    partition: str
+    file: LandingFile
+
+
+def ledger_path(warehouse_root: Path, table: str) -> Path:
+    return TablePaths.of(warehouse_root, table).changelog.parent / "applied_files"
+
+
+def identity(landing_root: Path, f: LandingFile) -> FileIdentity:
+    return (os.path.relpath(f.path, landing_root), f.size, f.mtime_ns)
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def record(
+    path: Path,
+    landing_root: Path,
+    partitions: Sequence[str],
+    files: Iterable[AppliedFile],
+    run_id: str,
+    applied_at: datetime,
+) -> None:
+    """Replace the rows of ``partitions`` with ``files`` in one commit."""
+    rows = [
+        {
+            "partition": a.partition,
+            "file": identity(landing_root, a.file)[0],
+            "size": a.file.size,
+            "mtime_ns": a.file.mtime_ns,
+            "run_id": run_id,
+            "applied_at": applied_at,
+        }
+        for a in files
+    ]
+    data = pa.Table.from_pylist(rows, schema=SCHEMA)
+    if not DeltaTable.is_deltatable(str(path)):
+        if not rows:
+            return
+        Path(path).mkdir(parents=True, exist_ok=True)
+        write_deltalake(str(path), data, mode="append")
+        return
+    if not partitions:
+        return
+    predicate = f"partition IN ({', '.join(_quote(p) for p in sorted(set(partitions)))})"
+    write_deltalake(str(path), data, mode="overwrite", predicate=predicate)
+
+
+def applied(path: Path) -> set[FileIdentity]:
+    """Every (file, size, mtime_ns) recorded; empty when nothing was recorded yet."""
+    if not DeltaTable.is_deltatable(str(path)):
+        return set()
+    tbl = DeltaTable(str(path)).to_pyarrow_table(columns=["file", "size", "mtime_ns"])
+    return set(
+        zip(
+            tbl["file"].to_pylist(),
+            tbl["size"].to_pylist(),
+            tbl["mtime_ns"].to_pylist(),
+            strict=True,
+        )
+    )
