@@ -78,7 +78,6 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark import build_spark_session
-from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -270,17 +269,28 @@ def rss_bytes(pid: int) -> int:
 
 
 class TreeRssSampler:
-    """Peak of the summed VmRSS of a process and all its descendants, sampled in a thread."""
+    """Peak of the summed VmRSS of a process and all its descendants, sampled in a thread.
 
-    def __init__(self, root_pid: int, interval: float = 0.05) -> None:
+    VmRSS is read every ``interval`` for the known pids (cheap); the process tree itself is
+    re-discovered every ``tree_interval`` (a /proc scan, ~10-30 ms on a busy machine). Pages
+    shared between forked Python workers count once per process, as in ``ps``.
+    """
+
+    def __init__(self, root_pid: int, interval: float = 0.05, tree_interval: float = 1.0) -> None:
         self.root_pid = root_pid
         self.interval = interval
+        self.tree_interval = tree_interval
         self.peak = 0
+        self._pids: list[int] = []
+        self._tree_at = -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def sample(self) -> int:
-        total = sum(rss_bytes(p) for p in tree_pids(self.root_pid))
+    def sample(self, refresh: bool = False) -> int:
+        now = time.monotonic()
+        if refresh or now - self._tree_at >= self.tree_interval:
+            self._pids, self._tree_at = tree_pids(self.root_pid), now
+        total = sum(rss_bytes(p) for p in self._pids)
         self.peak = max(self.peak, total)
         return total
 
@@ -297,7 +307,26 @@ class TreeRssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.sample()
+        self.sample(refresh=True)
+
+
+def history_path(warehouse: Path) -> Path:
+    """The history table, where the README says it is (not imported: the code may change)."""
+    return warehouse / TABLE_NAME
+
+
+def changelog_path(warehouse: Path) -> Path:
+    return warehouse / "_cdc" / TABLE_NAME / "changelog"
+
+
+def delta_tables(warehouse: Path) -> list[Path]:
+    """Every Delta table under the warehouse (a redesign may add some, e.g. per-key state)."""
+    found = []
+    for folder, dirs, _files in os.walk(warehouse):
+        if "_delta_log" in dirs:
+            found.append(Path(folder))
+            dirs.clear()  # a table's own folders hold no other table
+    return sorted(found)
 
 
 def log_versions(table_path: Path) -> set[int]:
@@ -382,23 +411,33 @@ class Measurement:
     peak_rss: int
     history: CommitBytes
     changelog: CommitBytes
+    other: dict[str, CommitBytes]  # other Delta tables the call committed to
     result: Any
 
 
 def measured_materialize(
     spark: SparkSession, landing: Path, warehouse: Path, hours: Sequence[datetime]
 ) -> Measurement:
-    paths = TablePaths.of(warehouse, TABLE_NAME)
-    hist_before, cl_before = log_versions(paths.history), log_versions(paths.changelog)
+    before = {t: log_versions(t) for t in delta_tables(warehouse)}
     with TreeRssSampler(os.getpid()) as rss:
         t0 = time.perf_counter()
         result = materialize(spark, TABLE, landing, warehouse, hours)
         seconds = time.perf_counter() - t0
+    commits = {
+        t: commit_bytes(t, sorted(log_versions(t) - before.get(t, set())))
+        for t in delta_tables(warehouse)
+    }
+    history, changelog = history_path(warehouse), changelog_path(warehouse)
     return Measurement(
         seconds=seconds,
         peak_rss=rss.peak,
-        history=commit_bytes(paths.history, sorted(log_versions(paths.history) - hist_before)),
-        changelog=commit_bytes(paths.changelog, sorted(log_versions(paths.changelog) - cl_before)),
+        history=commits.get(history, CommitBytes()),
+        changelog=commits.get(changelog, CommitBytes()),
+        other={
+            t.relative_to(warehouse).as_posix(): c
+            for t, c in commits.items()
+            if t not in (history, changelog) and c.versions
+        },
         result=result,
     )
 
@@ -481,7 +520,7 @@ def build_cached_table(
     t0 = time.perf_counter()
     result = materialize(spark, TABLE, landing.root, warehouse, hours)
     seconds = time.perf_counter() - t0
-    history = TablePaths.of(warehouse, TABLE_NAME).history
+    history = history_path(warehouse)
     versions, active = table_rows(history)
     meta = {
         "seconds": round(seconds, 2),
@@ -578,6 +617,7 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
             "rewritten MB",
             "(removed+added)",
             "CL added MB",
+            "other MB",
             "files touched",
             "files added",
             "peak RSS MiB",
@@ -594,6 +634,7 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
                 fmt_mb(r.m.history.rewritten_bytes),
                 f"{fmt_mb(r.m.history.removed_bytes)}+{fmt_mb(r.m.history.added_bytes)}",
                 fmt_mb(r.m.changelog.added_bytes),
+                fmt_mb(sum(c.rewritten_bytes for c in r.m.other.values())),
                 r.m.history.files_removed,
                 r.m.history.files_added,
                 f"{r.m.peak_rss / 2**20:,.0f}",
@@ -601,6 +642,9 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
             for r in rows
         ],
     )
+    others = sorted({name for r in rows for name in r.m.other})
+    if others:
+        log(f"  other MB: removes + adds of the other Delta tables the call committed to: {others}")
     commits = {len(r.m.history.versions) for r in rows}
     if commits != {1}:
         log(f"  note: history commits per measured call: {sorted(commits)} (figures sum them)")
@@ -840,7 +884,7 @@ def run_backfill(args: argparse.Namespace, work: Path) -> None:
     first, last = hour_to_partition_key(hour_at(0)), hour_to_partition_key(hour_at(hours - 1))
     log(f"  dagster asset materialize --select {TABLE_NAME} --partition-range {first}...{last}")
     cli = run_dagster_cli(env, run_dir, ["--partition-range", f"{first}...{last}"], "backfill")
-    history = TablePaths.of(warehouse, TABLE_NAME).history
+    history = history_path(warehouse)
     versions, active = table_rows(history)
     meta = latest_run_figures(run_dir / "dagster_home")
     log(
