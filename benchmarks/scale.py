@@ -286,6 +286,7 @@ class TreeRssSampler:
         self.interval = interval
         self.tree_interval = tree_interval
         self.peak = 0
+        self.first = 0  # the tree's RSS when sampling started
         self._pids: list[int] = []
         self._tree_at = -math.inf
         self._stop = threading.Event()
@@ -305,7 +306,7 @@ class TreeRssSampler:
             self._stop.wait(self.interval)
 
     def __enter__(self) -> TreeRssSampler:
-        self.sample()
+        self.first = self.sample(refresh=True)
         self._thread.start()
         return self
 
@@ -414,6 +415,7 @@ def table_bytes(table_path: Path) -> int:
 class Measurement:
     seconds: float
     peak_rss: int
+    rss_before: int
     history: CommitBytes
     changelog: CommitBytes
     other: dict[str, CommitBytes]  # other Delta tables the call committed to
@@ -436,6 +438,7 @@ def measured_materialize(
     return Measurement(
         seconds=seconds,
         peak_rss=rss.peak,
+        rss_before=rss.first,
         history=commits.get(history, CommitBytes()),
         changelog=commits.get(changelog, CommitBytes()),
         other={
@@ -625,6 +628,7 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
             "other MB",
             "files touched",
             "files added",
+            "RSS before MiB",
             "peak RSS MiB",
         ],
         [
@@ -642,10 +646,15 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
                 fmt_mb(sum(c.rewritten_bytes for c in r.m.other.values())),
                 r.m.history.files_removed,
                 r.m.history.files_added,
+                f"{r.m.rss_before / 2**20:,.0f}",
                 f"{r.m.peak_rss / 2**20:,.0f}",
             ]
             for r in rows
         ],
+    )
+    log(
+        "  RSS: VmRSS summed over this process tree (Python, JVM, Python workers); the JVM keeps "
+        "its heap, so the peak includes the session's earlier high-water mark (see RSS before)"
     )
     others = sorted({name for r in rows for name in r.m.other})
     if others:
