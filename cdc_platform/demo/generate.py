@@ -2,9 +2,9 @@
 
 Layout: ``<landing_root>/<table>/year=YYYY/month=MM/day=DD/hour=HH/part-NNNNN-<uuid>.snappy.parquet``.
 
-The data carries what real CDC exports bring (seeds/003): exact duplicates (same
-``cdc_change_seq``, sometimes in two files or folders), visibly identical events with new
-seqs, several changes to one key in one millisecond (including an insert and a delete),
+The data carries what real CDC exports bring (docs/HISTORY_MODE.md section 1): exact
+duplicates (same ``cdc_change_seq``, sometimes in two files or folders), visibly identical
+events with new seqs, several changes to one key in one millisecond (including an insert and a delete),
 keys whose first event is an UPDATE, deletes of keys never seen, DELETE rows with only the
 key, late files (a folder holding events committed up to 4 hours earlier), 1-3 files per
 folder, and schema drift (``customers.loyalty_points`` appears at hour 5, ``customers.fax``
