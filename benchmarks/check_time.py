@@ -38,7 +38,7 @@ def timed_checks(spark, paths: TablePaths, primary_key: tuple[str, ...]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--hours", type=int, default=12, help="demo hours (make demo: 12)")
     parser.add_argument("--reps", type=int, default=3, help="timed runs per table after the first")
     parser.add_argument("--seed", type=int, default=7)

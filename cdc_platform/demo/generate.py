@@ -505,7 +505,7 @@ def _utc(ts: datetime) -> datetime:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("landing_root", type=Path)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--hours", type=int, default=12)

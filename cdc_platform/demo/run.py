@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 
 import dagster as dg
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, alert_webhook_from_env
 from cdc_platform.defs.factory import build_table_definitions
@@ -54,7 +52,7 @@ def prepare_landing(platform: PlatformConfig) -> None:
 def history_summary(history: Path) -> tuple[int, int, int]:
     """(versions, active versions, Delta version) of a history table."""
     rows = delta.read_arrow(history, columns=["_fivetran_active"])
-    active = pc.sum(rows["_fivetran_active"].cast(pa.int64())).as_py() or 0
+    active = rows["_fivetran_active"].to_pylist().count(True)
     return rows.num_rows, active, delta.version_or_none(history) or 0
 
 
