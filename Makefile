@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` and `make test`. Both set up .venv themselves.
+# The two commands of the README: `make demo` and `make test` (ruff, pyright, pytest). Both set up .venv themselves.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,6 +16,7 @@ ui: java $(VENV)/.installed
 test: java $(VENV)/.installed
 	$(BIN)/ruff check cdc_platform cdc_platform_tests benchmarks
 	$(BIN)/ruff format --check cdc_platform cdc_platform_tests benchmarks
+	$(BIN)/pyright
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed

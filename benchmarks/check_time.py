@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cdc_platform.demo.generate import CUSTOMERS, ORDERS, PRIMARY_KEYS, generate_landing_zone
 from cdc_platform.lib import invariants
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.delta import open_table
+from cdc_platform.lib.delta import read_arrow
 from cdc_platform.lib.landing import all_hour_folders
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark import build_spark_session
@@ -38,7 +38,7 @@ def timed_checks(spark, paths: TablePaths, primary_key: tuple[str, ...]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--hours", type=int, default=12, help="demo hours (make demo: 12)")
     parser.add_argument("--reps", type=int, default=3, help="timed runs per table after the first")
     parser.add_argument("--seed", type=int, default=7)
@@ -63,7 +63,7 @@ def main() -> None:
                 result = materialize(spark, table, landing, warehouse, hours)
                 mat_s = time.perf_counter() - t0
                 paths = TablePaths.of(warehouse, name)
-                rows = open_table(paths.history).to_pyarrow_table(columns=[PRIMARY_KEYS[name]])
+                rows = read_arrow(paths.history, columns=[PRIMARY_KEYS[name]])
                 first, outcomes = timed_checks(spark, paths, table.primary_key)
                 samples = [
                     timed_checks(spark, paths, table.primary_key)[0] for _ in range(args.reps)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from deltalake import DeltaTable
 
+from cdc_platform.lib import delta
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import hour_folder
 from cdc_platform.lib.pipeline import materialize
@@ -100,9 +100,10 @@ def main() -> None:
     )  # hour 1's events, late
     step("late file in a later folder", [args.hours + 1], inc // 10)
     step("replay, nothing new", [args.hours], 0)
-    dt = DeltaTable(str(TablePaths.of(warehouse, TABLE.name).history))
+    history = TablePaths.of(warehouse, TABLE.name).history
     print(
-        f"history: {dt.to_pyarrow_table(columns=['id']).num_rows:,} versions, Delta version {dt.version()}"
+        f"history: {delta.read_arrow(history, columns=['id']).num_rows:,} versions, "
+        f"Delta version {delta.version_or_none(history)}"
     )
     spark.stop()
 

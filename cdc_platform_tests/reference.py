@@ -1,4 +1,4 @@
-"""An independent, deliberately simple reference fold of HISTORY_MODE.md section 3.
+"""An independent, deliberately simple reference fold of docs/HISTORY_MODE.md section 3.
 
 Pure Python, one loop per key, written from the contract text only. Property tests compare
 the Spark implementation against ``reference_history``; keep this file boring and obviously
@@ -63,7 +63,7 @@ def _op(event: Mapping[str, Any]) -> str:
 def reference_history(
     events: Iterable[Mapping[str, Any]], primary_key: Sequence[str]
 ) -> list[dict[str, Any]]:
-    """Fold CDC events into history-mode versions (HISTORY_MODE.md section 3).
+    """Fold CDC events into history-mode versions (docs/HISTORY_MODE.md section 3).
 
     events: dicts with the pk columns, data columns, ``cdc_operation_type`` (any case of
     INSERT/UPDATE/DELETE), ``cdc_change_seq`` (int) and ``cdc_commit_timestamp`` (tz-aware

@@ -82,6 +82,16 @@ def test_valid_config_resolves_paths_against_its_folder(tmp_path):
             "table 'orders', field 'columns': column 'id' has unknown type",
         ),
         ('{name: 1orders, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
+        (
+            '{name: _cdc, primary_key: [id], start: "2024-01-01-00:00"}',
+            "table '_cdc', field 'name': must not start with '_'",
+        ),
+        (
+            '{name: _orders, primary_key: [id], start: "2024-01-01-00:00"}',
+            "table '_orders', field 'name': must not start with '_'",
+        ),
+        ('{name: .cdc, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
+        ('{name: a/b, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
     ],
 )
 def test_bad_table_config_is_rejected_naming_table_and_field(tmp_path, table, message):
@@ -89,6 +99,43 @@ def test_bad_table_config_is_rejected_naming_table_and_field(tmp_path, table, me
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("landing", "warehouse", "message"),
+    [
+        ("data", "data", "field 'warehouse_root': the same folder as landing_root"),
+        ("data", "./data/", "field 'warehouse_root': the same folder as landing_root"),
+        ("data", "data/warehouse", "field 'warehouse_root'"),
+        ("data/landing", "data", "field 'landing_root'"),
+        ("data/x/../landing", "data/landing/wh", "field 'warehouse_root'"),
+    ],
+)
+def test_overlapping_roots_are_rejected_naming_the_field(tmp_path, landing, warehouse, message):
+    table = '{name: orders, primary_key: [id], start: "2024-01-01-00:00"}'
+    path = _config(
+        tmp_path, f"landing_root: {landing}\nwarehouse_root: {warehouse}\ntables:\n  - {table}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value)
+
+
+def test_sibling_roots_with_a_common_prefix_are_fine(tmp_path):
+    table = '{name: orders, primary_key: [id], start: "2024-01-01-00:00"}'
+    cfg = load_config(
+        _config(tmp_path, f"landing_root: data\nwarehouse_root: data2\ntables:\n  - {table}\n")
+    )
+    assert cfg.warehouse_root == tmp_path / "data2"
+
+
+def test_table_names_differing_only_in_case_are_one_folder(tmp_path):
+    tables = (
+        '  - {name: Orders, primary_key: [id], start: "2024-01-01-00:00"}\n'
+        '  - {name: orders, primary_key: [id], start: "2024-01-01-00:00"}\n'
+    )
+    with pytest.raises(ConfigError, match="defined twice"):
+        load_config(_config(tmp_path, f"landing_root: l\nwarehouse_root: w\ntables:\n{tables}"))
 
 
 def test_unknown_top_level_key_and_missing_file(tmp_path):

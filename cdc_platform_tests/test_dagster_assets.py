@@ -1,4 +1,4 @@
-"""The asset through a real Dagster instance: seeds' examples, ranges, the CLI, crashes."""
+"""The asset through a real Dagster instance: the contract's examples, ranges, the CLI, crashes."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_seed_001_through_the_asset(spark, tmp_path):
 
 
 def test_seed_000_update_files_through_the_asset(spark, tmp_path):
-    """seeds/000: partial updates (unmodified cells) take the previous image's values."""
+    """docs/HISTORY_MODE.md example B: unmodified cells take the previous image's values."""
     platform = load_config(
         write_config(
             tmp_path,

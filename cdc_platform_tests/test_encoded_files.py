@@ -172,7 +172,7 @@ def version(id_: int, start: datetime, end: datetime, **values: Any) -> dict[str
     }
 
 
-# -- 1. seeds/000: update files with unmodified cells, from an encrypted ZSTD CSV -------------------
+# -- 1. docs/HISTORY_MODE.md example B (unmodified cells), from an encrypted ZSTD CSV ---------
 
 SEED_COLUMNS = {"id": "long", "col1": "string", "col2": "long"}
 T1 = datetime(2024, 1, 1, 5, 0, 0, 0, tzinfo=UTC)
@@ -208,7 +208,7 @@ def test_seed_000_update_files_from_encrypted_zstd_csv(spark, lake):
     second = run(spark, lake, t, h2, keyring)
     assert second.events_new == 3 and not second.quarantined
 
-    # seeds/000, "The final destination table will be as follows".
+    # docs/HISTORY_MODE.md example B, the final table.
     expected = [
         version(1, T1, T2 - MS, col1="abc", col2=1),
         version(1, T2, T3 - MS, col1="pqr", col2=2),

@@ -58,7 +58,8 @@ def ev(op: str, seq: int, ts: datetime, id_: int, v: int | None = None) -> dict[
 
 
 def write_base_landing(landing: Path) -> None:
-    """Key 1: two updates; key 2: insert, delete, re-insert; key 3: insert; key 4: one update."""
+    """Key 1: two updates; key 2: insert, delete, re-insert; key 3: insert; key 4: one update,
+    then a no-op update (same values: no new version)."""
     write_parquet_events(
         landing,
         NAME,
@@ -72,7 +73,10 @@ def write_base_landing(landing: Path) -> None:
         [ev("UPDATE", 5, T1, 1, 11), ev("DELETE", 6, T1, 2), ev("UPDATE", 7, T1, 4, 41)],
     )
     write_parquet_events(
-        landing, NAME, H2, [ev("UPDATE", 8, T2, 1, 12), ev("INSERT", 9, T2, 2, 21)]
+        landing,
+        NAME,
+        H2,
+        [ev("UPDATE", 8, T2, 1, 12), ev("INSERT", 9, T2, 2, 21), ev("UPDATE", 20, T2, 4, 41)],
     )
 
 
@@ -167,6 +171,18 @@ def duplicate(id_: int, start: datetime):
     return change
 
 
+def replace_versions(id_: int, *versions: dict[str, Any]):
+    """A key's versions replaced by others, as a writer with a wrong fold would write them."""
+
+    def change(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        synced = next(r["_fivetran_synced"] for r in rows if r["id"] == id_)
+        return [r for r in rows if r["id"] != id_] + [
+            {**v, "_fivetran_synced": synced} for v in versions
+        ]
+
+    return change
+
+
 def drop_key(id_: int):
     def change(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [r for r in rows if r["id"] != id_]
@@ -255,6 +271,34 @@ CORRUPTIONS = {
         invariants.MATCHES_CHANGELOG,
         edit(4, T1, v=999),
         [4],
+    ),
+    # Fold bugs that leave every structural invariant intact: only matches_change_log, which
+    # does not reuse the writer's fold, can see them.
+    # An update lost: the version before it runs on until the next one.
+    "missing_version": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        replace_versions(1, version(1, 10, T0, T2 - MS), version(1, 12, T2, TMAX)),
+        [1],
+    ),
+    # Key 4's no-op update at T2 made a version (same image as the live one).
+    "no_op_version": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        replace_versions(
+            4, version(4, 40, T0, T1 - MS), version(4, 41, T1, T2 - MS), version(4, 41, T2, TMAX)
+        ),
+        [4],
+    ),
+    # Key 2's delete at T1 ignored: its first version hands over to the re-insert instead.
+    "missed_delete": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        replace_versions(2, version(2, 20, T0, T2 - MS), version(2, 21, T2, TMAX)),
+        [2],
+    ),
+    # A version at a millisecond where the key has no event (key 3 has events at T0 only).
+    "version_without_event": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        replace_versions(3, version(3, 30, T0, T1 - MS), version(3, 31, T1, TMAX)),
+        [3],
     ),
     # A writer that loses a key entirely: only the reconciliation with the change log sees it.
     "lost_key": Corruption(
@@ -396,7 +440,7 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
         )
         assert result.success
         (mat,) = result.get_asset_materialization_events()
-        meta = {k: v.value for k, v in mat.materialization.metadata.items()}
+        meta: dict[str, Any] = {k: v.value for k, v in mat.materialization.metadata.items()}
         assert set(meta) >= MATERIALIZATION_FIELDS
         assert (meta["files_read"], meta["events_read"], meta["keys_affected"]) == (1, 4, 4)
         assert (meta["versions_opened"], meta["versions_closed"]) == (4, 0)
@@ -405,7 +449,9 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
         evaluations = result.get_asset_check_evaluations()
         assert {e.check_name for e in evaluations} == ALL
         assert all(e.passed for e in evaluations), [e for e in evaluations if not e.passed]
-        assert {e.metadata["scope"].value for e in evaluations} == {"keys touched by this run"}
+        assert [e.metadata["scope"].value for e in evaluations] == [
+            "keys touched by this run"
+        ] * len(evaluations)
         cursor = alert_tick(cursor)
         assert [c.body for c in webhook.posted] == []
 
@@ -424,7 +470,7 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
         assert not run.success
         (step_failure,) = run.get_step_failure_events()
         error = step_failure.step_failure_data.error
-        assert error is not None and "DagsterAssetCheckFailedError" in error.cls_name
+        assert error is not None and "DagsterAssetCheckFailedError" in (error.cls_name or "")
         assert run.get_asset_materialization_events() == []
         by_name = {e.check_name: e for e in run.get_asset_check_evaluations()}
         assert set(by_name) == ALL
@@ -473,3 +519,36 @@ def test_full_table_check_job_selects_every_tables_checks(tmp_path: Path) -> Non
     assert {(k.asset_key.to_user_string(), k.name) for k in selected} == {
         (t, n) for t in (NAME, "inv_other") for n in invariants.CHECK_NAMES
     }
+
+
+# --- a bug in the writer's fold ----------------------------------------------------------------
+
+
+def test_a_bug_in_the_writers_fold_is_caught(spark, tmp_path: Path, monkeypatch) -> None:
+    """The fold itself is wrong (key 1's images off by 1000): the table is what the fold says,
+    every structural invariant holds, and matches_change_log still fails, for key 1 only. (A
+    check that recomputed the table with the same fold would agree with the bug.)"""
+    from pyspark.sql import functions as F
+
+    from cdc_platform.lib import history, merge
+
+    real = history.build_versions
+
+    def buggy(events, primary_key, data_columns):
+        out = real(events, primary_key, data_columns)
+        return out.withColumn(
+            "v", F.when(F.col("id") == 1, F.col("v") + 1000).otherwise(F.col("v"))
+        )
+
+    for module in (history, merge, invariants):
+        monkeypatch.setattr(module, "build_versions", buggy, raising=False)
+    write_base_landing(tmp_path / "landing")
+    materialize(spark, TABLE, tmp_path / "landing", tmp_path / "warehouse", [H0, H1, H2])
+    assert {r["v"] for r in history_rows(paths_of(tmp_path).history) if r["id"] == 1} == {
+        1010,
+        1011,
+        1012,
+    }
+    outcomes = outcomes_by_name(spark, tmp_path)
+    assert failing(outcomes) == {invariants.MATCHES_CHANGELOG}
+    assert outcomes[invariants.MATCHES_CHANGELOG].sample == [1]

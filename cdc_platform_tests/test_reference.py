@@ -1,4 +1,4 @@
-"""The reference fold against the seeds' worked examples and one hand-written case per rule."""
+"""The reference fold against the worked examples of docs/HISTORY_MODE.md, and one case per rule."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def at(seconds: float = 0, us: int = 0) -> datetime:
     return T0 + timedelta(seconds=seconds, microseconds=us)
 
 
-# --------------------------------------------------------------------------- seeds/001
+# ---------------------------------------------------- docs/HISTORY_MODE.md, example A
 
 
 def d(day: int) -> datetime:
@@ -64,14 +64,14 @@ SYNC2 = [
 SYNC3 = [ev("DELETE", "b", 5, d(3))]
 
 
-def test_seed_001_after_first_sync() -> None:
+def test_example_a_after_first_sync() -> None:
     assert reference_history(SYNC1, ["id"]) == [
         ver("a", d(1), TMAX, True, counter=10),
         ver("b", d(1), TMAX, True, counter=20),
     ]
 
 
-def test_seed_001_after_second_sync() -> None:
+def test_example_a_after_second_sync() -> None:
     assert reference_history(SYNC1 + SYNC2, ["id"]) == [
         ver("a", d(1), datetime(2020, 1, 1, 23, 59, 59, 999000, tzinfo=UTC), False, counter=10),
         ver("a", d(2), TMAX, True, counter=30),
@@ -80,7 +80,7 @@ def test_seed_001_after_second_sync() -> None:
     ]
 
 
-def test_seed_001_after_delete_of_b() -> None:
+def test_example_a_after_delete_of_b() -> None:
     expected = [
         ver("a", d(1), datetime(2020, 1, 1, 23, 59, 59, 999000, tzinfo=UTC), False, counter=10),
         ver("a", d(2), TMAX, True, counter=30),
@@ -93,12 +93,12 @@ def test_seed_001_after_delete_of_b() -> None:
     assert reference_history(resent, ["id"]) == expected
 
 
-# --------------------------------------------------------------------------- seeds/000
+# ---------------------------------------------------- docs/HISTORY_MODE.md, example B
 
 T1, T2, T3, T4, T5 = (datetime(2024, 3, 1, h, 0, 0, 250000, tzinfo=UTC) for h in range(1, 6))
 
 
-def test_seed_000_update_file_with_unmodified_cells() -> None:
+def test_example_b_update_file_with_unmodified_cells() -> None:
     events = [
         ev("INSERT", 1, 1, T1, COL1="abc", COL2=1),
         ev("UPDATE", 1, 2, T2, COL1="pqr", COL2=2),
@@ -391,7 +391,7 @@ LIGHT = settings(max_examples=200, deadline=None, suppress_health_check=[HealthC
 
 
 def check_invariants(rows: list[dict[str, Any]]) -> None:
-    """HISTORY_MODE.md section 5, on the reference's own output."""
+    """docs/HISTORY_MODE.md section 6, on the reference's own output."""
     by_key: dict[Any, list[dict[str, Any]]] = {}
     for row in rows:
         assert row["id"] is not None

@@ -78,7 +78,7 @@ def _events(
                 )
             else:
                 pid = 5000 + len(events) * 10 + i
-                row = {
+                row: dict[str, Any] = {
                     "payment_id": pid,
                     "order_id": rng.randint(1, 60),
                     "amount": round(rng.uniform(5, 500), 2),

@@ -2,9 +2,9 @@
 
 Layout: ``<landing_root>/<table>/year=YYYY/month=MM/day=DD/hour=HH/part-NNNNN-<uuid>.snappy.parquet``.
 
-The data carries what real CDC exports bring (seeds/003): exact duplicates (same
-``cdc_change_seq``, sometimes in two files or folders), visibly identical events with new
-seqs, several changes to one key in one millisecond (including an insert and a delete),
+The data carries what real CDC exports bring (docs/HISTORY_MODE.md section 1): exact
+duplicates (same ``cdc_change_seq``, sometimes in two files or folders), visibly identical
+events with new seqs, several changes to one key in one millisecond (including an insert and a delete),
 keys whose first event is an UPDATE, deletes of keys never seen, DELETE rows with only the
 key, late files (a folder holding events committed up to 4 hours earlier), 1-3 files per
 folder, and schema drift (``customers.loyalty_points`` appears at hour 5, ``customers.fax``
@@ -505,7 +505,7 @@ def _utc(ts: datetime) -> datetime:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("landing_root", type=Path)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--hours", type=int, default=12)

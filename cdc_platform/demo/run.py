@@ -12,9 +12,6 @@ import time
 from pathlib import Path
 
 import dagster as dg
-import pyarrow as pa
-import pyarrow.compute as pc
-from deltalake import DeltaTable
 
 from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, alert_webhook_from_env
 from cdc_platform.defs.factory import build_table_definitions
@@ -22,6 +19,7 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
+from cdc_platform.lib import delta
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.landing import all_hour_folders, hour_to_partition_key
 from cdc_platform.lib.warehouse import TablePaths
@@ -49,6 +47,13 @@ def prepare_landing(platform: PlatformConfig) -> None:
                 platform.landing_root, keyring, table, hours=HOURS
             )
     print("sample landing zone:", ", ".join(f"{t}: {n} events" for t, n in sorted(counts.items())))
+
+
+def history_summary(history: Path) -> tuple[int, int, int]:
+    """(versions, active versions, Delta version) of a history table."""
+    rows = delta.read_arrow(history, columns=["_fivetran_active"])
+    active = rows["_fivetran_active"].to_pylist().count(True)
+    return rows.num_rows, active, delta.version_or_none(history) or 0
 
 
 def main() -> None:
@@ -91,14 +96,14 @@ def main() -> None:
                 meta = event.materialization.metadata
             checks = result.get_asset_check_evaluations()
             passed = sum(1 for c in checks if c.passed)
-            history = DeltaTable(str(TablePaths.of(platform.warehouse_root, table.name).history))
-            rows = history.to_pyarrow_table(columns=["_fivetran_active"])
-            active = pc.sum(rows["_fivetran_active"].cast(pa.int64())).as_py() or 0
+            versions, active, version = history_summary(
+                TablePaths.of(platform.warehouse_root, table.name).history
+            )
             events = meta["events_read"].value if "events_read" in meta else 0
             status = f"{passed}/{len(checks)} passed" if result.success else "RUN FAILED"
             print(
-                f"{table.name:<10} {len(hours):>10} {events:>7} {rows.num_rows:>9} {active:>7} "
-                f"{history.version():>8} {status}"
+                f"{table.name:<10} {len(hours):>10} {events:>7} {versions:>9} {active:>7} "
+                f"{version:>8} {status}"
             )
     finally:
         spark.stop()

@@ -136,16 +136,20 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
     if not isinstance(tables_raw, list) or not tables_raw:
         raise ConfigError(f"{where}: 'tables' must be a non-empty list")
     tables = tuple(_parse_table(t, i, where) for i, t in enumerate(tables_raw))
-    names = [t.name for t in tables]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    names = [t.name.lower() for t in tables]
+    dupes = sorted({t.name for t in tables if names.count(t.name.lower()) > 1})
     if dupes:
+        # case-insensitive: on such file systems 'Orders' and 'orders' are one folder
         raise ConfigError(f"{where}: table name(s) defined twice: {dupes}")
     schedule = raw.get("check_schedule", "0 3 * * *")
     if not isinstance(schedule, str) or len(schedule.split()) != 5:
         raise ConfigError(f"{where}: field 'check_schedule' must be a 5-field cron string")
+    landing_root = _resolve(raw["landing_root"], base_dir, where, "landing_root")
+    warehouse_root = _resolve(raw["warehouse_root"], base_dir, where, "warehouse_root")
+    _check_roots_apart(landing_root, warehouse_root, where)
     return PlatformConfig(
-        landing_root=_resolve(raw["landing_root"], base_dir, where, "landing_root"),
-        warehouse_root=_resolve(raw["warehouse_root"], base_dir, where, "warehouse_root"),
+        landing_root=landing_root,
+        warehouse_root=warehouse_root,
         tables=tables,
         check_schedule=schedule,
         source=source,
@@ -157,6 +161,22 @@ def _resolve(value: Any, base_dir: Path, where: str, key: str) -> Path:
         raise ConfigError(f"{where}: field '{key}' must be a non-empty path string")
     p = Path(value).expanduser()
     return p if p.is_absolute() else (base_dir / p).resolve()
+
+
+def _check_roots_apart(landing_root: Path, warehouse_root: Path, where: str) -> None:
+    """The roots must not overlap: a VACUUM of a table would see landing files as its own
+    stray files, and a landing folder would see the platform's files as data."""
+    landing, warehouse = landing_root.resolve(), warehouse_root.resolve()
+    if landing == warehouse:
+        raise ConfigError(f"{where}: field 'warehouse_root': the same folder as landing_root")
+    if landing in warehouse.parents:
+        raise ConfigError(
+            f"{where}: field 'warehouse_root': {warehouse} is inside landing_root {landing}"
+        )
+    if warehouse in landing.parents:
+        raise ConfigError(
+            f"{where}: field 'landing_root': {landing} is inside warehouse_root {warehouse}"
+        )
 
 
 def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
@@ -173,6 +193,9 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         raise fail(unknown[0], f"unknown key(s) {unknown}; allowed: {sorted(_TABLE_FIELDS)}")
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise fail("name", "required; letters, digits and underscores, not starting with a digit")
+    if name.startswith("_"):
+        # '_cdc' holds every table's change log and quarantine, and readers skip '_' folders
+        raise fail("name", "must not start with '_' (reserved for the platform's own folders)")
 
     pk = raw.get("primary_key")
     if isinstance(pk, str):

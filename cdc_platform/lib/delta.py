@@ -83,6 +83,23 @@ def absolute_paths(table_path: Path, files: Iterable[DataFile | str]) -> list[st
     return [str(Path(table_path) / (f.path if isinstance(f, DataFile) else f)) for f in files]
 
 
+def read_arrow(table_path: Path, columns: Sequence[str] | None = None) -> pa.Table:
+    """The table's current rows (``columns`` only, if given), read by Arrow's own file system.
+
+    Not ``DeltaTable.to_pyarrow_table``: that reads through a Python file-system handler, so
+    Arrow's I/O threads hold buffers owned by Python objects and may still release them after
+    the call returned. A thread doing so while the interpreter exits is ended by CPython in the
+    middle of Arrow's C++ code and the process aborts ("terminate called without an active
+    exception", exit status 134). Arrow's native reader needs no Python in its threads.
+    """
+    import pyarrow.dataset as ds
+
+    dt = open_table(table_path)
+    paths = absolute_paths(table_path, snapshot_files(dt))
+    dataset = ds.dataset(paths, schema=table_arrow_schema(dt), format="parquet")
+    return dataset.to_table(columns=list(columns) if columns is not None else None)
+
+
 def arrow_schema_of(df: DataFrame) -> pa.Schema:
     """The Arrow schema of a Spark DataFrame, every field nullable (Delta schemas must admit nulls)."""
     from pyspark.sql.pandas.types import to_arrow_schema

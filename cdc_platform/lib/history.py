@@ -1,4 +1,4 @@
-"""The history-mode fold (HISTORY_MODE.md section 3) as Spark window functions.
+"""The history-mode fold (docs/HISTORY_MODE.md section 3) as Spark window functions.
 
 The rules read like a per-key state machine, but their state never reaches back further than
 one step, which is what lets this run as window functions instead of a Python loop:

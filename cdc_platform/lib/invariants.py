@@ -1,4 +1,4 @@
-"""The SCD2 invariants of HISTORY_MODE.md section 5, as Spark queries over a history table.
+"""The SCD2 invariants of docs/HISTORY_MODE.md section 6, as Spark queries over a history table.
 
 Each check returns how many keys fail and a few of them, so an alert can point at real rows.
 A check can run over the whole table or only over the keys a materialization touched (any
@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib import changelog, delta, quarantine
-from cdc_platform.lib.columns import ACTIVE, END, OP, START, SYNCED, TS
-from cdc_platform.lib.history import build_versions, tmax_literal
+from cdc_platform.lib.columns import ACTIVE, END, OP, SEQ, START, SYNCED, TS, UNMODIFIED
+from cdc_platform.lib.history import dedupe_events, tmax_literal
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 SAMPLE_SIZE = 5
 
@@ -40,7 +40,13 @@ DESCRIPTIONS = {
     PK_NOT_NULL: "No primary key column is null.",
     UNIQUE_KEY_START: "(primary key, _fivetran_start) is unique.",
     NO_QUARANTINE: "No landing file of this table is set aside in the quarantine.",
-    MATCHES_CHANGELOG: "The table equals what the change log implies, for the keys checked.",
+    MATCHES_CHANGELOG: (
+        "Each version's start, image, end and active flag agree with the key's events in the "
+        "change log, checked without the writer's fold: no version without a non-delete event "
+        "at its start, none missing where the image changed or the key came back, no missed "
+        "delete, no no-op version. Not caught: which copy of a duplicated cdc_change_seq wins "
+        "and how unmodified cells resolve (shared with the writer); _fivetran_synced."
+    ),
 }
 CHECK_NAMES = tuple(DESCRIPTIONS)
 
@@ -190,23 +196,183 @@ def _reconciliation(
     outcome: Callable[..., CheckOutcome],
     whole_table: bool = False,
 ) -> CheckOutcome:
-    """Recompute the checked keys from the change log; any difference (but synced) fails.
+    """The table against its change log, without the writer's fold (``history.build_versions``).
 
+    The writer *derives* versions from events; this *verifies* the table's versions against the
+    events, on one timeline per key that interleaves versions (at their start) and the key's
+    event milliseconds ("steps"), with window functions only (linear in the key's rows). With
+    each step's image (the image of its last non-delete event), a key fails when:
+
+    1. a version starts at a millisecond without a non-delete event (spurious or shifted
+       version; a key that has no events at all);
+    2. after a step whose last event is not a delete, the version covering it (the latest one
+       starting at or before it) is missing, ends at or before the step, or holds another image
+       (a missing version, a wrong image, a lost key, an update applied to the wrong version);
+    3. after a step that ends with a delete, the covering version still runs past it (a missed
+       delete); if the step also had an image, that version must end exactly there and hold
+       it (rule 5);
+    4. a version follows one that handed over 1 ms before it (no delete in between) with the
+       same image (a no-op version: duplicates and no-op updates make no history);
+    5. a version's end or active flag differs from what its successor and the key's deletes
+       imply (the next delete at or after its start, else the next version's start - 1 ms,
+       else TMAX; active exactly when TMAX).
+
+    Shared with the writer, so not caught: counting each (key, cdc_change_seq) once
+    (``history.dedupe_events``: which copy of a seq wins) and resolving unmodified cells to the
+    key's latest modified value before the event (rule 1). Never compared: _fivetran_synced.
     Over the whole table the keys are the change log's, so a key the table lost is caught too.
     """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
     events = changelog.read(spark, paths.changelog)
     if events is None:
         return outcome(MATCHES_CHANGELOG, table)
-    columns = [c for c in table.columns if c != SYNCED]
-    data_columns = [c for c in columns if c not in pk and c not in (START, END, ACTIVE)]
-    keys = (events if whole_table else table).select(*pk).distinct()
+    data_columns = [
+        c for c in table.columns if c not in pk and c not in (START, END, ACTIVE, SYNCED)
+    ]
     missing = [c for c in data_columns if c not in events.columns]
     if missing:
         return outcome(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")
-    expected = build_versions(events.join(keys, pk, "left_semi"), pk, data_columns).select(*columns)
-    actual = table.select(*columns)
-    diff = expected.exceptAll(actual).unionByName(actual.exceptAll(expected))
-    return outcome(MATCHES_CHANGELOG, diff)
+    keys = (events if whole_table else table).select(*pk).distinct()
+    steps = _steps(dedupe_events(events.join(keys, pk, "left_semi"), pk), pk, data_columns)
+
+    t, kind, ver, step = "_cdc_tmp_t", "_cdc_tmp_kind", "_cdc_tmp_version", "_cdc_tmp_step"
+    image = _image([F.col(f"`{c}`").alias(c) for c in data_columns])
+    versions = table.select(
+        *pk,
+        F.col(START).alias(t),
+        F.lit(0).alias(kind),
+        F.struct(
+            F.col(START).alias("start"),
+            F.col(END).alias("end"),
+            F.col(ACTIVE).alias("active"),
+            image.alias("img"),
+        ).alias(ver),
+    )
+    timeline = versions.unionByName(
+        steps.select(*pk, F.col("ms").alias(t), F.lit(1).alias(kind), F.struct("*").alias(step)),
+        allowMissingColumns=True,
+    )
+    w = Window.partitionBy(*pk).orderBy(t, kind)
+    before = w.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    from_here = w.rowsBetween(Window.currentRow, Window.unboundedFollowing)
+    after = w.rowsBetween(1, Window.unboundedFollowing)
+    deleted_at = F.when(F.col(f"{step}.ends_deleted"), F.col(t))
+    timeline = timeline.select(
+        "*",
+        F.last(ver, ignorenulls=True).over(before).alias("_cdc_tmp_covering"),
+        F.last(F.col(ver), ignorenulls=True)
+        .over(w.rowsBetween(Window.unboundedPreceding, -1))
+        .alias("_cdc_tmp_previous"),
+        F.first(deleted_at, ignorenulls=True).over(from_here).alias("_cdc_tmp_next_delete"),
+        F.first(F.col(f"{ver}.start"), ignorenulls=True).over(after).alias("_cdc_tmp_next_start"),
+        F.last(deleted_at, ignorenulls=True).over(before).alias("_cdc_tmp_last_delete"),
+    )
+    is_step, is_version = F.col(kind) == 1, F.col(kind) == 0
+    cov, prev = F.col("_cdc_tmp_covering"), F.col("_cdc_tmp_previous")
+    same = _same_image(cov.getField("img"), F.col(f"{step}.img"), data_columns)
+    live_after = F.col(f"{step}.has_image") & ~F.col(f"{step}.ends_deleted")
+    image_then_delete = F.col(f"{step}.has_image") & F.col(f"{step}.ends_deleted")
+    not_true = lambda c: ~F.coalesce(c, F.lit(False))  # noqa: E731
+    step_fails = is_step & (
+        (live_after & (cov.isNull() | not_true(cov.getField("end") > F.col(t)) | ~same))
+        | (image_then_delete & (cov.isNull() | not_true(cov.getField("end") == F.col(t)) | ~same))
+        | (~F.col(f"{step}.has_image") & F.coalesce(cov.getField("end") > F.col(t), F.lit(False)))
+    )
+    one_ms = F.expr("INTERVAL 1 MILLISECOND")
+    next_delete, next_start = F.col("_cdc_tmp_next_delete"), F.col("_cdc_tmp_next_start")
+    expected_end = (
+        F.when(
+            next_delete.isNotNull() & (next_start.isNull() | (next_delete < next_start)),
+            next_delete,
+        )
+        .when(next_start.isNotNull(), next_start - one_ms)
+        .otherwise(tmax_literal())
+    )
+    handed_over = prev.isNotNull() & F.coalesce(
+        prev.getField("end") == F.col(t) - one_ms, F.lit(False)
+    )
+    deleted_just_before = F.coalesce(
+        F.col("_cdc_tmp_last_delete") == F.col(t) - one_ms, F.lit(False)
+    )
+    version_fails = is_version & (
+        not_true(F.col("_cdc_tmp_step_starts"))
+        | (
+            handed_over
+            & ~deleted_just_before
+            & _same_image(prev.getField("img"), F.col(f"{ver}.img"), data_columns)
+        )
+        | ~F.col(f"{ver}.end").eqNullSafe(expected_end)
+        | ~F.col(f"{ver}.active").eqNullSafe(expected_end == tmax_literal())
+    )
+    image_steps = steps.filter("has_image").select(
+        *pk, F.col("ms").alias(t), F.lit(True).alias("_cdc_tmp_step_starts")
+    )
+    timeline = timeline.join(image_steps, [*pk, t], "left")
+    return outcome(MATCHES_CHANGELOG, timeline.filter(step_fails | version_fails))
+
+
+def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFrame:
+    """One row per (key, event millisecond): whether it had a non-delete event, whether its
+    last event is a delete, and the image of its last non-delete event (unmodified cells
+    resolved to the key's latest modified value before it)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    ev = events.select(
+        *pk,
+        *[F.col(f"`{c}`") for c in data_columns],
+        F.col(SEQ).alias("_cdc_tmp_seq"),
+        F.date_trunc("millisecond", F.col(TS)).alias("_cdc_tmp_ms"),
+        (F.upper(F.col(OP)) == "DELETE").alias("_cdc_tmp_del"),
+        F.coalesce(F.col(UNMODIFIED), F.array().cast("array<string>")).alias("_cdc_tmp_unmod"),
+    )
+    so_far = (
+        Window.partitionBy(*pk)
+        .orderBy("_cdc_tmp_ms", "_cdc_tmp_seq")
+        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    )
+    cells = [
+        F.last(
+            F.when(
+                ~F.col("_cdc_tmp_del") & ~F.array_contains("_cdc_tmp_unmod", c),
+                F.struct(F.col(f"`{c}`").alias("v")),
+            ),
+            ignorenulls=True,
+        )
+        .over(so_far)
+        .getField("v")
+        .alias(c)
+        for c in data_columns
+    ]
+    ev = ev.select(
+        *pk, "_cdc_tmp_seq", "_cdc_tmp_ms", "_cdc_tmp_del", _image(cells).alias("_cdc_tmp_img")
+    )
+    return ev.groupBy(*pk, F.col("_cdc_tmp_ms").alias("ms")).agg(
+        F.max(~F.col("_cdc_tmp_del")).alias("has_image"),
+        F.max_by("_cdc_tmp_del", "_cdc_tmp_seq").alias("ends_deleted"),
+        F.max_by("_cdc_tmp_img", F.when(~F.col("_cdc_tmp_del"), F.col("_cdc_tmp_seq"))).alias(
+            "img"
+        ),
+    )
+
+
+def _image(cells: list[Column]) -> Column:
+    """A struct of the data cells (a constant one for a table with key columns only)."""
+    from pyspark.sql import functions as F
+
+    return F.struct(*cells) if cells else F.struct(F.lit(True).alias("_"))
+
+
+def _same_image(a: Column, b: Column, data_columns: Sequence[str]) -> Column:
+    """Both images present and equal column by column, NULL-safe (``<=>``)."""
+    from pyspark.sql import functions as F
+
+    same = a.isNotNull() & b.isNotNull()
+    for c in data_columns:
+        same = same & a.getField(c).eqNullSafe(b.getField(c))
+    return F.coalesce(same, F.lit(False))
 
 
 def _quarantine_check(paths: TablePaths) -> CheckOutcome:

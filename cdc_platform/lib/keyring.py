@@ -152,10 +152,6 @@ class Keyring:
     def file_count(self) -> int:
         return len(self._files)
 
-    def tables(self) -> list[str]:
-        """Names of the tables that have keys (names only, never keys)."""
-        return sorted(self._tables)
-
     # -- safety -------------------------------------------------------------------------------
 
     def __repr__(self) -> str:

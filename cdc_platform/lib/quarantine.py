@@ -7,13 +7,15 @@ reads cleanly leaves the quarantine.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
+
+from cdc_platform.lib import delta
 
 SCHEMA = pa.schema(
     [
@@ -74,9 +76,5 @@ def record(
 def current(path: Path) -> list[QuarantinedFile]:
     if not DeltaTable.is_deltatable(str(path)):
         return []
-    rows = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    rows = delta.read_arrow(path).to_pylist()
     return sorted((QuarantinedFile(**r) for r in rows), key=lambda q: q.file)
-
-
-def files_of(entries: Iterable[QuarantinedFile]) -> list[str]:
-    return sorted(e.file for e in entries)

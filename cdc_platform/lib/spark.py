@@ -2,8 +2,16 @@
 
 UTC everywhere (history timestamps must not shift with the host's zone), Parquet timestamps as
 TIMESTAMP_MICROS (Spark's INT96 default is unreadable as a timestamp by some Delta readers), no
-``_SUCCESS`` markers, and Python workers that run this very interpreter so they can import
-``cdc_platform``. Everything else (master, memory, cluster settings) is the caller's choice.
+``_SUCCESS`` or Parquet summary (``_metadata``) files, and Python workers that run this very
+interpreter so they can import ``cdc_platform``. Everything else (master, memory, cluster
+settings) is the caller's choice.
+
+Security defaults (the caller may override them): shuffle and spill files are encrypted
+(``spark.io.encryption.enabled``: they hold decrypted rows), and so is Spark's RPC traffic,
+which carries the I/O encryption keys (``spark.authenticate`` + ``spark.network.crypto.enabled``).
+In local mode the secret is generated per application; on YARN and Kubernetes too; a standalone
+cluster needs ``spark.authenticate.secret`` set to its shared secret. A local session binds to
+the loopback interface only: no other host takes part, so none needs to reach it.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,7 +34,7 @@ REQUIRED_CONF: dict[str, str] = {
     "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
     "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
     "spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
-    "spark.hadoop.parquet.enable.summary-metadata": "false",
+    "spark.hadoop.parquet.summary.metadata.level": "NONE",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
 }
 
@@ -37,7 +46,15 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.sql.adaptive.enabled": "true",
     # Shuffle and spill files hold decrypted rows: keep them encrypted on local disk too.
     "spark.io.encryption.enabled": "true",
+    # The I/O encryption keys travel over Spark's RPC: authenticate and encrypt it.
+    "spark.authenticate": "true",
+    "spark.network.crypto.enabled": "true",
 }
+
+# Spark's log settings: warnings and errors to stderr, minus the two start-up notices that hold
+# for every local session (no native Hadoop library is needed for local files).
+LOG4J2_PROPERTIES = Path(__file__).with_name("log4j2.properties")
+LOOPBACK = "127.0.0.1"
 
 
 class JavaMissingError(RuntimeError):
@@ -62,7 +79,15 @@ def spark_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str, 
     merged.update(REQUIRED_CONF)
     merged.setdefault("spark.pyspark.python", sys.executable)
     merged.setdefault("spark.pyspark.driver.python", sys.executable)
+    if "log4j" not in merged["spark.driver.extraJavaOptions"]:
+        merged["spark.driver.extraJavaOptions"] += (
+            f" -Dlog4j2.configurationFile={LOG4J2_PROPERTIES.as_uri()}"
+        )
     return merged
+
+
+def is_local(master: str) -> bool:
+    return master == "local" or master.startswith("local[")
 
 
 def build_spark_session(
@@ -71,6 +96,9 @@ def build_spark_session(
     """Create (or reuse) the session; the import is here so that importing the package stays light."""
     check_java()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if is_local(master):
+        # Read by the JVM at launch: a local session listens on the loopback interface only.
+        os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK)
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName(app_name)

@@ -1,0 +1,97 @@
+"""VACUUM removes the files of crashed runs, keeps every committed file, and never reaches into
+another table's folder."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from cdc_platform.lib import delta
+from cdc_platform.lib.maintenance import vacuum
+from cdc_platform.lib.warehouse import TablePaths
+
+OLD = 1_000_000_000  # 2001: older than any retention
+
+
+def make_table(path: Path, ids: range) -> None:
+    write_deltalake(str(path), pa.table({"id": list(ids)}), mode="append")
+
+
+def crashed_write(table_path: Path, age: float | None = OLD) -> Path:
+    """What a run that died before its commit leaves: a Parquet file in its own data/<uuid>/
+    folder (as delta.write_files names it), a .crc beside it, a half-written _temporary/."""
+    folder = table_path / delta.DATA_DIR / uuid.uuid4().hex
+    (folder / "_temporary" / "0").mkdir(parents=True)
+    part = folder / f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
+    pq.write_table(pa.table({"id": [999]}), part)
+    (folder / f".{part.name}.crc").write_bytes(b"crc")
+    pq.write_table(pa.table({"id": [998]}), folder / "_temporary" / "0" / "part-00001.parquet")
+    if age is not None:
+        for p in [folder, *folder.rglob("*")]:
+            os.utime(p, (age, age))
+    return folder
+
+
+def test_default_vacuum_keeps_crashed_files_full_vacuum_removes_them(tmp_path: Path) -> None:
+    paths = TablePaths.of(tmp_path, "orders")
+    for table_path in (paths.history, paths.changelog, paths.quarantine):
+        make_table(table_path, range(3))
+    leftovers = [crashed_write(paths.history), crashed_write(paths.changelog)]
+
+    # what the README used to document: full=False only considers files the log knows
+    for table_path in (paths.history, paths.changelog):
+        DeltaTable(str(table_path)).vacuum(
+            retention_hours=0, dry_run=False, enforce_retention_duration=False
+        )
+    assert all(any(p.suffix == ".parquet" for p in f.iterdir()) for f in leftovers)
+
+    removed = vacuum(paths, retention_hours=0, enforce_retention_duration=False)
+    assert not any(f.exists() for f in leftovers)
+    assert {str(f) for f in leftovers} <= set(removed)
+    for table_path in (paths.history, paths.changelog, paths.quarantine):
+        assert sorted(delta.read_arrow(table_path)["id"].to_pylist()) == [0, 1, 2]
+
+
+def test_files_younger_than_the_retention_are_kept(tmp_path: Path) -> None:
+    paths = TablePaths.of(tmp_path, "orders")
+    make_table(paths.history, range(3))
+    in_progress = crashed_write(paths.history, age=None)  # a run writing right now
+    assert vacuum(paths, retention_hours=1, enforce_retention_duration=False) == []
+    assert in_progress.is_dir() and len(list(in_progress.rglob("*.parquet"))) == 2
+
+
+def test_replaced_files_go_once_out_of_retention_committed_ones_stay(tmp_path: Path) -> None:
+    paths = TablePaths.of(tmp_path, "orders")
+    make_table(paths.history, range(3))
+    write_deltalake(str(paths.history), pa.table({"id": [7]}), mode="overwrite")
+    before = {f.path for f in delta.snapshot_files(delta.open_table(paths.history))}
+    assert vacuum(paths, dry_run=True) == []  # within the 168 h default retention
+    removed = vacuum(paths, retention_hours=0, enforce_retention_duration=False)
+    assert len(removed) == 1
+    assert {f.path for f in delta.snapshot_files(delta.open_table(paths.history))} == before
+    assert delta.read_arrow(paths.history)["id"].to_pylist() == [7]
+
+
+def test_never_touches_another_table(tmp_path: Path) -> None:
+    """Tables whose names share a prefix, and every table's change log under _cdc/."""
+    a, ab = TablePaths.of(tmp_path, "a"), TablePaths.of(tmp_path, "ab")
+    for paths in (a, ab):
+        make_table(paths.history, range(2))
+        make_table(paths.changelog, range(2))
+    others = [crashed_write(ab.history), crashed_write(ab.changelog)]
+    vacuum(a, retention_hours=0, enforce_retention_duration=False)
+    assert all(f.is_dir() for f in others)
+    assert sorted(delta.read_arrow(ab.history)["id"].to_pylist()) == [0, 1]
+
+
+def test_retention_below_the_tables_own_is_refused_unless_asked(tmp_path: Path) -> None:
+    paths = TablePaths.of(tmp_path, "orders")
+    make_table(paths.history, range(1))
+    with pytest.raises(Exception, match="retention"):
+        vacuum(paths, retention_hours=0)
