@@ -12,7 +12,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib import changelog, delta, quarantine
-from cdc_platform.lib.columns import ACTIVE, END, OP, START, SYNCED, TS
+from cdc_platform.lib.columns import (
+    ACTIVE,
+    CURRENT,
+    END,
+    LAST_EVENT_AT,
+    OP,
+    START,
+    STATE_COLUMNS,
+    SYNCED,
+    TS,
+    col,
+    cols,
+    internal,
+)
 from cdc_platform.lib.history import build_versions, tmax_literal
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -198,15 +211,38 @@ def _reconciliation(
     if events is None:
         return outcome(MATCHES_CHANGELOG, table)
     columns = [c for c in table.columns if c != SYNCED]
-    data_columns = [c for c in columns if c not in pk and c not in (START, END, ACTIVE)]
+    data_columns = [
+        c for c in columns if c not in pk and c not in (START, END, ACTIVE, *STATE_COLUMNS)
+    ]
     keys = (events if whole_table else table).select(*pk).distinct()
     missing = [c for c in data_columns if c not in events.columns]
     if missing:
         return outcome(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")
-    expected = build_versions(events.join(keys, pk, "left_semi"), pk, data_columns).select(*columns)
+    keyed_events = events.join(keys, pk, "left_semi")
+    expected = _with_expected_state(
+        build_versions(keyed_events, pk, data_columns), keyed_events, pk
+    ).select(*cols(columns))
     actual = table.select(*columns)
     diff = expected.exceptAll(actual).unionByName(actual.exceptAll(expected))
     return outcome(MATCHES_CHANGELOG, diff)
+
+
+def _with_expected_state(versions: DataFrame, events: DataFrame, pk: list[str]) -> DataFrame:
+    """The state columns the merge's fast path relies on, from their definition: a key's
+    latest version is current and carries the millisecond of the key's last event."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    last = events.groupBy(*cols(pk)).agg(
+        F.max(F.date_trunc("millisecond", col(TS))).alias(internal("last_event"))
+    )
+    by_start = Window.partitionBy(*cols(pk)).orderBy(col(START).desc())
+    return (
+        versions.withColumn(CURRENT, F.row_number().over(by_start) == 1)
+        .join(last, pk, "left")
+        .withColumn(LAST_EVENT_AT, F.when(col(CURRENT), col(internal("last_event"))))
+        .drop(internal("last_event"))
+    )
 
 
 def _quarantine_check(paths: TablePaths) -> CheckOutcome:

@@ -77,6 +77,7 @@ _SEGMENT = internal("segment")
 _OLD_FILE = internal("old_file")
 _OLD_SYNCED = internal("old_synced")
 _OLD_ACTIVE = internal("old_active")
+_DELETE_ONLY = internal("delete_only")
 
 
 @dataclass(frozen=True)
@@ -205,9 +206,12 @@ def _apply_once(
             keys = _classify(touched, current, unversioned, pk, slow_everything=snap.rebuild)
             with _cached(keys) as keys:
                 counts = keys.agg(
-                    F.count(F.lit(1)).alias("n"), F.sum(col(_SLOW).cast("int")).alias("slow")
+                    F.count(F.lit(1)).alias("n"),
+                    F.sum(col(_SLOW).cast("int")).alias("slow"),
+                    F.sum(col(_DELETE_ONLY).cast("int")).alias("delete_only"),
                 ).first()
                 keys_affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
+                delete_only_touched = int(counts["delete_only"] or 0)
                 slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
                 fast_keys = keys.filter(~col(_SLOW)).select(*cols(pk))
 
@@ -251,16 +255,17 @@ def _apply_once(
                         .select(*cols([*columns, _FILE]))
                     )
                 with _cached(_compare(versions, old, pk, data_columns, synced_at)) as compared:
-                    rewritten = _files_to_rewrite(compared, old, pk, files, paths.history)
+                    rewritten_names, vanished = _old_rows_changed(compared, old, pk)
+                    rewritten = [f for f in files if f.path in rewritten_names]
+                    opened, closed, versioned_keys = _count_new_versions(compared, pk)
                     # Rows of rewritten files that this run did not recompute stay as they are.
                     carried = (
                         _read_history(spark, paths.history, hist_schema, rewritten)
                         .join(old.select(*cols([*pk, START])), [*pk, START], "left_anti")
                         .select(*cols(columns))
                     )
-                    rewritten_names = [f.path for f in rewritten]
                     fresh = compared.filter(
-                        col(_OLD_FILE).isNull() | col(_OLD_FILE).isin(rewritten_names)
+                        col(_OLD_FILE).isNull() | col(_OLD_FILE).isin(sorted(rewritten_names))
                     ).select(*cols(columns))
                     out = carried.unionByName(fresh)
                     expected = sum(f.num_records or 0 for f in rewritten) + sum(
@@ -268,7 +273,6 @@ def _apply_once(
                     )
                     adds = _write_segments(out, paths.history, pk, expected)
                     try:
-                        opened, closed = _count_changes(compared, old, pk)
                         # Keys whose events (all of them, or the state the fast path replayed)
                         # made no version are delete-only; untouched delete-only keys stay.
                         now_unversioned = last_events.join(
@@ -276,10 +280,7 @@ def _apply_once(
                         )
                         kept_unversioned = unversioned.join(keys.select(*cols(pk)), pk, "left_anti")
                         unversioned_changed = bool(
-                            now_unversioned.limit(1).count()
-                            or unversioned.join(keys.select(*cols(pk)), pk, "left_semi")
-                            .limit(1)
-                            .count()
+                            delete_only_touched or keys_affected > versioned_keys
                         )
                         fault_point("before_history_commit")
                         version = delta.commit(
@@ -312,7 +313,7 @@ def _apply_once(
         fast_keys=keys_affected - slow_count,
         slow_keys=slow_count,
         versions_opened=opened,
-        versions_closed=closed,
+        versions_closed=closed + vanished,
         rows_written=sum(delta.num_records(a) for a in adds),
         files_removed=len(rewritten),
         files_added=len(adds),
@@ -370,13 +371,17 @@ def _classify(
     from pyspark.sql import functions as F
 
     if slow_everything:
-        return touched.select(*cols(pk), F.lit(True).alias(_SLOW))
+        return touched.select(*cols(pk), F.lit(True).alias(_SLOW), F.lit(False).alias(_DELETE_ONLY))
     last = current.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("last")))
     ghost_last = unversioned.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("ghost_last")))
     joined = touched.join(last, pk, "left").join(ghost_last, pk, "left")
     # A key with no current row and no delete-only record never had an event: fast.
     slow = col(_MIN_MS) <= F.coalesce(col(internal("last")), col(internal("ghost_last")))
-    return joined.select(*cols(pk), F.coalesce(slow, F.lit(False)).alias(_SLOW))
+    return joined.select(
+        *cols(pk),
+        F.coalesce(slow, F.lit(False)).alias(_SLOW),
+        col(internal("ghost_last")).isNotNull().alias(_DELETE_ONLY),
+    )
 
 
 def _state_events(current: DataFrame, pk: list[str], data_columns: list[str]) -> DataFrame:
@@ -460,7 +465,7 @@ def _compare(
     """
     from pyspark.sql import functions as F
 
-    compared_columns = [*cols(data_columns), END, ACTIVE, CURRENT, LAST_EVENT_AT]
+    compared_columns = [*data_columns, END, ACTIVE, CURRENT, LAST_EVENT_AT]
     renamed = {c: internal(f"old_{i}") for i, c in enumerate(compared_columns)}
     prior = old.select(
         *cols(pk),
@@ -484,18 +489,37 @@ def _compare(
     )
 
 
-def _files_to_rewrite(
-    compared: DataFrame,
-    old: DataFrame,
-    pk: list[str],
-    files: Sequence[delta.DataFile],
-    table_path: Path,
-) -> list[delta.DataFile]:
-    """Files holding an old row of a touched key that is not kept as it is."""
-    kept = compared.filter(compared[_OLD_FILE].isNotNull()).select(*cols([*pk, START]))
-    changed = old.join(kept, [*pk, START], "left_anti").select(_FILE).distinct().collect()
-    names = {r[_FILE] for r in changed}
-    return [f for f in files if f.path in names]
+def _old_rows_changed(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[set[str], int]:
+    """The files holding an old row that is not kept as it is, and how many of those rows were
+    active and have no version at the same start any more (a late event moved the key's
+    history), in one Spark job."""
+    from pyspark.sql import functions as F
+
+    new = compared.select(
+        *cols([*pk, START]),
+        col(_OLD_FILE).isNotNull().alias(internal("kept")),
+        F.lit(True).alias(internal("exists")),
+    )
+    joined = old.join(new, [*pk, START], "left")
+    kept = F.coalesce(col(internal("kept")), F.lit(False))
+    row = joined.agg(
+        F.collect_set(F.when(~kept, col(_FILE))).alias("files"),
+        F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("int")).alias("vanished"),
+    ).first()
+    return set(row["files"] or []), int(row["vanished"] or 0)
+
+
+def _count_new_versions(compared: DataFrame, pk: list[str]) -> tuple[int, int, int]:
+    """Versions opened (no version started there before), versions closed (active before, not
+    any more), and how many keys have a version at all."""
+    from pyspark.sql import functions as F
+
+    row = compared.agg(
+        F.sum(col(_OLD_ACTIVE).isNull().cast("int")).alias("opened"),
+        F.sum((col(_OLD_ACTIVE) & ~col(ACTIVE)).cast("int")).alias("closed"),
+        F.count_distinct(*cols(pk)).alias("keys"),
+    ).first()
+    return int(row["opened"] or 0), int(row["closed"] or 0), int(row["keys"] or 0)
 
 
 def _write_segments(out: DataFrame, table_path: Path, pk: list[str], expected_rows: int) -> list:
@@ -513,24 +537,6 @@ def _write_segments(out: DataFrame, table_path: Path, pk: list[str], expected_ro
     return delta.write_files(
         shaped.sortWithinPartitions(*cols([*pk, START])), table_path, partition_by=_SEGMENT
     )
-
-
-def _count_changes(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[int, int]:
-    """Versions opened and closed; an active version that vanished (a late event moved the
-    key's history) counts as closed too."""
-    from pyspark.sql import functions as F
-
-    row = compared.agg(
-        F.sum(col(_OLD_ACTIVE).isNull().cast("int")).alias("opened"),
-        F.sum((col(_OLD_ACTIVE) & ~col(ACTIVE)).cast("int")).alias("closed"),
-    ).first()
-    vanished = (
-        old.filter(col(ACTIVE))
-        .select(*cols([*pk, START]))
-        .join(compared.select(*cols([*pk, START])), [*pk, START], "left_anti")
-        .count()
-    )
-    return int(row["opened"] or 0), int(row["closed"] or 0) + vanished
 
 
 # -- keys whose every event is a delete ---------------------------------------------------------
