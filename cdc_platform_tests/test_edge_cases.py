@@ -240,12 +240,17 @@ def test_tables_are_standard_delta_for_other_readers(spark, lake):
         for line in p.read_text().splitlines()
         if '"add"' in line
     ]
-    stats = json.loads(adds[-1]["stats"])
-    assert (
-        stats["numRecords"] == 2
-        and stats["minValues"]["_fivetran_start"] == "2024-01-01T00:00:00.000Z"
+    # One file per segment: the closed version and the live one, each with exact statistics,
+    # so `WHERE _fivetran_active` skips the closed file from its min/max alone.
+    stats = sorted(
+        (json.loads(a["stats"]) for a in adds), key=lambda s: s["minValues"]["_fivetran_start"]
     )
-    assert stats["maxValues"]["_fivetran_end"] == "9999-12-31T23:59:59.999Z"
+    closed, live = stats
+    assert (closed["numRecords"], live["numRecords"]) == (1, 1)
+    assert closed["minValues"]["_fivetran_start"] == "2024-01-01T00:00:00.000Z"
+    assert closed["maxValues"]["_fivetran_active"] is False
+    assert live["minValues"]["_fivetran_active"] is True
+    assert live["maxValues"]["_fivetran_end"] == "9999-12-31T23:59:59.999Z"
     polars_rows = pl.read_delta(str(path)).sort("_fivetran_start")
     assert polars_rows["v"].to_list() == [1.5, 2.5]
     assert polars_rows["_fivetran_end"].to_list()[1].year == 9999

@@ -31,6 +31,7 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.reading import normalize_type
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
@@ -48,9 +49,13 @@ def key_and_data_fields(path: Path) -> pa.Schema | None:
     """The change log's key and data columns so far (None before its first event)."""
     if not delta.exists(path):
         return None
-    schema = delta.table_arrow_schema(delta.open_table(path))
+    return key_and_data_of(delta.table_arrow_schema(delta.open_table(path)))
+
+
+def key_and_data_of(log_schema: pa.Schema) -> pa.Schema:
+    """The key and data columns of a change-log schema (its system columns left out)."""
     return pa.schema(
-        [pa.field(f.name, normalize_type(f.type)) for f in schema if f.name not in SYSTEM]
+        [pa.field(f.name, normalize_type(f.type)) for f in log_schema if f.name not in SYSTEM]
     )
 
 
@@ -70,7 +75,13 @@ def read(
         return None
     dt = delta.open_table(path)
     files = delta.snapshot_files(dt) if files is None else files
-    schema = spark_schema(delta.table_arrow_schema(dt))
+    return read_files(spark, path, spark_schema(delta.table_arrow_schema(dt)), files)
+
+
+def read_files(
+    spark: SparkSession, path: Path, schema: StructType, files: Sequence[delta.DataFile]
+) -> DataFrame:
+    """The events in ``files`` of the change log at ``path``, read with ``schema``."""
     if not files:
         return spark.createDataFrame([], schema)
     return spark.read.schema(schema).parquet(*delta.absolute_paths(path, files))
@@ -134,21 +145,16 @@ def append(
     return delta.with_commit_retries(attempt, f"change log append to {path}")[0]
 
 
-def pending_files(
-    path: Path, applied_version: int | None
-) -> tuple[list[delta.DataFile], int | None]:
-    """Change-log files added after ``applied_version``, and the change log's current version."""
-    if not delta.exists(path):
-        return [], None
-    dt = delta.open_table(path)
+def files_since(path: Path, dt: DeltaTable, applied_version: int | None) -> list[delta.DataFile]:
+    """Files of the snapshot ``dt`` that were added after ``applied_version`` (all if None)."""
     now = delta.snapshot_files(dt)
     if applied_version is None:
-        return now, dt.version()
+        return now
     if applied_version >= dt.version():
-        return [], dt.version()
+        return []
     try:
-        old = delta.open_table(path, version=applied_version)
+        before_dt = delta.open_table(path, version=applied_version)
     except TableNotFoundError:  # "no files in log segment": that version's log was cleaned up
-        return now, dt.version()  # so recompute every key; any other error is raised
-    before = {f.path for f in delta.snapshot_files(old)}
-    return [f for f in now if f.path not in before], dt.version()
+        return now  # so recompute every key; any other error is raised
+    before = {f.path for f in delta.snapshot_files(before_dt)}
+    return [f for f in now if f.path not in before]

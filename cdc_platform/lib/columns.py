@@ -41,6 +41,11 @@ END = "_fivetran_end"
 ACTIVE = "_fivetran_active"
 SYNCED = "_fivetran_synced"
 HISTORY_SYSTEM_COLUMNS = (START, END, ACTIVE, SYNCED)
+# State the merge keeps on each key's latest version (extra `_cdc_` system columns, which the
+# contract allows): whether a version is its key's latest, and when that key's last event was.
+CURRENT = "_cdc_current"
+LAST_EVENT_AT = "_cdc_last_event_at"
+STATE_COLUMNS = (CURRENT, LAST_EVENT_AT)
 
 # -- types -------------------------------------------------------------------------------------
 TS_TYPE = pa.timestamp("us", tz="UTC")

@@ -108,14 +108,20 @@ def arrow_schema_of(df: DataFrame) -> pa.Schema:
     return pa.schema([f.with_nullable(True) for f in schema])
 
 
-def ensure_table(table_path: Path, schema: pa.Schema, description: str = "") -> DeltaTable:
-    """Create the table if it is missing; add any new (nullable) columns. Never drops a column."""
-    if not exists(table_path):
+def ensure_table(
+    table_path: Path, schema: pa.Schema, description: str = "", table: DeltaTable | None = None
+) -> DeltaTable:
+    """Create the table if it is missing; add any new (nullable) columns. Never drops a column.
+
+    ``table`` is the snapshot the caller already opened, if any (it is returned as it is when
+    no column is missing, so a run keeps seeing one version).
+    """
+    if table is None and not exists(table_path):
         Path(table_path).mkdir(parents=True, exist_ok=True)
         return DeltaTable.create(
             str(table_path), schema=schema, mode="ignore", description=description
         )
-    dt = open_table(table_path)
+    dt = table if table is not None else open_table(table_path)
     have = {f.name for f in dt.schema().fields}
     new_fields = [f for f in schema if f.name not in have]
     if new_fields:
@@ -129,30 +135,41 @@ def table_arrow_schema(dt: DeltaTable) -> pa.Schema:
     return pa.schema(dt.schema().to_arrow())
 
 
-def write_files(df: DataFrame, table_path: Path) -> list[AddAction]:
+def write_files(
+    df: DataFrame, table_path: Path, partition_by: str | None = None
+) -> list[AddAction]:
     """Have Spark write ``df`` as Parquet under the table folder; return add actions for them.
 
     Each write goes to its own ``data/<uuid>/`` folder so concurrent or crashed writers never
-    mix files; only the ``part-*`` Parquet files are committed.
+    mix files; only the ``part-*`` Parquet files are committed. ``partition_by`` names a
+    working column that splits the rows into files (one value per file, the column itself is
+    not stored): its values become sub-folders ``data/<uuid>/<value>/``, not Delta partitions.
     """
     rel_dir = f"{DATA_DIR}/{uuid.uuid4().hex}"
     out_dir = Path(table_path) / rel_dir
-    df.write.mode("errorifexists").option("compression", "snappy").parquet(str(out_dir))
+    writer = df.write.mode("errorifexists").option("compression", "snappy")
+    if partition_by:
+        writer = writer.partitionBy(partition_by)
+    writer.parquet(str(out_dir))
+    if partition_by:  # `<column>=<value>/` -> `<value>/`: no Hive-style names in a Delta table
+        for entry in list(os.scandir(out_dir)):
+            if entry.is_dir() and "=" in entry.name:
+                os.rename(entry.path, out_dir / entry.name.split("=", 1)[1])
     adds = []
-    for entry in sorted(os.scandir(out_dir), key=lambda e: e.name):
-        if not entry.is_file():
+    for file in sorted(out_dir.rglob("*")):
+        if not file.is_file():
             continue
-        if not entry.name.endswith(".parquet") or entry.name.startswith((".", "_")):
-            os.remove(entry.path)  # .crc checksums and markers: not table data
+        if not file.name.endswith(".parquet") or file.name.startswith((".", "_")):
+            os.remove(file)  # .crc checksums and markers: not table data
             continue
-        meta = pq.read_metadata(entry.path)
+        meta = pq.read_metadata(file)
         if meta.num_rows == 0:
-            os.remove(entry.path)
+            os.remove(file)
             continue
-        st = entry.stat()
+        st = file.stat()
         adds.append(
             AddAction(
-                path=f"{rel_dir}/{entry.name}",
+                path=file.relative_to(table_path).as_posix(),
                 size=st.st_size,
                 partition_values={},
                 modification_time=int(st.st_mtime * 1000),
@@ -213,7 +230,7 @@ def top_level_leaves(meta: pq.FileMetaData) -> dict[str, int]:
 
 def discard(table_path: Path, adds: Sequence[AddAction]) -> None:
     """Delete files written for a commit that did not happen (no reader ever saw them)."""
-    for folder in {Path(table_path) / Path(a.path).parent for a in adds}:
+    for folder in {Path(table_path).joinpath(*Path(a.path).parts[:2]) for a in adds}:
         shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -89,7 +89,10 @@ def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
 
 
 def build_versions(
-    events: DataFrame, primary_key: Sequence[str], data_columns: Sequence[str]
+    events: DataFrame,
+    primary_key: Sequence[str],
+    data_columns: Sequence[str],
+    deduplicated: bool = False,
 ) -> DataFrame:
     """Every version of every key in ``events``: key, data columns, start, end, active.
 
@@ -97,13 +100,14 @@ def build_versions(
     names are used verbatim (quoted), and the working columns live under the internal prefix,
     so a source column called ``_seq``, ``a.b`` or ``a`b`` is just data. Images are compared
     with ``<=>``, which every supported column type allows (maps are set aside on reading).
+    ``deduplicated`` says each ``(key, cdc_change_seq)`` is there once already.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
     pkc = cols(pk)
-    ev = dedupe_events(events, pk).select(
+    ev = (events if deduplicated else dedupe_events(events, pk)).select(
         *pkc,
         *cols(list(data_columns)),
         col(SEQ).alias(_SEQ),

@@ -12,7 +12,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib import changelog, delta, quarantine
-from cdc_platform.lib.columns import ACTIVE, END, OP, SEQ, START, SYNCED, TS, UNMODIFIED
+from cdc_platform.lib.columns import (
+    ACTIVE,
+    CURRENT,
+    END,
+    LAST_EVENT_AT,
+    OP,
+    SEQ,
+    START,
+    STATE_COLUMNS,
+    SYNCED,
+    TS,
+    UNMODIFIED,
+    col,
+    cols,
+    internal,
+)
 from cdc_platform.lib.history import dedupe_events, tmax_literal
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -114,10 +129,10 @@ def run_checks(
     )
     if scope is not None:
         table = table.join(scope, pk, "left_semi")
-    checked = table.select(*pk).distinct().count()
+    checked = table.select(*cols(pk)).distinct().count()
 
     def outcome(name: str, failing_rows: DataFrame, detail: str = "") -> CheckOutcome:
-        keys = failing_rows.select(*pk).distinct()
+        keys = failing_rows.select(*cols(pk)).distinct()
         n = keys.count()
         sample = [_key(r, pk) for r in keys.limit(SAMPLE_SIZE).collect()] if n else []
         return CheckOutcome(name, n == 0, n, sample, checked, detail)
@@ -126,7 +141,9 @@ def run_checks(
     outcomes.append(outcome(PK_NOT_NULL, table.filter(" OR ".join(f"`{c}` IS NULL" for c in pk))))
     keyed = table.filter(" AND ".join(f"`{c}` IS NOT NULL" for c in pk))
     outcomes.append(
-        outcome(ONE_ACTIVE, keyed.filter(F.col(ACTIVE)).groupBy(*pk).count().filter("count > 1"))
+        outcome(
+            ONE_ACTIVE, keyed.filter(F.col(ACTIVE)).groupBy(*cols(pk)).count().filter("count > 1")
+        )
     )
     open_ended = F.col(END).eqNullSafe(tmax)
     outcomes.append(
@@ -140,7 +157,7 @@ def run_checks(
         )
     )
     outcomes.append(
-        outcome(UNIQUE_KEY_START, keyed.groupBy(*pk, START).count().filter("count > 1"))
+        outcome(UNIQUE_KEY_START, keyed.groupBy(*cols([*pk, START])).count().filter("count > 1"))
     )
 
     pairs = _consecutive_pairs(keyed, pk)
@@ -155,7 +172,7 @@ def _consecutive_pairs(table: DataFrame, pk: list[str]) -> DataFrame:
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    w = Window.partitionBy(*pk).orderBy(START)
+    w = Window.partitionBy(*cols(pk)).orderBy(START)
     return table.withColumn("_next_start", F.lead(START).over(w))
 
 
@@ -182,7 +199,7 @@ def _contiguity(
         return outcome(CONTIGUOUS, needs_delete)
     deletes = (
         events.filter(F.upper(F.col(OP)) == "DELETE")
-        .select(*pk, F.date_trunc("millisecond", F.col(TS)).alias(END))
+        .select(*cols(pk), F.date_trunc("millisecond", F.col(TS)).alias(END))
         .distinct()
     )
     return outcome(CONTIGUOUS, needs_delete.join(deletes, [*pk, END], "left_anti"))
@@ -229,18 +246,20 @@ def _reconciliation(
     if events is None:
         return outcome(MATCHES_CHANGELOG, table)
     data_columns = [
-        c for c in table.columns if c not in pk and c not in (START, END, ACTIVE, SYNCED)
+        c
+        for c in table.columns
+        if c not in pk and c not in (START, END, ACTIVE, SYNCED, *STATE_COLUMNS)
     ]
     missing = [c for c in data_columns if c not in events.columns]
     if missing:
         return outcome(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")
-    keys = (events if whole_table else table).select(*pk).distinct()
+    keys = (events if whole_table else table).select(*cols(pk)).distinct()
     steps = _steps(dedupe_events(events.join(keys, pk, "left_semi"), pk), pk, data_columns)
 
     t, kind, ver, step = "_cdc_tmp_t", "_cdc_tmp_kind", "_cdc_tmp_version", "_cdc_tmp_step"
     image = _image([F.col(f"`{c}`").alias(c) for c in data_columns])
     versions = table.select(
-        *pk,
+        *cols(pk),
         F.col(START).alias(t),
         F.lit(0).alias(kind),
         F.struct(
@@ -251,10 +270,12 @@ def _reconciliation(
         ).alias(ver),
     )
     timeline = versions.unionByName(
-        steps.select(*pk, F.col("ms").alias(t), F.lit(1).alias(kind), F.struct("*").alias(step)),
+        steps.select(
+            *cols(pk), F.col("ms").alias(t), F.lit(1).alias(kind), F.struct("*").alias(step)
+        ),
         allowMissingColumns=True,
     )
-    w = Window.partitionBy(*pk).orderBy(t, kind)
+    w = Window.partitionBy(*cols(pk)).orderBy(t, kind)
     before = w.rowsBetween(Window.unboundedPreceding, Window.currentRow)
     from_here = w.rowsBetween(Window.currentRow, Window.unboundedFollowing)
     after = w.rowsBetween(1, Window.unboundedFollowing)
@@ -310,7 +331,10 @@ def _reconciliation(
         *pk, F.col("ms").alias(t), F.lit(True).alias("_cdc_tmp_step_starts")
     )
     timeline = timeline.join(image_steps, [*pk, t], "left")
-    return outcome(MATCHES_CHANGELOG, timeline.filter(step_fails | version_fails))
+    failing = timeline.filter(step_fails | version_fails).select(*cols(pk))
+    if CURRENT in table.columns:
+        failing = failing.unionByName(_state_mismatches(table, events, pk))
+    return outcome(MATCHES_CHANGELOG, failing)
 
 
 def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFrame:
@@ -321,7 +345,7 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
     from pyspark.sql import functions as F
 
     ev = events.select(
-        *pk,
+        *cols(pk),
         *[F.col(f"`{c}`") for c in data_columns],
         F.col(SEQ).alias("_cdc_tmp_seq"),
         F.date_trunc("millisecond", F.col(TS)).alias("_cdc_tmp_ms"),
@@ -329,7 +353,7 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
         F.coalesce(F.col(UNMODIFIED), F.array().cast("array<string>")).alias("_cdc_tmp_unmod"),
     )
     so_far = (
-        Window.partitionBy(*pk)
+        Window.partitionBy(*cols(pk))
         .orderBy("_cdc_tmp_ms", "_cdc_tmp_seq")
         .rowsBetween(Window.unboundedPreceding, Window.currentRow)
     )
@@ -349,7 +373,7 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
     ev = ev.select(
         *pk, "_cdc_tmp_seq", "_cdc_tmp_ms", "_cdc_tmp_del", _image(cells).alias("_cdc_tmp_img")
     )
-    return ev.groupBy(*pk, F.col("_cdc_tmp_ms").alias("ms")).agg(
+    return ev.groupBy(*cols(pk), F.col("_cdc_tmp_ms").alias("ms")).agg(
         F.max(~F.col("_cdc_tmp_del")).alias("has_image"),
         F.max_by("_cdc_tmp_del", "_cdc_tmp_seq").alias("ends_deleted"),
         F.max_by("_cdc_tmp_img", F.when(~F.col("_cdc_tmp_del"), F.col("_cdc_tmp_seq"))).alias(
@@ -373,6 +397,25 @@ def _same_image(a: Column, b: Column, data_columns: Sequence[str]) -> Column:
     for c in data_columns:
         same = same & a.getField(c).eqNullSafe(b.getField(c))
     return F.coalesce(same, F.lit(False))
+
+
+def _state_mismatches(table: DataFrame, events: DataFrame, pk: list[str]) -> DataFrame:
+    """Keys whose state columns (which the merge's fast path trusts) break their definition:
+    a key's latest version, and only it, is current and carries the millisecond of the key's
+    last event; every other version has no last-event time."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    last = events.groupBy(*cols(pk)).agg(
+        F.max(F.date_trunc("millisecond", col(TS))).alias(internal("last_event"))
+    )
+    latest = F.row_number().over(Window.partitionBy(*cols(pk)).orderBy(col(START).desc())) == 1
+    expected_last = F.when(latest, col(internal("last_event")))
+    return (
+        table.join(last, pk, "left")
+        .filter(~col(CURRENT).eqNullSafe(latest) | ~col(LAST_EVENT_AT).eqNullSafe(expected_last))
+        .select(*cols(pk))
+    )
 
 
 def _quarantine_check(paths: TablePaths) -> CheckOutcome:

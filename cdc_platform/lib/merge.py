@@ -1,10 +1,30 @@
 """Bringing the history table up to date with the change log, as one atomic Delta commit.
 
 The history table records, in each commit, the change-log version it reflects (a Delta app
-transaction). Whatever was logged after that version is *pending*: its keys are recomputed
-from all their events, the history files holding those keys are rewritten (copy-on-write),
-and removes plus adds are committed together with the new watermark. A crash at any point
-leaves the previous version intact, and the next run finds the same pending work.
+transaction). Whatever was logged after that version is *pending*. A run costs what the pending
+events touch, not what the table holds:
+
+* **Files by segment.** Every history file holds rows of one segment only: *live* (active
+  rows), *deleted* (the last version of a deleted key) or *closed* (every version that is no
+  longer a key's latest). The live and deleted segments hold one row per key at most; the
+  closed segment only grows by appends. File statistics (min = max of ``_fivetran_active`` and
+  ``_cdc_current``) say which segment a file is, so readers skip the closed part of
+  ``WHERE _fivetran_active`` and a run never opens a closed file unless it must.
+* **Fast path.** A key whose pending events are all later than the last event it received
+  (``_cdc_last_event_at`` on its current row) is folded from its current row alone: the row
+  stands in for the key's whole past (its image, whether it is live, and when it last changed).
+  Such a key never reads the change log nor a closed file.
+* **Slow path.** A key with a pending event at or before its last event (a late event, even in
+  the same millisecond) is recomputed from every event the change log holds for it, and the
+  closed files holding its versions are rewritten.
+* **Keys with no version.** A key whose every event is a delete has no row in the table, yet
+  its deletes matter if an older insert lands later. Such keys, with their last event time,
+  are kept in a small side table (``delete_only_keys``) so that a new key can be told from one.
+
+Only files holding a row that changes are rewritten (copy-on-write); rows that stay as they
+were keep their ``_fivetran_synced``. Removes and adds are committed together with the new
+watermark. A crash at any point leaves the previous version intact, and the next run finds the
+same pending work.
 """
 
 from __future__ import annotations
@@ -12,26 +32,31 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 
 from cdc_platform.lib import changelog, delta
 from cdc_platform.lib.columns import (
     ACTIVE,
+    CURRENT,
     END,
     HISTORY_SYSTEM_COLUMNS,
+    LAST_EVENT_AT,
+    OP,
+    SEQ,
     START,
+    STATE_COLUMNS,
     SYNCED,
+    TS,
     col,
     cols,
     internal,
 )
-from cdc_platform.lib.history import build_versions
+from cdc_platform.lib.history import build_versions, dedupe_events
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -42,20 +67,33 @@ if TYPE_CHECKING:
 APP_ID = "cdc_platform/changelog"
 COMMIT_ATTEMPTS = delta.COMMIT_ATTEMPTS
 FAULT_ENV = "CDC_PLATFORM_FAULT"
-# Working columns, under the internal prefix (never a source column's name).
+SYSTEM_COLUMNS = (*HISTORY_SYSTEM_COLUMNS, *STATE_COLUMNS)
+
+# Working columns of the merge, never stored, under the internal prefix (never a source name).
 _FILE = internal("file")
-_OPENED = internal("opened")
-_CLOSED = internal("closed")
+_MIN_MS = internal("min_ms")
+_SLOW = internal("slow")
+_SEGMENT = internal("segment")
+_OLD_FILE = internal("old_file")
+_OLD_SYNCED = internal("old_synced")
+_OLD_ACTIVE = internal("old_active")
+_DELETE_ONLY = internal("delete_only")
 
 
 @dataclass(frozen=True)
 class MergeResult:
     keys_affected: int = 0
+    fast_keys: int = 0
+    slow_keys: int = 0
     versions_opened: int = 0
     versions_closed: int = 0
     rows_written: int = 0
     files_removed: int = 0
     files_added: int = 0
+    bytes_removed: int = 0
+    bytes_added: int = 0
+    changelog_bytes_read: int = 0
+    history_bytes_read: int = 0
     history_version: int | None = None
     changelog_version: int | None = None
     attempts: int = 0
@@ -67,12 +105,6 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), 9)
 
 
-def applied_changelog_version(paths: TablePaths) -> int | None:
-    if not delta.exists(paths.history):
-        return None
-    return delta.open_table(paths.history).transaction_version(APP_ID)
-
-
 def history_schema(primary_key: Sequence[str], key_and_data: pa.Schema) -> pa.Schema:
     ts = pa.timestamp("us", tz="UTC")
     keys = [key_and_data.field(k) for k in primary_key]
@@ -82,8 +114,15 @@ def history_schema(primary_key: Sequence[str], key_and_data: pa.Schema) -> pa.Sc
         pa.field(END, ts),
         pa.field(ACTIVE, pa.bool_()),
         pa.field(SYNCED, ts),
+        pa.field(CURRENT, pa.bool_()),
+        pa.field(LAST_EVENT_AT, ts),
     ]
     return pa.schema([f.with_nullable(True) for f in (*keys, *data, *system)])
+
+
+def is_closed_file(f: delta.DataFile) -> bool:
+    """A file of the closed segment: no row in it is any key's latest version."""
+    return f.max_values.get(CURRENT) is False
 
 
 def apply_pending(
@@ -94,83 +133,196 @@ def apply_pending(
         lambda: _apply_once(spark, paths, primary_key, synced_at),
         f"history commit for {paths.history}",
     )
-    return MergeResult(**{**result.__dict__, "attempts": attempts})
+    return replace(result, attempts=attempts)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What one attempt saw: each table opened once, so the whole attempt sees one version."""
+
+    changelog: DeltaTable
+    history: DeltaTable | None
+    applied: int | None  # change-log version the history table reflects
+    rebuild: bool  # the history table predates the state columns: recompute every key
+
+    @classmethod
+    def open(cls, paths: TablePaths) -> _Snapshot | None:
+        if not delta.exists(paths.changelog):
+            return None
+        log = delta.open_table(paths.changelog)
+        history = delta.open_table(paths.history) if delta.exists(paths.history) else None
+        applied = history.transaction_version(APP_ID) if history is not None else None
+        rebuild = history is not None and CURRENT not in delta.table_arrow_schema(history).names
+        return cls(log, history, None if rebuild else applied, rebuild)
 
 
 def _apply_once(
     spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], synced_at: datetime
 ) -> MergeResult:
+    from pyspark.sql import functions as F
+
     pk = list(primary_key)
-    applied = applied_changelog_version(paths)
-    pending, changelog_version = changelog.pending_files(paths.changelog, applied)
+    snap = _Snapshot.open(paths)
+    if snap is None:
+        return MergeResult(history_version=delta.version_or_none(paths.history))
+    log_version = snap.changelog.version()
+    pending = changelog.files_since(paths.changelog, snap.changelog, snap.applied)
     if not pending:
+        if snap.history is not None and _delete_only_keys_stale(paths, snap.applied):
+            # A crash came between the last history commit and its side-table commit.
+            pk_unversioned = _read_delete_only_keys(spark, paths, pk, snap)
+            assert snap.applied is not None
+            _store_delete_only_keys(paths, pk_unversioned, snap.applied)
         return MergeResult(
-            history_version=delta.version_or_none(paths.history),
-            changelog_version=changelog_version,
+            history_version=snap.history.version() if snap.history is not None else None,
+            changelog_version=log_version,
         )
 
-    key_and_data = changelog.key_and_data_fields(paths.changelog)
-    assert key_and_data is not None
-    schema = history_schema(pk, key_and_data)
-    data_columns = [
-        f.name for f in schema if f.name not in pk and f.name not in HISTORY_SYSTEM_COLUMNS
-    ]
-    dt = delta.ensure_table(paths.history, schema, description="cdc_platform history-mode table")
-    hist_schema = changelog.spark_schema(delta.table_arrow_schema(dt))
+    log_schema = delta.table_arrow_schema(snap.changelog)
+    schema = history_schema(pk, changelog.key_and_data_of(log_schema))
+    data_columns = [f.name for f in schema if f.name not in pk and f.name not in SYSTEM_COLUMNS]
+    dt = delta.ensure_table(
+        paths.history, schema, description="cdc_platform history-mode table", table=snap.history
+    )
+    hist_arrow = delta.table_arrow_schema(dt)
+    hist_schema = changelog.spark_schema(hist_arrow)
     columns = [f.name for f in hist_schema.fields]
+    files = delta.snapshot_files(dt)
+    current_files = [f for f in files if not is_closed_file(f)]
+    closed_files = [f for f in files if is_closed_file(f)]
+    log_files = delta.snapshot_files(snap.changelog)
+    log_spark_schema = changelog.spark_schema(log_schema)
 
-    pending_events = changelog.read(spark, paths.changelog, pending)
-    assert pending_events is not None
-    with _cached(pending_events.select(*cols(pk)).distinct()) as affected:
-        keys_affected = affected.count()
-        touched = _files_holding(spark, paths.history, dt, hist_schema, affected, pk)
-        events = changelog.read(spark, paths.changelog)
-        assert events is not None
-        versions = build_versions(events.join(affected, pk, "left_semi"), pk, data_columns)
+    pending_events = dedupe_events(
+        changelog.read_files(spark, paths.changelog, log_spark_schema, pending), pk
+    )
+    ms = F.date_trunc("millisecond", col(TS))
+    with _cached(pending_events.groupBy(*cols(pk)).agg(F.min(ms).alias(_MIN_MS))) as touched:
+        current = _read_history(spark, paths.history, hist_schema, current_files).join(
+            touched.select(*cols(pk)), pk, "left_semi"
+        )
+        with _cached(current) as current:
+            unversioned = _read_delete_only_keys(spark, paths, pk, snap)
+            keys = _classify(touched, current, unversioned, pk, slow_everything=snap.rebuild)
+            with _cached(keys) as keys:
+                counts = keys.agg(
+                    F.count(F.lit(1)).alias("n"),
+                    F.sum(col(_SLOW).cast("int")).alias("slow"),
+                    F.sum(col(_DELETE_ONLY).cast("int")).alias("delete_only"),
+                ).first()
+                keys_affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
+                delete_only_touched = int(counts["delete_only"] or 0)
+                slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
+                fast_keys = keys.filter(~col(_SLOW)).select(*cols(pk))
 
-        if touched:
-            old = spark.read.schema(hist_schema).parquet(
-                *delta.absolute_paths(paths.history, touched)
-            )
-        else:
-            old = spark.createDataFrame([], hist_schema)
-        old_affected = old.join(affected, pk, "left_semi")
-        prior = _compare_with_prior(versions, old_affected, pk, data_columns, synced_at)
-        with _cached(prior) as compared:
-            untouched = old.join(affected, pk, "left_anti").select(*cols(columns))
-            out = untouched.unionByName(compared.select(*cols(columns)))
-            expected = sum(f.num_records or 0 for f in touched) + sum(
-                f.num_records or 0 for f in pending
-            )
-            out = out.repartition(delta.file_count_for(expected), *cols(pk))
-            adds = delta.write_files(out.sortWithinPartitions(*cols([*pk, START])), paths.history)
-            try:
-                opened, closed = _count_changes(compared, old_affected, pk)
-                fault_point("before_history_commit")
-                version = delta.commit(
-                    dt,
-                    adds,
-                    delta.removes_for(touched),
-                    delta.table_arrow_schema(dt),
-                    app_transaction=(APP_ID, changelog_version),
-                    metadata={
-                        "cdc_platform.keys_affected": keys_affected,
-                        "cdc_platform.changelog_version": changelog_version,
-                    },
-                    strict=True,
+                fast_events = (
+                    pending_events.join(fast_keys, pk, "left_semi")
+                    .unionByName(
+                        _state_events(current.join(fast_keys, pk, "left_semi"), pk, data_columns),
+                        allowMissingColumns=True,
+                    )
+                    .unionByName(
+                        _ghost_events(unversioned.join(fast_keys, pk, "left_semi"), pk),
+                        allowMissingColumns=True,
+                    )
                 )
-            except BaseException:
-                delta.discard(paths.history, adds)
-                raise
+                log_read = log_files if slow_count else []
+                slow_events = (
+                    dedupe_events(
+                        changelog.read_files(spark, paths.changelog, log_spark_schema, log_read),
+                        pk,
+                    ).join(slow_keys, pk, "left_semi")
+                    if log_read
+                    else None
+                )
+                events = (
+                    fast_events
+                    if slow_events is None
+                    else fast_events.unionByName(slow_events, allowMissingColumns=True)
+                )
+                last_events = events.groupBy(*cols(pk)).agg(
+                    F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
+                )
+                versions = _with_state(
+                    build_versions(events, pk, data_columns, deduplicated=True), last_events, pk
+                )
+                old = current.select(*cols([*columns, _FILE]))
+                closed_read = closed_files if slow_count else []
+                if closed_read:
+                    old = old.unionByName(
+                        _read_history(spark, paths.history, hist_schema, closed_read)
+                        .join(slow_keys, pk, "left_semi")
+                        .select(*cols([*columns, _FILE]))
+                    )
+                with _cached(_compare(versions, old, pk, data_columns, synced_at)) as compared:
+                    rewritten_names, vanished = _old_rows_changed(compared, old, pk)
+                    rewritten = [f for f in files if f.path in rewritten_names]
+                    opened, closed, versioned_keys = _count_new_versions(compared, pk)
+                    # Rows of rewritten files that this run did not recompute stay as they are.
+                    carried = (
+                        _read_history(spark, paths.history, hist_schema, rewritten)
+                        .join(old.select(*cols([*pk, START])), [*pk, START], "left_anti")
+                        .select(*cols(columns))
+                    )
+                    fresh = compared.filter(
+                        col(_OLD_FILE).isNull() | col(_OLD_FILE).isin(sorted(rewritten_names))
+                    ).select(*cols(columns))
+                    out = carried.unionByName(fresh)
+                    expected = sum(f.num_records or 0 for f in rewritten) + sum(
+                        f.num_records or 0 for f in pending
+                    )
+                    adds = _write_segments(out, paths.history, pk, expected)
+                    try:
+                        # Keys whose events (all of them, or the state the fast path replayed)
+                        # made no version are delete-only; untouched delete-only keys stay.
+                        now_unversioned = last_events.join(
+                            compared.select(*cols(pk)), pk, "left_anti"
+                        )
+                        kept_unversioned = unversioned.join(keys.select(*cols(pk)), pk, "left_anti")
+                        unversioned_changed = bool(
+                            delete_only_touched or keys_affected > versioned_keys
+                        )
+                        fault_point("before_history_commit")
+                        version = delta.commit(
+                            dt,
+                            adds,
+                            delta.removes_for(rewritten),
+                            hist_arrow,
+                            app_transaction=(APP_ID, log_version),
+                            metadata={
+                                "cdc_platform.keys_affected": keys_affected,
+                                "cdc_platform.changelog_version": log_version,
+                            },
+                            strict=True,
+                        )
+                    except BaseException:
+                        delta.discard(paths.history, adds)
+                        raise
+                    _store_delete_only_keys(
+                        paths,
+                        kept_unversioned.unionByName(now_unversioned)
+                        if unversioned_changed
+                        or snap.rebuild
+                        or not delta.exists(paths.delete_only_keys)
+                        else None,
+                        log_version,
+                    )
+    history_read = sum(f.size for f in current_files) + sum(f.size for f in closed_read)
     return MergeResult(
         keys_affected=keys_affected,
+        fast_keys=keys_affected - slow_count,
+        slow_keys=slow_count,
         versions_opened=opened,
-        versions_closed=closed,
+        versions_closed=closed + vanished,
         rows_written=sum(delta.num_records(a) for a in adds),
-        files_removed=len(touched),
+        files_removed=len(rewritten),
         files_added=len(adds),
+        bytes_removed=sum(f.size for f in rewritten),
+        bytes_added=sum(a.size for a in adds),
+        changelog_bytes_read=sum(f.size for f in pending) + sum(f.size for f in log_read),
+        history_bytes_read=history_read + sum(f.size for f in rewritten),
         history_version=version,
-        changelog_version=changelog_version,
+        changelog_version=log_version,
     )
 
 
@@ -186,73 +338,287 @@ def _cached(df: DataFrame) -> Iterator[DataFrame]:
         df.unpersist()
 
 
-def _files_holding(
-    spark: SparkSession,
-    table_path: Path,
-    dt: DeltaTable,
-    schema: StructType,
-    keys: DataFrame,
-    pk: list[str],
-) -> list[delta.DataFile]:
-    """The history files that hold any of ``keys``: only the key columns are scanned."""
+def _read_history(
+    spark: SparkSession, table_path: Path, schema: StructType, files: Sequence[delta.DataFile]
+) -> DataFrame:
+    """Rows of ``files`` with the (table-relative) file each came from, in ``_FILE``."""
     from pyspark.sql import functions as F
 
-    files = delta.snapshot_files(dt)
     if not files:
-        return []
-    by_path = {
-        os.path.normpath(p): f
-        for p, f in zip(delta.absolute_paths(table_path, files), files, strict=True)
-    }
-    scan = (
-        spark.read.schema(schema)
-        .parquet(*by_path)
-        .select(*cols(pk), F.input_file_name().alias(_FILE))
+        return spark.createDataFrame([], schema).withColumn(_FILE, F.lit(None).cast("string"))
+    root = os.path.abspath(str(table_path))
+    rows = spark.read.schema(schema).parquet(*delta.absolute_paths(table_path, files))
+    # input_file_name() is a URI; the table-relative path is what the Delta log knows.
+    prefix_len = len(root) + 1
+    return rows.withColumn(
+        _FILE,
+        F.expr(f"substring(url_decode(parse_url(input_file_name(), 'PATH')), {prefix_len + 1})"),
     )
-    hits = scan.join(keys, pk, "left_semi").select(col(_FILE)).distinct().collect()
-    return [by_path[os.path.normpath(unquote(urlparse(r[_FILE]).path))] for r in hits]
 
 
-def _compare_with_prior(
-    versions: DataFrame, old: DataFrame, pk: list[str], data_columns: list[str], synced_at: datetime
+def _classify(
+    touched: DataFrame,
+    current: DataFrame,
+    unversioned: DataFrame,
+    pk: list[str],
+    slow_everything: bool,
 ) -> DataFrame:
-    """The new versions, each compared with the version at the same ``(key, start)`` before.
+    """Each touched key with ``_SLOW``: must it be recomputed from all its events?
 
-    A version exactly as before keeps its ``_fivetran_synced``; others get this run's. Two flags
-    feed the run's metadata: ``_OPENED`` (no version started there before) and ``_CLOSED``
-    (active before, not any more).
+    Fast means every pending event is later than anything the key received before, so its
+    current row (or its delete-only record) is all the past the fold needs.
     """
     from pyspark.sql import functions as F
 
-    renamed = {c: internal(f"old_{i}") for i, c in enumerate([*data_columns, END, ACTIVE, SYNCED])}
-    prior = old.select(*cols([*pk, START]), *[col(c).alias(a) for c, a in renamed.items()])
-    joined = versions.join(prior, [*pk, START], "left")
-    existed = col(renamed[SYNCED]).isNotNull()
-    unchanged: Column = existed
-    for c in [*data_columns, END, ACTIVE]:
-        unchanged = unchanged & col(c).eqNullSafe(col(renamed[c]))
-    synced = F.when(unchanged, col(renamed[SYNCED])).otherwise(F.lit(synced_at).cast("timestamp"))
-    return (
-        joined.withColumn(SYNCED, synced)
-        .withColumn(_OPENED, ~existed)
-        .withColumn(_CLOSED, existed & col(renamed[ACTIVE]) & ~col(ACTIVE))
-        .drop(*renamed.values())
+    if slow_everything:
+        return touched.select(*cols(pk), F.lit(True).alias(_SLOW), F.lit(False).alias(_DELETE_ONLY))
+    last = current.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("last")))
+    ghost_last = unversioned.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("ghost_last")))
+    joined = touched.join(last, pk, "left").join(ghost_last, pk, "left")
+    # A key with no current row and no delete-only record never had an event: fast.
+    slow = col(_MIN_MS) <= F.coalesce(col(internal("last")), col(internal("ghost_last")))
+    return joined.select(
+        *cols(pk),
+        F.coalesce(slow, F.lit(False)).alias(_SLOW),
+        col(internal("ghost_last")).isNotNull().alias(_DELETE_ONLY),
     )
 
 
-def _count_changes(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[int, int]:
-    """Versions opened and closed; an active version that vanished (a late event moved the
-    key's history) counts as closed too."""
+def _state_events(current: DataFrame, pk: list[str], data_columns: list[str]) -> DataFrame:
+    """Events that replay a key's current row: the fold then continues from exactly there.
+
+    A live row becomes an insert at its start (plus a no-op update at its last event, so the
+    fold still knows when the key last changed); a deleted key's row becomes an insert at its
+    start and a delete at its end (rule 5's start = end included: the delete sorts after).
+    Every real pending event of a fast key is later, so these never interleave with them.
+    """
+    from pyspark.sql import functions as F
+
+    def event(op: str, at: Column, seq: int) -> DataFrame:
+        return current.select(
+            *cols(pk),
+            *cols(data_columns),
+            F.lit(op).alias(OP),
+            F.lit(seq).cast("long").alias(SEQ),
+            at.alias(TS),
+        )
+
+    insert = event("INSERT", col(START), 0)
+    live = current.filter(col(ACTIVE))
+    noop = live.filter(col(LAST_EVENT_AT) > col(START)).select(
+        *cols(pk),
+        *cols(data_columns),
+        F.lit("UPDATE").alias(OP),
+        F.lit(1).cast("long").alias(SEQ),
+        col(LAST_EVENT_AT).alias(TS),
+    )
+    dead = current.filter(~col(ACTIVE))
+    delete = dead.select(
+        *cols(pk), F.lit("DELETE").alias(OP), F.lit(1).cast("long").alias(SEQ), col(END).alias(TS)
+    )
+    later_delete = dead.filter(col(LAST_EVENT_AT) > col(END)).select(
+        *cols(pk),
+        F.lit("DELETE").alias(OP),
+        F.lit(2).cast("long").alias(SEQ),
+        col(LAST_EVENT_AT).alias(TS),
+    )
+    return (
+        insert.unionByName(noop)
+        .unionByName(delete, allowMissingColumns=True)
+        .unionByName(later_delete, allowMissingColumns=True)
+    )
+
+
+def _ghost_events(unversioned: DataFrame, pk: list[str]) -> DataFrame:
+    """A delete-only key's past, for the fold: one delete at its last event."""
+    from pyspark.sql import functions as F
+
+    return unversioned.select(
+        *cols(pk),
+        F.lit("DELETE").alias(OP),
+        F.lit(0).cast("long").alias(SEQ),
+        col(LAST_EVENT_AT).alias(TS),
+    )
+
+
+def _with_state(versions: DataFrame, last_events: DataFrame, pk: list[str]) -> DataFrame:
+    """Mark each key's latest version current and give it the time of the key's last event."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    latest = F.row_number().over(Window.partitionBy(*cols(pk)).orderBy(col(START).desc())) == 1
+    return (
+        versions.withColumn(CURRENT, latest)
+        .join(last_events.withColumnRenamed(LAST_EVENT_AT, internal("last")), pk, "left")
+        .withColumn(LAST_EVENT_AT, F.when(col(CURRENT), col(internal("last"))))
+        .drop(internal("last"))
+    )
+
+
+def _compare(
+    versions: DataFrame, old: DataFrame, pk: list[str], data_columns: list[str], synced_at: datetime
+) -> DataFrame:
+    """The new versions, each with the old row at the same ``(key, start)`` if it is identical.
+
+    An identical row keeps its ``_fivetran_synced`` (and may stay where it is: ``_OLD_FILE``
+    names its file); any other gets this run's. ``_OLD_ACTIVE`` feeds the run's counts.
+    """
+    from pyspark.sql import functions as F
+
+    compared_columns = [*data_columns, END, ACTIVE, CURRENT, LAST_EVENT_AT]
+    renamed = {c: internal(f"old_{i}") for i, c in enumerate(compared_columns)}
+    prior = old.select(
+        *cols(pk),
+        START,
+        *[col(c).alias(a) for c, a in renamed.items()],
+        col(SYNCED).alias(_OLD_SYNCED),
+        col(_FILE).alias(internal("prior_file")),
+    )
+    joined = versions.join(prior, [*pk, START], "left")
+    existed = col(internal("prior_file")).isNotNull()
+    same: Column = existed
+    for c in compared_columns:
+        same = same & col(c).eqNullSafe(col(renamed[c]))
+    return (
+        joined.withColumn(
+            SYNCED, F.when(same, col(_OLD_SYNCED)).otherwise(F.lit(synced_at).cast("timestamp"))
+        )
+        .withColumn(_OLD_FILE, F.when(same, col(internal("prior_file"))))
+        .withColumn(_OLD_ACTIVE, F.when(existed, col(renamed[ACTIVE])))
+        .drop(*renamed.values(), _OLD_SYNCED, internal("prior_file"))
+    )
+
+
+def _old_rows_changed(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[set[str], int]:
+    """The files holding an old row that is not kept as it is, and how many of those rows were
+    active and have no version at the same start any more (a late event moved the key's
+    history), in one Spark job."""
+    from pyspark.sql import functions as F
+
+    new = compared.select(
+        *cols([*pk, START]),
+        col(_OLD_FILE).isNotNull().alias(internal("kept")),
+        F.lit(True).alias(internal("exists")),
+    )
+    joined = old.join(new, [*pk, START], "left")
+    kept = F.coalesce(col(internal("kept")), F.lit(False))
+    row = joined.agg(
+        F.collect_set(F.when(~kept, col(_FILE))).alias("files"),
+        F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("int")).alias("vanished"),
+    ).first()
+    return set(row["files"] or []), int(row["vanished"] or 0)
+
+
+def _count_new_versions(compared: DataFrame, pk: list[str]) -> tuple[int, int, int]:
+    """Versions opened (no version started there before), versions closed (active before, not
+    any more), and how many keys have a version at all."""
     from pyspark.sql import functions as F
 
     row = compared.agg(
-        F.sum(col(_OPENED).cast("int")).alias("opened"),
-        F.sum(col(_CLOSED).cast("int")).alias("closed"),
+        F.sum(col(_OLD_ACTIVE).isNull().cast("int")).alias("opened"),
+        F.sum((col(_OLD_ACTIVE) & ~col(ACTIVE)).cast("int")).alias("closed"),
+        F.count_distinct(*cols(pk)).alias("keys"),
     ).first()
-    vanished = (
-        old.filter(col(ACTIVE))
-        .select(*cols([*pk, START]))
-        .join(compared.select(*cols([*pk, START])), [*pk, START], "left_anti")
-        .count()
+    return int(row["opened"] or 0), int(row["closed"] or 0), int(row["keys"] or 0)
+
+
+def _write_segments(out: DataFrame, table_path: Path, pk: list[str], expected_rows: int) -> list:
+    """Write rows so that each file holds one segment (live, deleted or closed), sorted by key."""
+    from pyspark.sql import functions as F
+
+    segment = (
+        F.when(col(ACTIVE), F.lit("live"))
+        .when(col(CURRENT), F.lit("deleted"))
+        .otherwise(F.lit("closed"))
     )
-    return int(row["opened"] or 0), int(row["closed"] or 0) + vanished
+    n = delta.file_count_for(expected_rows)
+    shaped = out.withColumn(_SEGMENT, segment)
+    shaped = shaped.repartitionByRange(n, *cols(pk)) if n > 1 else shaped.coalesce(1)
+    return delta.write_files(
+        shaped.sortWithinPartitions(*cols([*pk, START])), table_path, partition_by=_SEGMENT
+    )
+
+
+# -- keys whose every event is a delete ---------------------------------------------------------
+
+
+def _delete_only_schema(log_schema: StructType, pk: list[str]) -> StructType:
+    from pyspark.sql.types import StructField, StructType, TimestampType
+
+    return StructType([*(log_schema[c] for c in pk), StructField(LAST_EVENT_AT, TimestampType())])
+
+
+def _read_delete_only_keys(
+    spark: SparkSession, paths: TablePaths, pk: list[str], snap: _Snapshot
+) -> DataFrame:
+    """The delete-only keys as of the history table's watermark.
+
+    The side table is committed right after the history table, with the same watermark. If
+    a crash came in between (watermarks differ), it is recomputed from the change log: every
+    logged key that has no version in the history table.
+    """
+    from pyspark.sql import functions as F
+
+    log_schema = changelog.spark_schema(delta.table_arrow_schema(snap.changelog))
+    keys_schema = _delete_only_schema(log_schema, pk)
+    history_applied = snap.applied
+    side = paths.delete_only_keys
+    if not _delete_only_keys_stale(paths, history_applied):
+        files = delta.snapshot_files(delta.open_table(side)) if delta.exists(side) else []
+        if not files:
+            return spark.createDataFrame([], keys_schema)
+        return spark.read.schema(keys_schema).parquet(*delta.absolute_paths(side, files))
+    # Stale, or missing while the history table has applied events: recompute.
+    logged = delta.open_table(paths.changelog, version=history_applied)
+    events = changelog.read_files(spark, paths.changelog, log_schema, delta.snapshot_files(logged))
+    assert snap.history is not None
+    versioned = _read_history(
+        spark,
+        paths.history,
+        changelog.spark_schema(delta.table_arrow_schema(snap.history)),
+        delta.snapshot_files(snap.history),
+    ).select(*cols(pk))
+    return (
+        events.groupBy(*cols(pk))
+        .agg(F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT))
+        .join(versioned, pk, "left_anti")
+    )
+
+
+def _delete_only_keys_stale(paths: TablePaths, history_applied: int | None) -> bool:
+    side = paths.delete_only_keys
+    if not delta.exists(side):
+        return history_applied is not None
+    return delta.open_table(side).transaction_version(APP_ID) != history_applied
+
+
+def _store_delete_only_keys(paths: TablePaths, keys: DataFrame | None, log_version: int) -> None:
+    """Stamp the side table with the history table's watermark, replacing its rows if given.
+
+    ``None`` means unchanged: only the watermark moves (a commit with no files).
+    """
+    side = paths.delete_only_keys
+    if keys is None:
+        dt = delta.open_table(side)
+        delta.commit(
+            dt, [], [], delta.table_arrow_schema(dt), app_transaction=(APP_ID, log_version)
+        )
+        return
+    dt = delta.ensure_table(
+        side,
+        delta.arrow_schema_of(keys),
+        description="cdc_platform keys whose events are all deletes",
+    )
+    old = delta.snapshot_files(dt)
+    adds = delta.write_files(keys.coalesce(1), side)
+    try:
+        delta.commit(
+            dt,
+            adds,
+            delta.removes_for(old),
+            delta.table_arrow_schema(dt),
+            app_transaction=(APP_ID, log_version),
+        )
+    except BaseException:
+        delta.discard(side, adds)
+        raise
