@@ -328,7 +328,7 @@ def _reconciliation(
         | ~F.col(f"{ver}.active").eqNullSafe(expected_end == tmax_literal())
     )
     image_steps = steps.filter("has_image").select(
-        *pk, F.col("ms").alias(t), F.lit(True).alias("_cdc_tmp_step_starts")
+        *cols(pk), F.col("ms").alias(t), F.lit(True).alias("_cdc_tmp_step_starts")
     )
     timeline = timeline.join(image_steps, [*pk, t], "left")
     failing = timeline.filter(step_fails | version_fails).select(*cols(pk))
@@ -371,7 +371,11 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
         for c in data_columns
     ]
     ev = ev.select(
-        *pk, "_cdc_tmp_seq", "_cdc_tmp_ms", "_cdc_tmp_del", _image(cells).alias("_cdc_tmp_img")
+        *cols(pk),
+        "_cdc_tmp_seq",
+        "_cdc_tmp_ms",
+        "_cdc_tmp_del",
+        _image(cells).alias("_cdc_tmp_img"),
     )
     return ev.groupBy(*cols(pk), F.col("_cdc_tmp_ms").alias("ms")).agg(
         F.max(~F.col("_cdc_tmp_del")).alias("has_image"),
