@@ -56,20 +56,14 @@ def run_demo(root: Path) -> subprocess.CompletedProcess[str]:
 # starts the driver with `--add-modules=jdk.incubator.vector` (JavaModuleOptions) and Java then
 # prints this line unconditionally. Nothing in Spark or Java configures it away.
 JVM_INCUBATOR_NOTICE = "WARNING: Using incubator modules: jdk.incubator.vector"
-# Dagster's BetaWarning for `@dg.asset(backfill_policy=...)` in defs/factory.py, the only
-# place that declares it; `@dg.multi_asset(specs=[...], backfill_policy=...)` is not beta.
-FACTORY_USES_BETA_PARAM = "@dg.asset(" in (REPO_ROOT / "cdc_platform/defs/factory.py").read_text()
 
 
 def unexpected_warnings(output: str) -> list[str]:
-    """Warning lines but the JVM's notice (and, until defs/factory.py stops using the beta
-    parameter, Dagster's BetaWarning, which test_demo_prints_no_dagster_beta_warning covers)."""
+    """Every warning line but the JVM's notice."""
     return [
         line
         for line in output.splitlines()
-        if WARNING_LINE.search(line)
-        and line.strip() != JVM_INCUBATOR_NOTICE
-        and not (FACTORY_USES_BETA_PARAM and "BetaWarning: Parameter `backfill_policy`" in line)
+        if WARNING_LINE.search(line) and line.strip() != JVM_INCUBATOR_NOTICE
     ]
 
 
@@ -105,11 +99,6 @@ def test_demo_prints_no_warnings(demo: tuple[Path, subprocess.CompletedProcess[s
     assert not lines, "\n".join(lines)
 
 
-@pytest.mark.xfail(
-    FACTORY_USES_BETA_PARAM,
-    strict=True,
-    reason="defs/factory.py still passes backfill_policy to @dg.asset (a beta parameter)",
-)
 def test_demo_prints_no_dagster_beta_warning(
     demo: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:

@@ -47,21 +47,26 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
     paths = TablePaths.of(platform.warehouse_root, table.name)
     partitions = dg.HourlyPartitionsDefinition(start_date=table.start_partition_key, timezone="UTC")
 
-    @dg.asset(
-        key=key,
-        partitions_def=partitions,
+    @dg.multi_asset(
+        name=table.name,
+        specs=[
+            dg.AssetSpec(
+                key,
+                partitions_def=partitions,
+                group_name=GROUP,
+                kinds={"spark", "delta"},
+                description=(
+                    f"History-mode (SCD2) Delta table `{paths.history}`, built from the CDC files in "
+                    f"`{platform.landing_root / table.name}` (primary key {list(table.primary_key)})."
+                ),
+                metadata={
+                    "primary_key": list(table.primary_key),
+                    "table_path": dg.MetadataValue.path(str(paths.history)),
+                },
+            )
+        ],
         backfill_policy=dg.BackfillPolicy.single_run(),
         pool=pool_name(table),
-        group_name=GROUP,
-        kinds={"spark", "delta"},
-        description=(
-            f"History-mode (SCD2) Delta table `{paths.history}`, built from the CDC files in "
-            f"`{platform.landing_root / table.name}` (primary key {list(table.primary_key)})."
-        ),
-        metadata={
-            "primary_key": list(table.primary_key),
-            "table_path": dg.MetadataValue.path(str(paths.history)),
-        },
     )
     def history_table(
         context: dg.AssetExecutionContext, spark: SparkResource, keyring: KeyringResource
@@ -206,6 +211,9 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             build_run_failure_alert_sensor(),
         ],
         jobs=[check_job],
+        # One process per run: the asset step and its checks share one Spark session (one JVM)
+        # instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.
+        executor=dg.in_process_executor,
         schedules=[
             dg.ScheduleDefinition(
                 name="cdc_full_table_checks_schedule",
