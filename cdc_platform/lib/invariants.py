@@ -413,11 +413,15 @@ def _state_mismatches(table: DataFrame, events: DataFrame, pk: list[str]) -> Dat
     last = events.groupBy(*cols(pk)).agg(
         F.max(F.date_trunc("millisecond", col(TS))).alias(internal("last_event"))
     )
-    latest = F.row_number().over(Window.partitionBy(*cols(pk)).orderBy(col(START).desc())) == 1
-    expected_last = F.when(latest, col(internal("last_event")))
+    latest = internal("latest")
+    by_start = Window.partitionBy(*cols(pk)).orderBy(col(START).desc())
+    expected_last = F.when(col(latest), col(internal("last_event")))
     return (
         table.join(last, pk, "left")
-        .filter(~col(CURRENT).eqNullSafe(latest) | ~col(LAST_EVENT_AT).eqNullSafe(expected_last))
+        .withColumn(latest, F.row_number().over(by_start) == 1)
+        .filter(
+            ~col(CURRENT).eqNullSafe(col(latest)) | ~col(LAST_EVENT_AT).eqNullSafe(expected_last)
+        )
         .select(*cols(pk))
     )
 

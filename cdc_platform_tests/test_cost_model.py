@@ -1,0 +1,164 @@
+"""The merge's cost model, asserted on what a run reads and rewrites (never on time).
+
+An in-order hour is folded from the keys' current rows: it rewrites only files holding the
+touched keys' current rows, appends closed rows, and reads no change-log file but the ones it
+just logged. A late event takes the slow path for its key alone. A table written before the
+state columns existed is recomputed once by the next run, then takes the fast path.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+from cdc_platform.lib import delta
+from cdc_platform.lib.columns import CURRENT, LAST_EVENT_AT
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.merge import APP_ID, is_closed_file
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import event as ev
+from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
+from cdc_platform_tests.reference import reference_history
+
+H0 = datetime(2024, 1, 1, tzinfo=UTC)
+TABLE = TableConfig(name="deep", primary_key=("id",), start=H0)
+KEYS = 12
+COLUMNS = ["id", "v", "_fivetran_start", "_fivetran_end", "_fivetran_active"]
+
+
+def _deep_history(spark: Any, lake: dict[str, Path], hours: int) -> list[dict[str, Any]]:
+    """Every key updated in every hour, one run per hour: many closed files, one live part."""
+    events: list[dict[str, Any]] = []
+    seq = 0
+    for h in range(hours):
+        hour = H0 + timedelta(hours=h)
+        batch = []
+        for k in range(KEYS):
+            seq += 1
+            op = "INSERT" if h == 0 else "UPDATE"
+            batch.append(ev(op, seq, hour + timedelta(minutes=k + 1), k, v=seq))
+        write_parquet_events(lake["landing"], TABLE.name, hour, batch)
+        materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+        events += batch
+    return events
+
+
+def _commit_actions(table: Path, version: int) -> tuple[list[str], list[str]]:
+    lines = (table / "_delta_log" / f"{version:020d}.json").read_text().splitlines()
+    actions = [json.loads(line) for line in lines]
+    adds = [a["add"]["path"] for a in actions if "add" in a]
+    removes = [a["remove"]["path"] for a in actions if "remove" in a]
+    return adds, removes
+
+
+def test_in_order_hour_touches_only_current_rows_of_its_keys(spark, lake):
+    events = _deep_history(spark, lake, hours=5)
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    before = {f.path: f for f in delta.snapshot_files(delta.open_table(paths.history))}
+    closed_before = {p for p, f in before.items() if is_closed_file(f)}
+    assert len(closed_before) >= 4  # one closed file appended per hourly run
+    log_before = {f.path for f in delta.snapshot_files(delta.open_table(paths.changelog))}
+
+    hour = H0 + timedelta(hours=5)
+    new = [ev("UPDATE", 1000 + k, hour + timedelta(minutes=1), k, v=-k) for k in (3, 7)]
+    write_parquet_events(lake["landing"], TABLE.name, hour, new)
+    result = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+
+    m = result.merge
+    assert (m.keys_affected, m.fast_keys, m.slow_keys) == (2, 2, 0)
+    assert m.history_version is not None
+    adds, removes = _commit_actions(paths.history, m.history_version)
+    # Only the file holding the keys' current rows is rewritten; no closed file is touched.
+    assert removes and not set(removes) & closed_before
+    holding = set()
+    for path in removes:
+        ids = set(pq.read_table(paths.history / path, columns=["id"])["id"].to_pylist())
+        holding.add(bool(ids & {3, 7}))
+    assert holding == {True}
+    # The change log: only the file this run logged was read.
+    log_now = delta.snapshot_files(delta.open_table(paths.changelog))
+    pending = [f for f in log_now if f.path not in log_before]
+    assert m.changelog_bytes_read == sum(f.size for f in pending)
+    # Closed files were not even read.
+    assert m.history_bytes_read < sum(f.size for f in before.values())
+
+    expected = reference_history([*events, *new], ["id"])
+    assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
+    assert len(adds) == 2  # the rewritten live part and the two newly closed versions
+
+
+def test_late_event_takes_the_slow_path_for_its_key_only(spark, lake):
+    events = _deep_history(spark, lake, hours=3)
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    hour = H0 + timedelta(hours=3)
+    late = ev("UPDATE", 2000, H0 + timedelta(minutes=30), 5, v=555)  # inside key 5's history
+    same_ms = ev("UPDATE", 2001, events[-1]["cdc_commit_timestamp"], KEYS - 1, v=777)
+    in_order = ev("UPDATE", 2002, hour + timedelta(minutes=1), 0, v=0)
+    write_parquet_events(lake["landing"], TABLE.name, hour, [late, same_ms, in_order])
+    result = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+
+    # A new event in an already-applied millisecond is refolded with that millisecond too.
+    assert (result.merge.fast_keys, result.merge.slow_keys) == (1, 2)
+    expected = reference_history([*events, late, same_ms, in_order], ["id"])
+    assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
+
+
+def test_delete_only_keys_are_remembered(spark, lake):
+    """A key whose only events are deletes has no row, yet an older insert landing later must
+    be closed by them; the side table is what tells it from a brand-new key."""
+    write_parquet_events(
+        lake["landing"], TABLE.name, H0, [ev("DELETE", 5, H0 + timedelta(minutes=10), 1)]
+    )
+    materialize(spark, TABLE, lake["landing"], lake["warehouse"], [H0])
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    assert delta.read_arrow(paths.delete_only_keys)["id"].to_pylist() == [1]
+
+    hour = H0 + timedelta(hours=1)
+    older_insert = ev("INSERT", 4, H0 + timedelta(minutes=5), 1, v=1)
+    write_parquet_events(lake["landing"], TABLE.name, hour, [older_insert])
+    result = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+    assert result.merge.slow_keys == 1
+    rows = history_rows(paths.history)
+    assert [(r["_fivetran_start"], r["_fivetran_end"], r["_fivetran_active"]) for r in rows] == [
+        (H0 + timedelta(minutes=5), H0 + timedelta(minutes=10), False)
+    ]
+    assert delta.read_arrow(paths.delete_only_keys).num_rows == 0
+
+
+def test_a_table_without_state_columns_is_recomputed_once(spark, lake):
+    events = _deep_history(spark, lake, hours=2)
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    # The layout before the state columns: same rows, no `_cdc_current`/`_cdc_last_event_at`.
+    dt = DeltaTable(str(paths.history))
+    applied = dt.transaction_version(APP_ID)
+    assert applied is not None
+    old = delta.read_arrow(paths.history).drop_columns([CURRENT, LAST_EVENT_AT])
+    write_deltalake(
+        str(paths.history),
+        old,
+        mode="overwrite",
+        schema_mode="overwrite",
+        commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, applied)]),
+    )
+    assert CURRENT not in delta.table_arrow_schema(DeltaTable(str(paths.history))).names
+
+    hour = H0 + timedelta(hours=2)
+    new = [ev("UPDATE", 3000, hour + timedelta(minutes=1), 2, v=3000)]
+    write_parquet_events(lake["landing"], TABLE.name, hour, new)
+    first = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+    assert first.merge.slow_keys == KEYS  # every key recomputed, state columns filled in
+    expected = reference_history([*events, *new], ["id"])
+    assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
+    current = [r for r in history_rows(paths.history, drop=()) if r[CURRENT]]
+    assert len(current) == KEYS and all(r[LAST_EVENT_AT] is not None for r in current)
+
+    later = H0 + timedelta(hours=3)
+    write_parquet_events(lake["landing"], TABLE.name, later, [ev("UPDATE", 3001, later, 4, v=3001)])
+    second = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [later])
+    assert (second.merge.fast_keys, second.merge.slow_keys) == (1, 0)
