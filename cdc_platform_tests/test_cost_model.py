@@ -13,17 +13,24 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
+from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.lib import delta
 from cdc_platform.lib.columns import CURRENT, LAST_EVENT_AT
-from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.merge import APP_ID, is_closed_file
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import (
+    dagster_resources,
+    history_rows,
+    normalize,
+    write_parquet_events,
+)
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import reference_history
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -162,3 +169,49 @@ def test_a_table_without_state_columns_is_recomputed_once(spark, lake):
     write_parquet_events(lake["landing"], TABLE.name, later, [ev("UPDATE", 3001, later, 4, v=3001)])
     second = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [later])
     assert (second.merge.fast_keys, second.merge.slow_keys) == (1, 0)
+
+
+def test_maintenance_job_compacts_without_changing_a_row(spark, lake):
+    """The per-table maintenance job bin-packs the hourly files of both tables, changes no row
+    (not even `_fivetran_synced`), and the next in-order run still takes the fast path and
+    reads only its own change-log file (compacted files are not mistaken for new events)."""
+    events = _deep_history(spark, lake, hours=4)
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    platform = PlatformConfig(lake["landing"], lake["warehouse"], (TABLE,))
+    before_rows = history_rows(paths.history, drop=())
+    history_files = len(delta.snapshot_files(delta.open_table(paths.history)))
+    log_files = len(delta.snapshot_files(delta.open_table(paths.changelog)))
+
+    job = build_maintenance_job(platform, TABLE, "cdc_table_deep")
+    with dg.instance_for_test() as instance:
+        result = job.execute_in_process(
+            instance=instance,
+            resources={"spark": dagster_resources()["spark"]},
+            run_config={"ops": {"deep_compact_and_vacuum": {"config": {"vacuum": False}}}},
+        )
+        assert result.success
+        observation = instance.fetch_observations(dg.AssetKey(TABLE.name), limit=1).records[0]
+        assert observation.asset_observation is not None
+        meta = observation.asset_observation.metadata
+    assert meta["history_files_before"].value == history_files
+    assert meta["changelog_files_before"].value == log_files
+    after_history = len(delta.snapshot_files(delta.open_table(paths.history)))
+    after_log = len(delta.snapshot_files(delta.open_table(paths.changelog)))
+    assert meta["history_files_after"].value == after_history < history_files
+    assert meta["changelog_files_after"].value == after_log == 1
+    assert history_rows(paths.history, drop=()) == before_rows
+
+    hour = H0 + timedelta(hours=4)
+    new = [ev("UPDATE", 5000, hour + timedelta(minutes=1), 1, v=5000)]
+    write_parquet_events(lake["landing"], TABLE.name, hour, new)
+    log_before = {f.path for f in delta.snapshot_files(delta.open_table(paths.changelog))}
+    again = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+    assert (again.merge.fast_keys, again.merge.slow_keys) == (1, 0)
+    pending = [
+        f
+        for f in delta.snapshot_files(delta.open_table(paths.changelog))
+        if f.path not in log_before
+    ]
+    assert again.merge.changelog_bytes_read == sum(f.size for f in pending)
+    expected = reference_history([*events, *new], ["id"])
+    assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)

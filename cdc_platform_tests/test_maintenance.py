@@ -3,6 +3,7 @@ another table's folder."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -11,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from deltalake.transaction import AddAction
 
 from cdc_platform.lib import delta
 from cdc_platform.lib.maintenance import vacuum
@@ -95,3 +97,29 @@ def test_retention_below_the_tables_own_is_refused_unless_asked(tmp_path: Path) 
     make_table(paths.history, range(1))
     with pytest.raises(Exception, match="retention"):
         vacuum(paths, retention_hours=0)
+
+
+def test_committed_files_in_segment_sub_folders_are_kept(tmp_path: Path) -> None:
+    """The history table writes `data/<uuid>/<segment>/part-*.parquet`: a committed file one
+    level down must never look like a crashed write's leftovers."""
+    paths = TablePaths.of(tmp_path, "orders")
+    make_table(paths.history, range(1))
+    folder = paths.history / delta.DATA_DIR / uuid.uuid4().hex
+    (folder / "live").mkdir(parents=True)
+    part = folder / "live" / "part-00000.snappy.parquet"
+    pq.write_table(pa.table({"id": [5]}), part)
+    add = AddAction(
+        path=part.relative_to(paths.history).as_posix(),
+        size=part.stat().st_size,
+        partition_values={},
+        modification_time=int(part.stat().st_mtime * 1000),
+        data_change=True,
+        stats=json.dumps(delta.file_stats(pq.read_metadata(part))),
+    )
+    dt = delta.open_table(paths.history)
+    delta.commit(dt, [add], [], delta.table_arrow_schema(dt))
+    for p in [folder, *folder.rglob("*")]:
+        os.utime(p, (OLD, OLD))
+    vacuum(paths, retention_hours=0, enforce_retention_duration=False)
+    assert part.exists()
+    assert sorted(delta.read_arrow(paths.history)["id"].to_pylist()) == [0, 5]

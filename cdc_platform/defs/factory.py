@@ -18,6 +18,7 @@ from cdc_platform.defs.alerts import (
     build_check_failure_alert_sensor,
     build_run_failure_alert_sensor,
 )
+from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import build_landing_sensor
 from cdc_platform.lib import applied_files, invariants
@@ -202,6 +203,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         selection=dg.AssetSelection.checks(*[t.checks for t in tables]),
         description="Every invariant over every history table (not just the keys a run touched).",
     )
+    maintenance_jobs = [build_maintenance_job(platform, t, pool_name(t)) for t in platform.tables]
     return dg.Definitions(
         assets=[t.asset for t in tables],
         asset_checks=[t.checks for t in tables],
@@ -210,7 +212,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
             build_run_failure_alert_sensor(),
         ],
-        jobs=[check_job],
+        jobs=[check_job, *maintenance_jobs],
         # One process per run: the asset step and its checks share one Spark session (one JVM)
         # instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.
         executor=dg.in_process_executor,
@@ -221,7 +223,17 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
                 cron_schedule=platform.check_schedule,
                 execution_timezone="UTC",
                 default_status=dg.DefaultScheduleStatus.RUNNING,
-            )
+            ),
+            *(
+                dg.ScheduleDefinition(
+                    name=f"{job.name}_schedule",
+                    job=job,
+                    cron_schedule=platform.maintenance_schedule,
+                    execution_timezone="UTC",
+                    default_status=dg.DefaultScheduleStatus.RUNNING,
+                )
+                for job in maintenance_jobs
+            ),
         ],
         resources={
             "spark": SparkResource(),

@@ -82,6 +82,7 @@ class PlatformConfig:
     warehouse_root: Path
     tables: tuple[TableConfig, ...]
     check_schedule: str = "0 3 * * *"
+    maintenance_schedule: str = "30 4 * * *"
     source: Path | None = None
 
     def table(self, name: str) -> TableConfig:
@@ -105,7 +106,13 @@ _TABLE_FIELDS = {
     "full_sweep_minutes",
     "sensor_interval_seconds",
 }
-_TOP_FIELDS = {"landing_root", "warehouse_root", "tables", "check_schedule"}
+_TOP_FIELDS = {
+    "landing_root",
+    "warehouse_root",
+    "tables",
+    "check_schedule",
+    "maintenance_schedule",
+}
 
 
 def config_path() -> Path:
@@ -141,9 +148,8 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
     if dupes:
         # case-insensitive: on such file systems 'Orders' and 'orders' are one folder
         raise ConfigError(f"{where}: table name(s) defined twice: {dupes}")
-    schedule = raw.get("check_schedule", "0 3 * * *")
-    if not isinstance(schedule, str) or len(schedule.split()) != 5:
-        raise ConfigError(f"{where}: field 'check_schedule' must be a 5-field cron string")
+    schedule = _cron(raw, "check_schedule", "0 3 * * *", where)
+    maintenance = _cron(raw, "maintenance_schedule", "30 4 * * *", where)
     landing_root = _resolve(raw["landing_root"], base_dir, where, "landing_root")
     warehouse_root = _resolve(raw["warehouse_root"], base_dir, where, "warehouse_root")
     _check_roots_apart(landing_root, warehouse_root, where)
@@ -152,8 +158,16 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
         warehouse_root=warehouse_root,
         tables=tables,
         check_schedule=schedule,
+        maintenance_schedule=maintenance,
         source=source,
     )
+
+
+def _cron(raw: dict[str, Any], key: str, default: str, where: str) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str) or len(value.split()) != 5:
+        raise ConfigError(f"{where}: field '{key}' must be a 5-field cron string")
+    return value
 
 
 def _resolve(value: Any, base_dir: Path, where: str, key: str) -> Path:

@@ -136,7 +136,7 @@ def table_arrow_schema(dt: DeltaTable) -> pa.Schema:
 
 
 def write_files(
-    df: DataFrame, table_path: Path, partition_by: str | None = None
+    df: DataFrame, table_path: Path, partition_by: str | None = None, data_change: bool = True
 ) -> list[AddAction]:
     """Have Spark write ``df`` as Parquet under the table folder; return add actions for them.
 
@@ -173,7 +173,7 @@ def write_files(
                 size=st.st_size,
                 partition_values={},
                 modification_time=int(st.st_mtime * 1000),
-                data_change=True,
+                data_change=data_change,
                 stats=json.dumps(file_stats(meta)),
             )
         )
@@ -190,9 +190,10 @@ def num_records(add: AddAction) -> int:
     return int(json.loads(add.stats)["numRecords"])
 
 
-def removes_for(files: Sequence[DataFile]) -> list[RemoveAction]:
+def removes_for(files: Sequence[DataFile], data_change: bool = True) -> list[RemoveAction]:
+    """Remove actions for ``files``; ``data_change=False`` for a rewrite that changes no row."""
     now_ms = int(time.time() * 1000)
-    return [RemoveAction(f.path, True, now_ms, f.size, {}) for f in files]
+    return [RemoveAction(f.path, data_change, now_ms, f.size, {}) for f in files]
 
 
 def commit(

@@ -1,4 +1,21 @@
-"""VACUUM: delete the files a table no longer needs, including those of crashed runs.
+"""Table maintenance: compaction (few, well-clustered files) and VACUUM (delete what is unused).
+
+Compaction (``compact``) keeps file counts bounded after months of hourly runs:
+
+- History table: the small files of each segment (closed, live, deleted; see ``merge``) are
+  bin-packed into key-sorted files of that segment, so the live part stays one file or a few
+  and the closed part clusters by key (its key statistics then let a late event's key skip
+  most closed files). Rows are not changed.
+- Change log: once the history table has applied everything, its small files are bin-packed
+  into key-sorted ones; the history table's watermark (and the delete-only keys' stamp) is then
+  moved to the compacted version, so the rewritten files are not mistaken for new events. A
+  crash between those commits only makes the next run recompute the keys of the compacted
+  files, which is correct and self-healing.
+
+Both commits mark their files ``dataChange=false``: readers and streaming consumers know that
+no row changed.
+
+VACUUM (``vacuum``):
 
 Each table has three Delta tables (``warehouse.TablePaths``): the history table, its change log
 and its quarantine. ``vacuum`` cleans all three:
@@ -25,14 +42,171 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from cdc_platform.lib import delta
+import pyarrow as pa
+from deltalake import DeltaTable
+from deltalake.transaction import AddAction
+
+from cdc_platform.lib import changelog, delta, merge
+from cdc_platform.lib.columns import ACTIVE, CURRENT, cols
 from cdc_platform.lib.config import load_config
 from cdc_platform.lib.warehouse import TablePaths
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 # Delta's own default for deletedFileRetentionDuration: 7 days of time travel.
 DEFAULT_RETENTION_HOURS = 168
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What compacting one Delta table did (figures before and after, whole table)."""
+
+    table: str
+    files_before: int
+    files_after: int
+    bytes_before: int
+    bytes_after: int
+    files_rewritten: int
+    version: int | None
+
+
+def compact(
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    *,
+    small_rows: int = delta.ROWS_PER_FILE // 2,
+) -> list[Compaction]:
+    """Compact the history table and the change log of one table (see the module docstring)."""
+    return [
+        _compact_history(spark, paths, list(primary_key), small_rows),
+        _compact_changelog(spark, paths, list(primary_key), small_rows),
+    ]
+
+
+def _segment(f: delta.DataFile) -> str:
+    if merge.is_closed_file(f):
+        return "closed"
+    if f.min_values.get(ACTIVE) is True:
+        return "live"
+    if f.min_values.get(CURRENT) is True and f.max_values.get(ACTIVE) is False:
+        return "deleted"
+    return "mixed"
+
+
+def _small(files: Sequence[delta.DataFile], small_rows: int) -> list[delta.DataFile]:
+    small = [f for f in files if (f.num_records or 0) < small_rows]
+    return small if len(small) > 1 else []
+
+
+def _compact_history(
+    spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
+) -> Compaction:
+    if not delta.exists(paths.history):
+        return Compaction("history", 0, 0, 0, 0, 0, None)
+    dt = delta.open_table(paths.history)
+    files = delta.snapshot_files(dt)
+    arrow_schema = delta.table_arrow_schema(dt)
+    chosen: list[delta.DataFile] = []
+    if CURRENT in arrow_schema.names:  # else the next run recomputes the table anyway
+        by_segment: dict[str, list[delta.DataFile]] = {}
+        for f in files:
+            by_segment.setdefault(_segment(f), []).append(f)
+        chosen = [
+            f for seg, fs in by_segment.items() if seg != "mixed" for f in _small(fs, small_rows)
+        ]
+        chosen += by_segment.get("mixed", [])  # files from before the segment layout
+    adds: list[AddAction] = []
+    version = dt.version()
+    if chosen:
+        rows = spark.read.schema(changelog.spark_schema(arrow_schema)).parquet(
+            *delta.absolute_paths(paths.history, chosen)
+        )
+        adds = merge.write_segments(
+            rows, paths.history, pk, sum(f.num_records or 0 for f in chosen), data_change=False
+        )
+        version = _commit_rewrite(dt, paths.history, adds, chosen, arrow_schema)
+    return _summary("history", files, chosen, adds, version)
+
+
+def _compact_changelog(
+    spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
+) -> Compaction:
+    if not delta.exists(paths.changelog) or not delta.exists(paths.history):
+        return Compaction("changelog", 0, 0, 0, 0, 0, None)
+    log = delta.open_table(paths.changelog)
+    history = delta.open_table(paths.history)
+    files = delta.snapshot_files(log)
+    applied = history.transaction_version(merge.APP_ID)
+    chosen = _small(files, small_rows) if applied == log.version() else []
+    adds: list[AddAction] = []
+    version = log.version()
+    if chosen:
+        arrow_schema = delta.table_arrow_schema(log)
+        rows = spark.read.schema(changelog.spark_schema(arrow_schema)).parquet(
+            *delta.absolute_paths(paths.changelog, chosen)
+        )
+        expected = sum(f.num_records or 0 for f in chosen)
+        n = delta.file_count_for(expected)
+        shaped = rows.repartitionByRange(n, *cols(pk)) if n > 1 else rows.coalesce(1)
+        adds = delta.write_files(
+            shaped.sortWithinPartitions(*cols(pk)), paths.changelog, data_change=False
+        )
+        version = _commit_rewrite(log, paths.changelog, adds, chosen, arrow_schema)
+        # The history table reflects every event, now in the compacted files: say so.
+        delta.commit(
+            history,
+            [],
+            [],
+            delta.table_arrow_schema(history),
+            app_transaction=(merge.APP_ID, version),
+            strict=True,
+        )
+        merge.stamp_delete_only_keys(paths, version)
+    return _summary("changelog", files, chosen, adds, version)
+
+
+def _commit_rewrite(
+    dt: DeltaTable,
+    table_path: Path,
+    adds: list[AddAction],
+    removed: Sequence[delta.DataFile],
+    schema: pa.Schema,
+) -> int:
+    removes = delta.removes_for(removed, data_change=False)
+    try:
+        return delta.commit(
+            dt, adds, removes, schema, metadata={"cdc_platform.operation": "compact"}, strict=True
+        )
+    except BaseException:
+        delta.discard(table_path, adds)
+        raise
+
+
+def _summary(
+    name: str,
+    files: Sequence[delta.DataFile],
+    removed: Sequence[delta.DataFile],
+    adds: Sequence[AddAction],
+    version: int | None,
+) -> Compaction:
+    before = sum(f.size for f in files)
+    after = before - sum(f.size for f in removed) + sum(a.size for a in adds)
+    return Compaction(
+        name,
+        len(files),
+        len(files) - len(removed) + len(adds),
+        before,
+        after,
+        len(removed),
+        version,
+    )
 
 
 def vacuum(
@@ -45,7 +219,7 @@ def vacuum(
     """VACUUM the history table, change log and quarantine of one table; the paths removed
     (or, with ``dry_run``, that would be)."""
     removed: list[str] = []
-    for table_path in (paths.history, paths.changelog, paths.quarantine):
+    for table_path in (paths.history, paths.changelog, paths.quarantine, paths.delete_only_keys):
         if not delta.exists(table_path):
             continue
         files = delta.open_table(table_path).vacuum(
@@ -79,8 +253,10 @@ def _stale_write_folders(table_path: Path, retention_hours: int, dry_run: bool) 
 
 
 def _is_data_file(path: Path, folder: Path) -> bool:
-    """A file the table's log may reference: ``part-*.parquet`` right in the write folder."""
-    return path.parent == folder and path.suffix == ".parquet" and path.name[0] not in "._"
+    """A file the table's log may reference: a ``part-*.parquet`` in the write folder or in one
+    of its segment sub-folders (``data/<uuid>/live/``), never under a hidden or ``_`` folder."""
+    parts = path.relative_to(folder).parts
+    return bool(parts) and path.suffix == ".parquet" and all(p[0] not in "._" for p in parts)
 
 
 def main(argv: list[str] | None = None) -> None:

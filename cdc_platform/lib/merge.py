@@ -61,6 +61,7 @@ from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
+    from deltalake.transaction import AddAction
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
@@ -209,7 +210,7 @@ def _apply_once(
                     F.count(F.lit(1)).alias("n"),
                     F.sum(col(_SLOW).cast("int")).alias("slow"),
                     F.sum(col(_DELETE_ONLY).cast("int")).alias("delete_only"),
-                ).first()
+                ).collect()[0]  # a global aggregate: exactly one row
                 keys_affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
                 delete_only_touched = int(counts["delete_only"] or 0)
                 slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
@@ -271,7 +272,7 @@ def _apply_once(
                     expected = sum(f.num_records or 0 for f in rewritten) + sum(
                         f.num_records or 0 for f in pending
                     )
-                    adds = _write_segments(out, paths.history, pk, expected)
+                    adds = write_segments(out, paths.history, pk, expected)
                     try:
                         # Keys whose events (all of them, or the state the fast path replayed)
                         # made no version are delete-only; untouched delete-only keys stay.
@@ -505,7 +506,7 @@ def _old_rows_changed(compared: DataFrame, old: DataFrame, pk: list[str]) -> tup
     row = joined.agg(
         F.collect_set(F.when(~kept, col(_FILE))).alias("files"),
         F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("int")).alias("vanished"),
-    ).first()
+    ).collect()[0]
     return set(row["files"] or []), int(row["vanished"] or 0)
 
 
@@ -518,11 +519,17 @@ def _count_new_versions(compared: DataFrame, pk: list[str]) -> tuple[int, int, i
         F.sum(col(_OLD_ACTIVE).isNull().cast("int")).alias("opened"),
         F.sum((col(_OLD_ACTIVE) & ~col(ACTIVE)).cast("int")).alias("closed"),
         F.count_distinct(*cols(pk)).alias("keys"),
-    ).first()
+    ).collect()[0]
     return int(row["opened"] or 0), int(row["closed"] or 0), int(row["keys"] or 0)
 
 
-def _write_segments(out: DataFrame, table_path: Path, pk: list[str], expected_rows: int) -> list:
+def write_segments(
+    out: DataFrame,
+    table_path: Path,
+    pk: list[str],
+    expected_rows: int,
+    data_change: bool = True,
+) -> list[AddAction]:
     """Write rows so that each file holds one segment (live, deleted or closed), sorted by key."""
     from pyspark.sql import functions as F
 
@@ -535,7 +542,10 @@ def _write_segments(out: DataFrame, table_path: Path, pk: list[str], expected_ro
     shaped = out.withColumn(_SEGMENT, segment)
     shaped = shaped.repartitionByRange(n, *cols(pk)) if n > 1 else shaped.coalesce(1)
     return delta.write_files(
-        shaped.sortWithinPartitions(*cols([*pk, START])), table_path, partition_by=_SEGMENT
+        shaped.sortWithinPartitions(*cols([*pk, START])),
+        table_path,
+        partition_by=_SEGMENT,
+        data_change=data_change,
     )
 
 
@@ -590,6 +600,14 @@ def _delete_only_keys_stale(paths: TablePaths, history_applied: int | None) -> b
     if not delta.exists(side):
         return history_applied is not None
     return delta.open_table(side).transaction_version(APP_ID) != history_applied
+
+
+def stamp_delete_only_keys(paths: TablePaths, log_version: int) -> None:
+    """Move the side table's watermark without changing its rows (a commit with no files)."""
+    if not delta.exists(paths.delete_only_keys):
+        return  # then it is recomputed on the next run, as after a crash
+    dt = delta.open_table(paths.delete_only_keys)
+    delta.commit(dt, [], [], delta.table_arrow_schema(dt), app_transaction=(APP_ID, log_version))
 
 
 def _store_delete_only_keys(paths: TablePaths, keys: DataFrame | None, log_version: int) -> None:
