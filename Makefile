@@ -24,6 +24,7 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format cdc_platform cdc_platform_tests benchmarks
 
 bench: java $(VENV)/.installed
+	$(BIN)/python benchmarks/scale.py
 	$(BIN)/python benchmarks/merge_throughput.py
 	$(BIN)/python benchmarks/decode_throughput.py
 	$(BIN)/python benchmarks/sensor_tick.py
