@@ -534,8 +534,8 @@ def test_a_bug_in_the_writers_fold_is_caught(spark, tmp_path: Path, monkeypatch)
 
     real = history.build_versions
 
-    def buggy(events, primary_key, data_columns):
-        out = real(events, primary_key, data_columns)
+    def buggy(events, primary_key, data_columns, **kwargs):
+        out = real(events, primary_key, data_columns, **kwargs)
         return out.withColumn(
             "v", F.when(F.col("id") == 1, F.col("v") + 1000).otherwise(F.col("v"))
         )
