@@ -215,3 +215,19 @@ def test_maintenance_job_compacts_without_changing_a_row(spark, lake):
     assert again.merge.changelog_bytes_read == sum(f.size for f in pending)
     expected = reference_history([*events, *new], ["id"])
     assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
+
+
+def test_key_statistics_rule_files_out_only_when_they_can():
+    """Slow keys read only files whose key range may hold them; without usable bounds
+    (none, or of another type than the key) a file is always read."""
+    from cdc_platform.lib.merge import _files_maybe_holding
+
+    def f(name: str, lo: Any, hi: Any) -> delta.DataFile:
+        bounds = ({"id": lo}, {"id": hi}) if lo is not None else ({}, {})
+        return delta.DataFile(name, 1, 1, *bounds)
+
+    files = [f("a", 0, 9), f("b", 10, 19), f("c", 20, 29), f("d", None, None), f("e", "0", "9")]
+    kept = _files_maybe_holding(files, ["id"], [12, 13])
+    assert [x.path for x in kept] == ["b", "d", "e"]
+    assert [x.path for x in _files_maybe_holding(files, ["id"], [9, 20])] == ["a", "c", "d", "e"]
+    assert _files_maybe_holding(files, ["id"], None) == files

@@ -29,13 +29,14 @@ same pending work.
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -227,7 +228,10 @@ def _apply_once(
                         allowMissingColumns=True,
                     )
                 )
-                log_read = log_files if slow_count else []
+                # Files whose key statistics rule out every slow key are not read (compacted
+                # files are key-sorted, so a few late keys read a few files).
+                slow_values = _few_key_values(slow_keys, pk, slow_count)
+                log_read = _files_maybe_holding(log_files, pk, slow_values) if slow_count else []
                 slow_events = (
                     dedupe_events(
                         changelog.read_files(spark, paths.changelog, log_spark_schema, log_read),
@@ -248,7 +252,9 @@ def _apply_once(
                     build_versions(events, pk, data_columns, deduplicated=True), last_events, pk
                 )
                 old = current.select(*cols([*columns, _FILE]))
-                closed_read = closed_files if slow_count else []
+                closed_read = (
+                    _files_maybe_holding(closed_files, pk, slow_values) if slow_count else []
+                )
                 if closed_read:
                     old = old.unionByName(
                         _read_history(spark, paths.history, hist_schema, closed_read)
@@ -325,6 +331,39 @@ def _apply_once(
         history_version=version,
         changelog_version=log_version,
     )
+
+
+# Up to this many slow keys are collected to the driver to prune files by key statistics.
+MAX_KEYS_FOR_PRUNING = 10_000
+
+
+def _few_key_values(keys: DataFrame, pk: list[str], count: int) -> list[Any] | None:
+    """The slow keys' values, sorted, when there are few and the key is one column."""
+    if len(pk) != 1 or not count or count > MAX_KEYS_FOR_PRUNING:
+        return None
+    values = [r[0] for r in keys.collect()]
+    try:
+        return sorted(values)
+    except TypeError:  # values with no order (say, binary or nested): no pruning
+        return None
+
+
+def _files_maybe_holding(
+    files: Sequence[delta.DataFile], pk: list[str], values: list[Any] | None
+) -> list[delta.DataFile]:
+    """``files`` but those whose min/max statistics of the key exclude every value."""
+    if values is None:
+        return list(files)
+    kept = []
+    for f in files:
+        lo, hi = f.min_values.get(pk[0]), f.max_values.get(pk[0])
+        if lo is None or hi is None or type(lo) is not type(values[0]):
+            kept.append(f)  # no usable bounds: it may hold any key
+            continue
+        i = bisect.bisect_left(values, lo)
+        if i < len(values) and values[i] <= hi:
+            kept.append(f)
+    return kept
 
 
 @contextmanager
