@@ -231,3 +231,32 @@ def test_key_statistics_rule_files_out_only_when_they_can():
     assert [x.path for x in kept] == ["b", "d", "e"]
     assert [x.path for x in _files_maybe_holding(files, ["id"], [9, 20])] == ["a", "c", "d", "e"]
     assert _files_maybe_holding(files, ["id"], None) == files
+
+
+def test_a_stale_delete_only_side_table_is_recomputed(spark, lake):
+    """A crash between the history commit and the side table's leaves its watermark behind:
+    the next run must not trust its rows (here: emptied) and recompute them from the log."""
+    write_parquet_events(
+        lake["landing"],
+        TABLE.name,
+        H0,
+        [ev("DELETE", 5, H0 + timedelta(minutes=10), 1), ev("INSERT", 6, H0, 2, v=2)],
+    )
+    materialize(spark, TABLE, lake["landing"], lake["warehouse"], [H0])
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    side = delta.read_arrow(paths.delete_only_keys)
+    assert side["id"].to_pylist() == [1]
+    write_deltalake(  # what a crash leaves: the rows of before, an older watermark
+        str(paths.delete_only_keys),
+        side.slice(0, 0),
+        mode="overwrite",
+        commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, -1)]),
+    )
+    hour = H0 + timedelta(hours=1)
+    older_insert = ev("INSERT", 4, H0 + timedelta(minutes=5), 1, v=1)
+    write_parquet_events(lake["landing"], TABLE.name, hour, [older_insert])
+    materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+    key1 = [r for r in history_rows(paths.history) if r["id"] == 1]
+    assert [(r["_fivetran_start"], r["_fivetran_end"], r["_fivetran_active"]) for r in key1] == [
+        (H0 + timedelta(minutes=5), H0 + timedelta(minutes=10), False)
+    ]

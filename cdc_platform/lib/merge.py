@@ -204,6 +204,7 @@ def _apply_once(
             touched.select(*cols(pk)), pk, "left_semi"
         )
         with _cached(current) as current:
+            side_stale = _delete_only_keys_stale(paths, snap.applied)
             unversioned = _read_delete_only_keys(spark, paths, pk, snap)
             keys = _classify(touched, current, unversioned, pk, slow_everything=snap.rebuild)
             with _cached(keys) as keys:
@@ -309,6 +310,7 @@ def _apply_once(
                         paths,
                         kept_unversioned.unionByName(now_unversioned)
                         if unversioned_changed
+                        or side_stale
                         or snap.rebuild
                         or not delta.exists(paths.delete_only_keys)
                         else None,
@@ -500,12 +502,14 @@ def _compare(
 ) -> DataFrame:
     """The new versions, each with the old row at the same ``(key, start)`` if it is identical.
 
-    An identical row keeps its ``_fivetran_synced`` (and may stay where it is: ``_OLD_FILE``
-    names its file); any other gets this run's. ``_OLD_ACTIVE`` feeds the run's counts.
+    A version whose image, end and active flag are as before keeps its ``_fivetran_synced``
+    (only its state columns may have moved, say after a no-op update); any other gets this
+    run's. A row identical in every column may stay where it is: ``_OLD_FILE`` names its file.
+    ``_OLD_ACTIVE`` feeds the run's counts.
     """
     from pyspark.sql import functions as F
 
-    compared_columns = [*data_columns, END, ACTIVE, CURRENT, LAST_EVENT_AT]
+    compared_columns = [*data_columns, END, ACTIVE, *STATE_COLUMNS]
     renamed = {c: internal(f"old_{i}") for i, c in enumerate(compared_columns)}
     prior = old.select(
         *cols(pk),
@@ -516,14 +520,16 @@ def _compare(
     )
     joined = versions.join(prior, [*pk, START], "left")
     existed = col(internal("prior_file")).isNotNull()
-    same: Column = existed
-    for c in compared_columns:
-        same = same & col(c).eqNullSafe(col(renamed[c]))
+    same_version: Column = existed
+    for c in [*data_columns, END, ACTIVE]:
+        same_version = same_version & col(c).eqNullSafe(col(renamed[c]))
+    same_row = same_version
+    for c in STATE_COLUMNS:
+        same_row = same_row & col(c).eqNullSafe(col(renamed[c]))
+    synced = F.when(same_version, col(_OLD_SYNCED)).otherwise(F.lit(synced_at).cast("timestamp"))
     return (
-        joined.withColumn(
-            SYNCED, F.when(same, col(_OLD_SYNCED)).otherwise(F.lit(synced_at).cast("timestamp"))
-        )
-        .withColumn(_OLD_FILE, F.when(same, col(internal("prior_file"))))
+        joined.withColumn(SYNCED, synced)
+        .withColumn(_OLD_FILE, F.when(same_row, col(internal("prior_file"))))
         .withColumn(_OLD_ACTIVE, F.when(existed, col(renamed[ACTIVE])))
         .drop(*renamed.values(), _OLD_SYNCED, internal("prior_file"))
     )
