@@ -246,11 +246,12 @@ def test_a_stale_delete_only_side_table_is_recomputed(spark, lake):
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
     side = delta.read_arrow(paths.delete_only_keys)
     assert side["id"].to_pylist() == [1]
+    assert DeltaTable(str(paths.history)).transaction_version(APP_ID) not in (None, 0)
     write_deltalake(  # what a crash leaves: the rows of before, an older watermark
         str(paths.delete_only_keys),
         side.slice(0, 0),
         mode="overwrite",
-        commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, -1)]),
+        commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, 0)]),
     )
     hour = H0 + timedelta(hours=1)
     older_insert = ev("INSERT", 4, H0 + timedelta(minutes=5), 1, v=1)
