@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 
-.PHONY: demo ui test lint bench java clean
+.PHONY: demo ui test lint bench java clean spark-connect spark-connect-stop
 
 demo: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.demo.run
@@ -28,6 +28,12 @@ bench: java $(VENV)/.installed
 	$(BIN)/python benchmarks/merge_throughput.py
 	$(BIN)/python benchmarks/decode_throughput.py
 	$(BIN)/python benchmarks/sensor_tick.py
+
+spark-connect: java $(VENV)/.installed
+	$(BIN)/python -m cdc_platform.connect_server start
+
+spark-connect-stop: $(VENV)/.installed
+	$(BIN)/python -m cdc_platform.connect_server stop
 
 java:
 	@command -v java >/dev/null 2>&1 || { [ -n "$$JAVA_HOME" ] && [ -x "$$JAVA_HOME/bin/java" ]; } || { echo "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."; exit 1; }

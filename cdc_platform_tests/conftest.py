@@ -15,15 +15,28 @@ from cdc_platform_tests.webhook import Webhook, serve_webhook
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run the larger property runs too")
+    parser.addoption(
+        "--run-connect",
+        action="store_true",
+        help="run the pipeline against a real Spark Connect server too (starts one)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "connect: against a real Spark Connect server, opt in with --run-connect"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
-    skip = pytest.mark.skip(reason="larger run: pass --run-slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    opt_in = {"slow": "--run-slow", "connect": "--run-connect"}
+    for marker, option in opt_in.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in run: pass {option}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

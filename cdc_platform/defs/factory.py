@@ -19,7 +19,7 @@ from cdc_platform.defs.alerts import (
     build_run_failure_alert_sensor,
 )
 from cdc_platform.defs.maintenance import build_maintenance_job
-from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
 from cdc_platform.defs.sensors import build_landing_sensor
 from cdc_platform.lib import applied_files, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
@@ -170,6 +170,7 @@ def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
         "changelog_version": m.changelog_version,
         "commit_attempts": m.attempts,
         "seconds": result.seconds,
+        "files_read_natively": len(result.read_natively),
         "synced_at": result.synced_at.isoformat(),
     }
 
@@ -236,7 +237,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             ),
         ],
         resources={
-            "spark": SparkResource(),
+            "spark": spark_resource_from_env(),
             "keyring": KeyringResource(),
             ALERT_RESOURCE_KEY: alert_webhook_from_env(),
         },

@@ -13,12 +13,13 @@ import dagster as dg
 from pydantic import Field, PrivateAttr
 
 from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.spark import build_spark_session
+from cdc_platform.lib.spark import build_connect_session, build_spark_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 KEYRING_ENV_VAR = "CDC_KEYRING"
+SPARK_REMOTE_ENV_VAR = "CDC_SPARK_REMOTE"
 
 # Spark has one SparkContext per process, and Dagster runs each step with a *copy* of the
 # resource object it was given, so which session a SparkResource started is process-wide state:
@@ -33,11 +34,19 @@ class SparkResource(dg.ConfigurableResource):
     ``master`` is ``local[2]`` by default; point it at ``spark://host:7077``, ``yarn`` or
     ``k8s://https://...`` and put cluster settings in ``spark_config``. The platform always
     adds what correctness needs (UTC session time zone, TIMESTAMP_MICROS Parquet output).
+    ``remote`` (``sc://host:port``) is the alternative to ``master``: a session on a running
+    Spark Connect server (``python -m cdc_platform.connect_server start``), so a run starts
+    no JVM of its own; ``stop()`` then ends the session, never the server.
     A session that was already running when the resource was first used (a notebook, a test
     suite) is reused and never stopped by it.
     """
 
     master: str = Field(default="local[2]", description="Spark master URL.")
+    remote: str | None = Field(
+        default=None,
+        description="Spark Connect URL (sc://host:port), instead of master; default: "
+        f"${SPARK_REMOTE_ENV_VAR} if set when the code location loads, else local mode.",
+    )
     spark_config: dict[str, Any] = Field(default_factory=dict, description="Extra Spark conf.")
     app_name: str = "cdc_platform"
     stop_at_end_of_run: bool = Field(
@@ -55,9 +64,16 @@ class SparkResource(dg.ConfigurableResource):
             from pyspark.sql import SparkSession
 
             with _started_lock:
-                already_running = SparkSession.getActiveSession() is not None
                 conf = {k: str(v) for k, v in self.spark_config.items()}
-                session = build_spark_session(self.master, conf, self.app_name)
+                if self.remote:
+                    # A Connect session is this process's own client of the server: reuse
+                    # one a SparkResource started, else start (and later stop) a new one.
+                    already_running = False
+                    session = next((s for s in _started if _is_connect(s)), None)
+                    session = session or build_connect_session(self.remote, conf, self.app_name)
+                else:
+                    already_running = SparkSession.getActiveSession() is not None
+                    session = build_spark_session(self.master, conf, self.app_name)
                 if not already_running and not any(s is session for s in _started):
                     _started.append(session)
             self._session = session
@@ -79,6 +95,20 @@ class SparkResource(dg.ConfigurableResource):
             if any(s is session for s in _started):
                 _started.remove(session)
                 session.stop()
+
+
+def _is_connect(session: Any) -> bool:
+    from cdc_platform.lib.spark import is_connect
+
+    return is_connect(session)
+
+
+def spark_resource_from_env() -> SparkResource:
+    """The ``spark`` resource of the code location: Spark Connect at ``$CDC_SPARK_REMOTE``
+    (an ``EnvVar``, so the UI shows where it comes from) if set, else local mode."""
+    if os.environ.get(SPARK_REMOTE_ENV_VAR):
+        return SparkResource(remote=dg.EnvVar(SPARK_REMOTE_ENV_VAR))
+    return SparkResource()
 
 
 class KeyringResource(dg.ConfigurableResource):

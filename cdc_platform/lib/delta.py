@@ -147,7 +147,7 @@ def write_files(
     """
     rel_dir = f"{DATA_DIR}/{uuid.uuid4().hex}"
     out_dir = Path(table_path) / rel_dir
-    writer = df.write.mode("errorifexists").option("compression", "snappy")
+    writer = df.write.mode("error").option("compression", "snappy")
     if partition_by:
         writer = writer.partitionBy(partition_by)
     writer.parquet(str(out_dir))

@@ -52,6 +52,9 @@ class MaterializationOutcome:
     seconds: float
     synced_at: datetime
     history_version_before: int | None = None
+    # Landing files (relative to the landing root) read by Spark's own Parquet reader, with no
+    # Python decoding; every other file applied was decoded in Python tasks.
+    read_natively: tuple[str, ...] = ()
 
 
 def materialize(
@@ -108,8 +111,13 @@ def materialize(
 
     events_read = sum(r.num_rows for r in good)
     new_events = 0
+    native: dict[str, str] = {}
     if events_read:
-        events = read_events(spark, reader, [r.path for r in good], event_schema(fields))
+        with_rows = [r for r in good if r.num_rows]
+        native = {r.path: r.source_uri for r in with_rows if r.native and r.source_uri}
+        events = read_events(
+            spark, reader, [r.path for r in with_rows], event_schema(fields), native
+        )
         seq_range = (
             min(r.seq_min for r in good if r.num_rows),
             max(r.seq_max for r in good if r.num_rows),
@@ -137,6 +145,7 @@ def materialize(
         seconds=round(time.monotonic() - started, 3),
         synced_at=synced_at,
         history_version_before=version_before,
+        read_natively=tuple(sorted(reader.relative(p) for p in native)),
     )
 
 

@@ -15,11 +15,14 @@ re-delivering a fixed file and re-materializing its partition brings it in.
 from __future__ import annotations
 
 import io
+import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+import pickle
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -34,6 +37,7 @@ from cdc_platform.lib.columns import (
     SOURCE_FILE,
     SOURCE_ROW,
     TMAX,
+    TMAX_SQL,
     TMIN,
     TS,
     TS_TYPE,
@@ -47,7 +51,9 @@ from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+T = TypeVar("T")
 
 __all__ = [
     "FileReport",
@@ -56,8 +62,10 @@ __all__ = [
     "inspect_files",
     "normalize_type",
     "read_events",
+    "row_reason",
     "unify_schema",
     "unsupported_type",
+    "validate_native",
     "validate_rows",
 ]
 
@@ -79,6 +87,10 @@ class FileReport:
     bad_rows: int = 0
     seq_min: int | None = None
     seq_max: int | None = None
+    # Read by Spark's own (vectorized) Parquet reader, not decoded in Python; ``source_uri`` is
+    # the file as Spark names it (``_metadata.file_path``), known once its rows were validated.
+    native: bool = False
+    source_uri: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -196,6 +208,53 @@ def _is_list(t: pa.DataType) -> bool:
         or pa.types.is_list_view(t)
         or pa.types.is_large_list_view(t)
     )
+
+
+# Codecs Spark's own Parquet reader has built in (brotli, LZO and Hadoop's old LZ4 need jars).
+_NATIVE_CODECS = frozenset({"UNCOMPRESSED", "SNAPPY", "GZIP", "ZSTD", "LZ4_RAW"})
+# Spark's hidden per-file column (file path, row index); a data column of that name hides it.
+_SPARK_METADATA = "_metadata"
+
+
+def _native_type(t: pa.DataType) -> bool:
+    """True if Spark reads a Parquet column of Arrow type ``t`` exactly as ``normalize_type``
+    would make it: already normalized, microsecond timestamps of any zone (or none: naive is
+    UTC, and Spark reads a non-UTC-adjusted Parquet timestamp as UTC too)."""
+    if pa.types.is_timestamp(t):
+        return t.unit == "us"
+    if _is_list(t):
+        return pa.types.is_list(t) and _native_type(t.value_type)
+    if pa.types.is_struct(t):
+        return all(_native_type(f.type) for f in t)
+    return not pa.types.is_null(t) and normalize_type(t) == t
+
+
+def _natively_readable(
+    schema: pa.Schema, meta: pq.FileMetaData, primary_key: Sequence[str]
+) -> bool:
+    """A plain Parquet file Spark can read as is; its rows still need validating."""
+    types = {f.name: f.type for f in schema}
+    if any(name.lower() == _SPARK_METADATA for name in types):
+        return False
+    if any(c not in types for c in (*primary_key, *CDC_COLUMNS)):
+        return False  # the Python inspection names what is missing
+    if types[OP] != pa.string() or types[SEQ] != pa.int64():
+        return False
+    if not (pa.types.is_timestamp(types[TS]) and types[TS].unit == "us"):
+        return False
+    unmodified = types.get(UNMODIFIED)
+    if unmodified is not None and not (
+        pa.types.is_list(unmodified) and unmodified.value_type == pa.string()
+    ):
+        return False
+    if not all(_native_type(t) for t in types.values()):
+        return False
+    codecs = {
+        meta.row_group(rg).column(c).compression
+        for rg in range(meta.num_row_groups)
+        for c in range(meta.num_columns)
+    }
+    return codecs <= _NATIVE_CODECS
 
 
 def _needs_value_check(t: pa.DataType) -> bool:
@@ -375,6 +434,26 @@ class LandingReader:
 
     # -- pass 1: inspect ----------------------------------------------------------------------
 
+    def inspect_or_defer(self, path: str) -> FileReport:
+        """Pass 1 for a file Spark's own Parquet reader can read as is: its footer only.
+
+        Such a file (plain Parquet, every column already in its normalized type) comes back
+        with ``native=True`` and its rows unchecked: they are validated in Spark SQL
+        (``validate_native``). Any other file is inspected in Python (``inspect``).
+        """
+        if self.table.is_encoded or os.path.islink(path):
+            return self.inspect(path)
+        try:
+            pf = pq.ParquetFile(path)
+            schema, meta = pf.schema_arrow, pf.metadata
+            self._check_names(schema)
+        except Exception:  # whatever it is, the full inspection names it
+            return self.inspect(path)
+        if not _natively_readable(schema, meta, self.table.primary_key):
+            return self.inspect(path)
+        normalized = pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
+        return FileReport(path, meta.num_rows, normalized, native=True)
+
     def inspect(self, path: str) -> FileReport:
         needed = [*self.table.primary_key, *CDC_COLUMNS]
         try:
@@ -459,53 +538,239 @@ def validate_rows(
         return f"{SEQ} has type {tbl[SEQ].type}, expected an integer", None, 0
     if not pa.types.is_timestamp(tbl[TS].type):
         return f"{TS} has type {tbl[TS].type}, expected a timestamp", None, 0
-    checks: list[tuple[pa.ChunkedArray, str]] = []
-    for key in primary_key:
-        checks.append((pc.is_null(tbl[key]), f"primary key column '{key}' is null"))
+    checks: list[pa.ChunkedArray] = [pc.is_null(tbl[key]) for key in primary_key]
     op = tbl[OP]
-    checks.append(
-        (
-            pc.invert(pc.fill_null(pc.is_in(op, pa.array(OPERATIONS)), False)),
-            f"{OP} is not INSERT, UPDATE or DELETE",
-        )
-    )
-    checks.append((pc.is_null(tbl[SEQ]), f"{SEQ} is missing"))
-    checks.append((pc.is_null(tbl[TS]), f"{TS} is missing"))
+    checks.append(pc.invert(pc.fill_null(pc.is_in(op, pa.array(OPERATIONS)), False)))
+    checks.append(pc.is_null(tbl[SEQ]))
+    checks.append(pc.is_null(tbl[TS]))
     ts = tbl[TS].cast(TS_TYPE)
     out_of_range = pc.or_(
         pc.less(ts, pa.scalar(TMIN, TS_TYPE)), pc.greater_equal(ts, pa.scalar(TMAX, TS_TYPE))
     )
-    checks.append(
-        (
-            pc.fill_null(out_of_range, False),
-            f"{TS} is out of range (must be before 9999-12-31T23:59:59.999Z)",
-        )
-    )
+    checks.append(pc.fill_null(out_of_range, False))
     any_bad = None
-    for mask, _ in checks:
+    for mask in checks:
         any_bad = mask if any_bad is None else pc.or_(any_bad, mask)
     bad_count = pc.sum(any_bad.cast(pa.int64())).as_py() or 0
     if not bad_count:
         return None, None, 0
     first = pc.index(any_bad, True).as_py()
-    for mask, reason in checks:
+    for check, mask in enumerate(checks):
         if mask[first].as_py():
-            detail = reason
-            if reason.startswith(OP):
-                detail = f"{OP} {show(op[first].as_py())} is not INSERT, UPDATE or DELETE"
-            more = f" ({bad_count} bad rows in all)" if bad_count > 1 else ""
-            return f"row {first + 1}: {detail}{more}", first + 1, bad_count
+            reason = row_reason(check, primary_key, op[first].as_py(), show)
+            return _bad_rows_reason(first + 1, reason, bad_count), first + 1, bad_count
     raise AssertionError("unreachable: a bad row matched no check")
 
 
+def row_reason(
+    check: int, primary_key: Sequence[str], op: object, show: Callable[[object], str] = repr
+) -> str:
+    """Why a row is bad, by the number of the first check it fails, in ``validate_rows``'s
+    order: each key column null, then the operation, seq missing, ts missing, ts out of range.
+    (The Spark SQL validation of natively read files numbers its checks the same way.)"""
+    n = len(primary_key)
+    if check < n:
+        return f"primary key column '{primary_key[check]}' is null"
+    return (
+        f"{OP} {show(op)} is not INSERT, UPDATE or DELETE",
+        f"{SEQ} is missing",
+        f"{TS} is missing",
+        f"{TS} is out of range (must be before 9999-12-31T23:59:59.999Z)",
+    )[check - n]
+
+
+def _bad_rows_reason(row: int, reason: str, bad_count: int) -> str:
+    more = f" ({bad_count} bad rows in all)" if bad_count > 1 else ""
+    return f"row {row}: {reason}{more}"
+
+
 def inspect_files(
-    spark: SparkSession, reader: LandingReader, paths: Sequence[str]
+    spark: SparkSession, reader: LandingReader, paths: Sequence[str], native: bool = True
 ) -> list[FileReport]:
-    """Pass 1, one Spark task per file (up to a cap); only the small reports come back."""
+    """Pass 1, one Spark task per file (up to a cap); only the small reports come back.
+
+    A plain Parquet file whose columns are already in their normalized types is not decoded
+    in Python: its footer is read in the task and its rows are validated in Spark SQL
+    (``validate_native``), so pass 2 can read it with Spark's vectorized reader. ``native``
+    False inspects every file in Python (the reference behaviour, for tests and benchmarks).
+    """
     if not paths:
         return []
-    slices = min(len(paths), max(1, spark.sparkContext.defaultParallelism * 4))
-    return spark.sparkContext.parallelize(list(paths), slices).map(reader.inspect).collect()
+    inspect = reader.inspect_or_defer if native else reader.inspect
+    reports = _per_file(spark, list(paths), inspect)
+    deferred = [r for r in reports if r.native and r.ok and r.num_rows]
+    checked = validate_native(spark, reader, deferred) if deferred else {}
+    return [checked.get(r.path, r) for r in reports]
+
+
+def validate_native(
+    spark: SparkSession, reader: LandingReader, reports: Sequence[FileReport]
+) -> dict[str, FileReport]:
+    """The rows of natively readable files validated in Spark SQL: one job for all of them.
+
+    Per file: its row count, seq range, how many rows are bad and the first bad row with the
+    first check it fails, numbered as in ``validate_rows`` so the reason reads the same. A
+    value outside the years 1 to 9999 (which the Python reader reports as a conversion error,
+    quoting the value) and any file Spark fails to read or name are inspected in Python
+    instead, so every reason is exactly the one the Python inspection gives.
+    """
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    pk = list(reader.table.primary_key)
+    groups: dict[tuple[tuple[str, str], ...], list[FileReport]] = {}
+    for r in reports:
+        assert r.schema is not None
+        groups.setdefault(_checked_signature(r.schema, pk), []).append(r)
+    summary = None
+    for signature, members in groups.items():
+        schema = pa.schema([members[0].schema.field(name) for name, _ in signature])
+        df = (
+            spark.read.schema(from_arrow_schema(schema))
+            .options(**NATIVE_READ_OPTIONS)
+            .parquet(*[os.path.abspath(r.path) for r in members])
+        )
+        part = _validation_summary(df, pk, [n for n, _ in signature[len(pk) + 3 :]])
+        summary = part if summary is None else summary.unionByName(part)
+    assert summary is not None
+    by_file = {os.path.normpath(os.path.abspath(r.path)): r for r in reports}
+    out: dict[str, FileReport] = {}
+    try:
+        rows = summary.collect()
+    except Exception as exc:  # e.g. corrupt pages behind a readable footer
+        _log.warning("native validation failed (%s); inspecting in Python", type(exc).__name__)
+        rows = []
+    for row in rows:
+        r = by_file.get(_local_path(row[_FILE]))
+        if r is None or row["conv"]:
+            continue
+        first = row["first"]
+        if first is None:
+            out[r.path] = FileReport(
+                r.path,
+                row["rows"],
+                r.schema,
+                seq_min=row["seq_min"],
+                seq_max=row["seq_max"],
+                native=True,
+                source_uri=row[_FILE],
+            )
+        else:
+            reason = row_reason(first["check"], pk, first["op"], reader.show)
+            bad = row["bad"]
+            error = _bad_rows_reason(first["row"], reason, bad)
+            out[r.path] = FileReport(
+                r.path, row["rows"], r.schema, error, first["row"], bad, native=True
+            )
+    rest = [r.path for r in reports if r.path not in out]
+    if rest:
+        out.update(zip(rest, _per_file(spark, rest, reader.inspect), strict=True))
+    return out
+
+
+# Dates and timestamps are read as written: files from other writers than Spark 2 carry no
+# Julian-calendar values to rebase.
+NATIVE_READ_OPTIONS = {"datetimeRebaseMode": "CORRECTED", "int96RebaseMode": "CORRECTED"}
+_FILE = "_cdc_tmp_file"
+_ROW = "_cdc_tmp_row"
+_log = logging.getLogger(__name__)
+
+
+def _checked_signature(schema: pa.Schema, pk: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """The columns pass 1 checks, with their types: keys, change columns, then top-level dates
+    and timestamps (whose values must lie in the years 1 to 9999)."""
+    head = [*pk, *CDC_COLUMNS]
+    ranged = [
+        f.name
+        for f in schema
+        if f.name not in head and (pa.types.is_timestamp(f.type) or pa.types.is_date(f.type))
+    ]
+    return tuple((n, str(schema.field(n).type)) for n in (*head, *ranged))
+
+
+def _validation_summary(df: DataFrame, pk: Sequence[str], ranged: Sequence[str]) -> DataFrame:
+    """One row per file: rows, bad rows, the first bad (row, check, op), any out-of-range value."""
+    from pyspark.sql import functions as F
+
+    from cdc_platform.lib.columns import col
+
+    def in_years_1_to_9999(name: str, kind: str) -> Column:
+        hi = "9999-12-31 23:59:59.999999" if kind == "timestamp" else "9999-12-31"
+        bounds = F.lit("0001-01-01").cast(kind), F.lit(hi).cast(kind)
+        return col(name).isNull() | col(name).between(*bounds)
+
+    types = {f.name: f.dataType.typeName() for f in df.schema.fields}
+    op = F.upper(col(OP))
+    checks = [col(k).isNull() for k in pk]
+    checks.append(~F.coalesce(op.isin(*OPERATIONS), F.lit(False)))
+    checks.append(col(SEQ).isNull())
+    checks.append(col(TS).isNull())
+    tmin, tmax = F.lit("0001-01-01").cast("timestamp"), F.lit(TMAX_SQL).cast("timestamp")
+    checks.append(F.coalesce((col(TS) < tmin) | (col(TS) >= tmax), F.lit(False)))
+    check = F.coalesce(*[F.when(c, F.lit(i)) for i, c in enumerate(checks)])
+    conv = F.lit(False)
+    for name in [TS, *ranged]:
+        conv = conv | ~in_years_1_to_9999(name, types[name])
+    rows = df.select(
+        F.col("_metadata.file_path").alias(_FILE),
+        (F.col("_metadata.row_index") + 1).alias(_ROW),
+        check.alias("check"),
+        op.alias("op"),
+        conv.alias("conv"),
+        col(SEQ).alias("seq"),
+    )
+    return rows.groupBy(_FILE).agg(
+        F.count(F.lit(1)).alias("rows"),
+        F.sum(F.col("check").isNotNull().cast("long")).alias("bad"),
+        F.min(
+            F.when(
+                F.col("check").isNotNull(),
+                F.struct(F.col(_ROW).alias("row"), F.col("check"), F.col("op")),
+            )
+        ).alias("first"),
+        F.max(F.col("conv")).alias("conv"),
+        F.min("seq").alias("seq_min"),
+        F.max("seq").alias("seq_max"),
+    )
+
+
+def _local_path(uri: str) -> str:
+    """A file as Spark names it (``file:/a%20b/c``) back to a local path."""
+    return os.path.normpath(unquote(urlparse(uri).path))
+
+
+def _parallelism(spark: SparkSession) -> int:
+    """Task slots to spread per-file work over, from conf (Spark Connect has no SparkContext)."""
+    for key in ("spark.default.parallelism", "spark.sql.shuffle.partitions"):
+        try:
+            return max(1, int(spark.conf.get(key, "") or ""))
+        except ValueError:
+            continue
+    return os.cpu_count() or 1
+
+
+def _per_file(spark: SparkSession, paths: list[str], fn: Callable[[str], T]) -> list[T]:
+    """``fn(path)`` for every path, in Spark tasks (one per file up to a cap), in order.
+
+    DataFrame APIs only (``mapInArrow``), so it runs on Spark Connect too; each result comes
+    back pickled, and it must be small: reports, not rows.
+    """
+    n = min(len(paths), _parallelism(spark) * 4)
+    df = spark.createDataFrame([(p,) for p in paths], "path string")
+    if n > 1:
+        df = df.repartition(n)
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            names = batch.column(0).to_pylist()
+            results = [pickle.dumps(fn(p)) for p in names]
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(names, pa.string()), pa.array(results, pa.binary())],
+                names=["path", "result"],
+            )
+
+    rows = df.mapInArrow(run, "path string, result binary").collect()
+    by_path = {r["path"]: pickle.loads(r["result"]) for r in rows}
+    return [by_path[p] for p in paths]
 
 
 def unify_schema(
@@ -569,20 +834,77 @@ def event_schema(key_and_data: Sequence[pa.Field]) -> pa.Schema:
 
 
 def read_events(
-    spark: SparkSession, reader: LandingReader, paths: Sequence[str], schema: pa.Schema
+    spark: SparkSession,
+    reader: LandingReader,
+    paths: Sequence[str],
+    schema: pa.Schema,
+    native: Mapping[str, str] | None = None,
 ) -> DataFrame:
-    """Pass 2: a DataFrame of every event in ``paths`` (lazy; decoded in the tasks)."""
+    """Pass 2: a DataFrame of every event in ``paths`` (lazy).
+
+    Files in ``native`` (path -> the file as Spark names it, ``FileReport.source_uri``) are read
+    by Spark's vectorized Parquet reader; every other file is decoded in Python tasks.
+    """
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    spark_schema = from_arrow_schema(schema)
-    slices = min(len(paths), max(1, spark.sparkContext.defaultParallelism * 4))
-    path_df = spark.createDataFrame(
-        spark.sparkContext.parallelize([(p,) for p in paths], slices), "path string"
-    )
+    native = native or {}
+    parts = []
+    decoded = [p for p in paths if p not in native]
+    if decoded:
+        parts.append(_read_decoded(spark, reader, decoded, schema))
+    natively = {p: native[p] for p in paths if p in native}
+    if natively:
+        parts.append(_read_native(spark, reader, natively, schema))
+    if not parts:
+        return spark.createDataFrame([], from_arrow_schema(schema))
+    out = parts[0]
+    for part in parts[1:]:
+        out = out.unionByName(part)
+    return out
+
+
+def _read_decoded(
+    spark: SparkSession, reader: LandingReader, paths: Sequence[str], schema: pa.Schema
+) -> DataFrame:
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    n = min(len(paths), _parallelism(spark) * 4)
+    path_df = spark.createDataFrame([(p,) for p in paths], "path string")
+    if n > 1:
+        path_df = path_df.repartition(n)
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for path in batch.column(0).to_pylist():
                 yield from reader.read_conformed(path, schema)
 
-    return path_df.mapInArrow(decode, spark_schema)
+    return path_df.mapInArrow(decode, from_arrow_schema(schema))
+
+
+def _read_native(
+    spark: SparkSession, reader: LandingReader, files: Mapping[str, str], schema: pa.Schema
+) -> DataFrame:
+    """The files read by Spark itself; provenance from its ``_metadata`` column (1-based rows)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from cdc_platform.lib.columns import col
+
+    data = pa.schema([f for f in schema if f.name not in (SOURCE_FILE, SOURCE_ROW)])
+    df = (
+        spark.read.schema(from_arrow_schema(data))
+        .options(**NATIVE_READ_OPTIONS)
+        .parquet(*[os.path.abspath(p) for p in files])
+    )
+    names = spark.createDataFrame(
+        [(uri, reader.relative(p)) for p, uri in files.items()],
+        f"{_FILE} string, {SOURCE_FILE} string",
+    )
+    rows = df.select(
+        "*",
+        F.col("_metadata.file_path").alias(_FILE),
+        (F.col("_metadata.row_index") + 1).cast("long").alias(SOURCE_ROW),
+    ).join(F.broadcast(names), _FILE)
+    return rows.select(
+        *[F.upper(col(OP)).alias(OP) if f.name == OP else col(f.name).alias(f.name) for f in schema]
+    )

@@ -105,5 +105,76 @@ def build_spark_session(
     for key, value in spark_conf(master, conf).items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
-    session.sparkContext.setLogLevel("WARN")
+    quiet_logs(session)
+    return session
+
+
+# -- Spark Connect ---------------------------------------------------------------------------------
+
+# Column names are matched exactly, as the platform quotes and compares them (``columns.col``).
+READ_CONF: dict[str, str] = {"spark.sql.caseSensitive": "true"}
+
+
+class ConnectSetupError(RuntimeError):
+    """A Spark Connect session cannot be used: client packages missing, or the server lacks a
+    setting correctness needs that a client cannot set."""
+
+
+def is_connect(session: SparkSession) -> bool:
+    """True for a Spark Connect session (no SparkContext, no RDDs, no JVM in this process)."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+def quiet_logs(session: SparkSession, level: str = "WARN") -> None:
+    """Set the driver's log level where this process owns the driver (not over Connect)."""
+    if not is_connect(session):
+        session.sparkContext.setLogLevel(level)
+
+
+def connect_server_conf(
+    master: str = "local[2]", conf: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The conf a Spark Connect server for the platform starts with (``connect_server``)."""
+    return {**spark_conf(master, conf), **READ_CONF}
+
+
+def build_connect_session(
+    remote: str, conf: Mapping[str, str] | None = None, app_name: str = "cdc_platform"
+) -> SparkSession:
+    """A session on the Spark Connect server at ``remote`` (``sc://host:port``).
+
+    No JVM starts in this process. The settings correctness needs are set on the session where
+    a client may set them (time zone, Parquet timestamp type, ...); the others (driver JVM time
+    zone, no ``_SUCCESS`` markers) must be the server's, and are checked: start the server with
+    ``python -m cdc_platform.connect_server start``. The caller's ``conf`` is applied where a
+    client may set it; cluster settings belong to the server.
+    """
+    try:
+        from pyspark.sql.connect.utils import check_dependencies
+
+        check_dependencies()
+    except ImportError as exc:
+        raise ConnectSetupError(
+            f"Spark Connect needs the client packages of pyspark[connect] ({exc}):"
+            " pip install 'pyspark[connect]'"
+        ) from None
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+    required = {**REQUIRED_CONF, **READ_CONF}
+    for key, value in {**(conf or {}), **required}.items():
+        if session.conf.isModifiable(key):
+            session.conf.set(key, value)
+    wrong = {}
+    for key, value in required.items():
+        have = session.conf.get(key, None)
+        # Spark adds its own JVM options around ours: ours must be among them.
+        if have != value and not (key.endswith("JavaOptions") and value in (have or "")):
+            wrong[key] = have
+    if wrong:
+        raise ConnectSetupError(
+            f"the Spark Connect server at {remote} runs with {wrong}, not what the platform"
+            f" needs ({ {k: required[k] for k in wrong} }): start it with"
+            " `python -m cdc_platform.connect_server start`"
+        )
     return session

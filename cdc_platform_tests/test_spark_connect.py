@@ -1,0 +1,208 @@
+"""The pipeline path once against a real Spark Connect server, cell by cell equal to local mode.
+
+A session-scoped fixture starts a Spark Connect server from the pyspark package on a free
+loopback port (``cdc_platform.connect_server``), the same scenario runs in local mode (this
+process's session) and over Connect (a subprocess: a Connect client switches pyspark into
+remote mode for its whole process), and the history table, change log, quarantine, every run's
+figures and the invariant checks must be identical. Opt in with ``--run-connect``: starting
+the server alone takes most of a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+
+from cdc_platform import connect_server
+from cdc_platform.lib import invariants
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import event, write_parquet_events
+
+pytestmark = pytest.mark.connect
+
+H0 = datetime(2024, 1, 1, tzinfo=UTC)
+H1 = H0 + timedelta(hours=1)
+TABLE = TableConfig(name="orders", primary_key=("id",), start=H0)
+SYNCED = [datetime(2024, 1, 2, h, tzinfo=UTC) for h in range(4)]
+REPO = Path(__file__).resolve().parent.parent
+CONNECT_CLIENT_MODULES = ("grpc", "grpc_status", "google.rpc", "zstandard", "pandas")
+
+PLAIN = pa.schema(
+    [
+        pa.field("id", pa.int64()),
+        pa.field("status", pa.string()),
+        pa.field("amount", pa.float64()),
+        pa.field("cdc_operation_type", pa.string()),
+        pa.field("cdc_change_seq", pa.int64()),
+        pa.field("cdc_commit_timestamp", pa.timestamp("us", tz="UTC")),
+    ]
+)
+# Needs conversion (int32 key and seq, millisecond timestamps): decoded in Python tasks.
+CONVERTED = pa.schema(
+    [
+        pa.field("id", pa.int32()),
+        pa.field("status", pa.string()),
+        pa.field("note", pa.string()),  # schema drift: a column appears
+        pa.field("cdc_operation_type", pa.string()),
+        pa.field("cdc_change_seq", pa.int32()),
+        pa.field("cdc_commit_timestamp", pa.timestamp("ms", tz="UTC")),
+    ]
+)
+
+
+def _events(rng: random.Random, seqs: Iterator[int], start: datetime, n: int) -> list[dict]:
+    out = []
+    for _ in range(n):
+        key = rng.randrange(1, 21)
+        op = rng.choice(["INSERT", "update", "UPDATE", "UPDATE", "DELETE"])
+        ts = start + timedelta(milliseconds=rng.randrange(0, 3_600_000))
+        cols = {} if op == "DELETE" else {"status": rng.choice("abc"), "amount": rng.random()}
+        out.append(event(op, next(seqs), ts, key, **cols))
+    return out
+
+
+def scenario(spark: Any, landing: Path, warehouse: Path) -> dict[str, Any]:
+    """Two hours, a file needing conversion, a bad file, a late file, a replay; then checks."""
+    rng = random.Random(8)
+    seqs = iter(range(1, 10_000))
+    put = write_parquet_events
+    put(landing, "orders", H0, _events(rng, seqs, H0, 40), PLAIN, "plain-1.parquet")
+    converted = [
+        {k: v for k, v in e.items() if k != "amount"} | {"note": f"n{i}"}
+        for i, e in enumerate(_events(rng, seqs, H0, 20))
+    ]
+    put(landing, "orders", H0, converted, CONVERTED, "converted.parquet")
+    bad = _events(rng, seqs, H0, 5)
+    bad[3] = {**bad[3], "id": None}
+    put(landing, "orders", H0, bad, PLAIN, "bad.parquet")
+    runs = [materialize(spark, TABLE, landing, warehouse, [H0], synced_at=SYNCED[0])]
+
+    put(landing, "orders", H1, _events(rng, seqs, H1, 40), PLAIN, "plain-2.parquet")
+    runs.append(materialize(spark, TABLE, landing, warehouse, [H1], synced_at=SYNCED[1]))
+
+    # A late file in the first hour's folder, its events committed before everything else.
+    late = _events(rng, seqs, H0 - timedelta(days=3), 15)
+    put(landing, "orders", H0, late, PLAIN, "late.parquet")
+    runs.append(materialize(spark, TABLE, landing, warehouse, [H0], synced_at=SYNCED[2]))
+    runs.append(materialize(spark, TABLE, landing, warehouse, [H0, H1], synced_at=SYNCED[3]))
+
+    paths = TablePaths.of(warehouse, TABLE.name)
+    checks = invariants.run_checks(spark, paths, TABLE.primary_key)
+    since = runs[1].merge.history_version
+    scope = invariants.touched_keys(spark, paths, TABLE.primary_key, since)
+    scoped = invariants.run_checks(spark, paths, TABLE.primary_key, scope)
+    return json.loads(
+        json.dumps(
+            {
+                "runs": [_run_summary(r) for r in runs],
+                "checks": [(c.name, c.passed, c.failing, c.detail) for c in checks],
+                "scoped_checks": [(c.name, c.passed, c.failing, c.checked_keys) for c in scoped],
+            },
+            default=str,
+        )
+    )
+
+
+def _run_summary(r: MaterializationOutcome) -> dict[str, Any]:
+    return {
+        "files_read": r.files_read,
+        "events_read": r.events_read,
+        "events_new": r.events_new,
+        "quarantined": [(q.file, q.reason, q.row, q.bad_rows) for q in r.quarantined],
+        "read_natively": list(r.read_natively),
+        "merge": {k: v for k, v in r.merge.__dict__.items() if k != "attempts"},
+    }
+
+
+def table_rows(path: Path) -> list[dict[str, Any]]:
+    rows = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    return sorted(rows, key=lambda r: json.dumps(r, default=str, sort_keys=True))
+
+
+@pytest.fixture(scope="session")
+def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    missing = [m for m in CONNECT_CLIENT_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Spark Connect client packages missing ({missing}): pyspark[connect]")
+    state = tmp_path_factory.mktemp("spark-connect")
+    port = connect_server.free_port()
+    url = connect_server.start(port, state_dir=state, driver_memory="1g")
+    try:
+        yield url
+    finally:
+        connect_server.stop(port, state)
+        assert connect_server.server_pid(state, port) is None
+
+
+def test_pipeline_over_spark_connect_equals_local_mode(spark, connect_url, tmp_path) -> None:
+    local_root, remote_root = tmp_path / "local", tmp_path / "connect"
+    for root in (local_root, remote_root):
+        (root / "landing").mkdir(parents=True)
+        (root / "warehouse").mkdir()
+    local = scenario(spark, local_root / "landing", local_root / "warehouse")
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = tmp_path / "connect.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cdc_platform_tests.test_spark_connect",
+            connect_url,
+            str(remote_root),
+            str(out),
+        ],
+        env=env,
+        check=True,
+        timeout=900,
+    )
+    remote = json.loads(out.read_text())
+
+    assert remote == local
+    first = local["runs"][0]
+    assert first["read_natively"] == ["orders/year=2024/month=01/day=01/hour=00/plain-1.parquet"]
+    assert [q[0].rsplit("/", 1)[1] for q in first["quarantined"]] == ["bad.parquet"]
+    assert first["quarantined"][0][1] == "row 4: primary key column 'id' is null"
+    assert local["runs"][2]["events_new"] == 15  # the late file
+    assert local["runs"][3]["events_new"] == 0  # the replay
+    assert all(passed for name, passed, *_ in local["checks"] if name != "no_quarantined_files")
+    assert all(
+        passed for name, passed, *_ in local["scoped_checks"] if name != "no_quarantined_files"
+    )
+    for part in ("history", "changelog", "quarantine"):
+        a = getattr(TablePaths.of(local_root / "warehouse", "orders"), part)
+        b = getattr(TablePaths.of(remote_root / "warehouse", "orders"), part)
+        assert table_rows(a) == table_rows(b), part
+
+
+def _main(url: str, root: str, out: str) -> None:
+    """The scenario over Spark Connect, in its own process (``python -m`` this module)."""
+    from cdc_platform.lib.spark import build_connect_session
+
+    session = build_connect_session(url, app_name="cdc_platform_connect_test")
+    try:
+        result = scenario(session, Path(root) / "landing", Path(root) / "warehouse")
+    finally:
+        session.stop()
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:4])
