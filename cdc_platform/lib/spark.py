@@ -49,6 +49,8 @@ DEFAULT_CONF: dict[str, str] = {
     # The I/O encryption keys travel over Spark's RPC: authenticate and encrypt it.
     "spark.authenticate": "true",
     "spark.network.crypto.enabled": "true",
+    # A merge's plan has many columns; Spark warns each time it shortens one for a log line.
+    "spark.sql.debug.maxToStringFields": "1000",
 }
 
 # Spark's log settings: warnings and errors to stderr, minus the two start-up notices that hold
