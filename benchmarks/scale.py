@@ -1057,7 +1057,7 @@ def scaled(n: int, scale: float) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--only", choices=("depth", "backfill", "fixed"), help="run one section")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every event/key count")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_scale_bench"))
