@@ -401,14 +401,14 @@ def table_rows(table_path: Path) -> tuple[int, int]:
 
     t = DeltaTable(str(table_path)).to_pyarrow_table(columns=["_fivetran_active"])
     active = t.column("_fivetran_active")
-    return t.num_rows, int(pc.sum(active).as_py() or 0)
+    return t.num_rows, int(pc.sum(active).as_py() or 0)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def table_bytes(table_path: Path) -> int:
     from deltalake import DeltaTable
 
     adds = pa.table(DeltaTable(str(table_path)).get_add_actions(flatten=True))
-    return int(pc.sum(adds.column("size_bytes")).as_py() or 0)
+    return int(pc.sum(adds.column("size_bytes")).as_py() or 0)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 @dataclass
@@ -844,7 +844,7 @@ def reference_fold(landing: Path, out_path: Path, synced_at: datetime) -> tuple[
     folded = con.sql(sql).to_arrow_table()
     start = folded.column("_fivetran_start").cast(TS_TYPE)
     end = folded.column("_fivetran_end").cast(TS_TYPE)
-    active = pc.equal(folded.column("_fivetran_end"), TMAX_US)
+    active = pc.equal(folded.column("_fivetran_end"), TMAX_US)  # pyright: ignore[reportAttributeAccessIssue]
     out = folded.select(["id", *DATA_COLUMNS])
     out = out.set_column(
         out.schema.get_field_index("updated_at"), "updated_at", out["updated_at"].cast(TS_TYPE)
@@ -869,10 +869,10 @@ def compare_tables(spark_table: pa.Table, reference: pa.Table) -> str | None:
     if a.num_rows != b.num_rows:
         return f"{a.num_rows:,} rows vs {b.num_rows:,}"
     for c in columns:
-        diff = pc.invert(pc.fill_null(pc.equal(a[c], b[c]), False))
-        both_null = pc.and_(pc.is_null(a[c]), pc.is_null(b[c]))
-        diff = pc.and_not(diff, both_null)
-        idx = pc.indices_nonzero(diff)
+        diff = pc.invert(pc.fill_null(pc.equal(a[c], b[c]), False))  # pyright: ignore[reportAttributeAccessIssue]
+        both_null = pc.and_(pc.is_null(a[c]), pc.is_null(b[c]))  # pyright: ignore[reportAttributeAccessIssue]
+        diff = pc.and_not(diff, both_null)  # pyright: ignore[reportAttributeAccessIssue]
+        idx = pc.indices_nonzero(diff)  # pyright: ignore[reportAttributeAccessIssue]
         if len(idx):
             i = idx[0].as_py()
             return (
@@ -1057,7 +1057,7 @@ def scaled(n: int, scale: float) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--only", choices=("depth", "backfill", "fixed"), help="run one section")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every event/key count")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_scale_bench"))

@@ -202,10 +202,17 @@ def failing_orders(context: dg.AssetExecutionContext) -> None:
 
 
 def failed_run_context(
-    instance: dg.DagsterInstance, tags: dict[str, str], resource: AlertWebhookResource, **kw: str
+    instance: dg.DagsterInstance,
+    tags: dict[str, str],
+    resource: AlertWebhookResource,
+    partition_key: str | None = None,
 ) -> dg.RunStatusSensorContext:
     result = dg.materialize(
-        [failing_orders], instance=instance, tags=tags, raise_on_error=False, **kw
+        [failing_orders],
+        instance=instance,
+        tags=tags,
+        raise_on_error=False,
+        partition_key=partition_key,
     )
     assert not result.success
     run = instance.get_run_by_id(result.run_id)
@@ -213,9 +220,11 @@ def failed_run_context(
     (record,) = instance.get_records_for_run(
         run_id=run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE
     ).records
+    event = record.event_log_entry.dagster_event
+    assert event is not None  # a RUN_FAILURE record is a Dagster event
     return dg.build_run_status_sensor_context(
         sensor_name=RUN_FAILURE_SENSOR_NAME,
-        dagster_event=record.event_log_entry.dagster_event,
+        dagster_event=event,
         dagster_instance=instance,
         dagster_run=run,
         resources={"alert_webhook": resource},
@@ -311,12 +320,15 @@ def test_run_failure_sensor_skips_runs_failed_only_by_blocking_checks(webhook: W
         )
         assert not result.success
         run = instance.get_run_by_id(result.run_id)
+        assert run is not None
         (record,) = instance.get_records_for_run(
             run_id=result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE
         ).records
+        event = record.event_log_entry.dagster_event
+        assert event is not None  # a RUN_FAILURE record is a Dagster event
         context = dg.build_run_status_sensor_context(
             sensor_name=RUN_FAILURE_SENSOR_NAME,
-            dagster_event=record.event_log_entry.dagster_event,
+            dagster_event=event,
             dagster_instance=instance,
             dagster_run=run,
             resources={"alert_webhook": resource},
@@ -382,9 +394,11 @@ def test_unreachable_webhook_never_loses_check_results(
         records = instance.event_log_storage.get_latest_asset_check_execution_by_key(
             list(defs.checks.check_keys)
         )
-        assert {k.name: r.event.asset_check_evaluation.passed for k, r in records.items()} == (
-            passed
-        )
+        recorded: dict[str, bool] = {}
+        for k, r in records.items():
+            assert r.event is not None and r.event.asset_check_evaluation is not None
+            recorded[k.name] = r.event.asset_check_evaluation.passed
+        assert recorded == passed
         assert not result.success  # the blocking check failed the run, as it should
 
         sensor_logs(capfd)

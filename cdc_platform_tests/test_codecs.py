@@ -43,7 +43,7 @@ def spec_encrypt(plaintext: bytes, key: bytes, iv: bytes | None = None) -> bytes
     return iv + enc.update(padded) + enc.finalize()
 
 
-def spec_encode(plaintext: bytes, compression: str, encryption: str, key: bytes | None) -> bytes:
+def spec_encode(plaintext: bytes, compression: str, encryption: str, key: bytes) -> bytes:
     data = zstandard.ZstdCompressor().compress(plaintext) if compression == "zstd" else plaintext
     return spec_encrypt(data, key) if encryption == "aes-256-cbc" else data
 

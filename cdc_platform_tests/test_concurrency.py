@@ -333,7 +333,8 @@ def test_kill_9_of_a_run_frees_its_slot_and_the_next_run_completes(spark, tmp_pa
         (failure,) = instance.get_records_for_run(
             run_id=run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE
         ).records
-        assert "is gone" in (failure.event_log_entry.dagster_event.message or "")
+        event = failure.event_log_entry.dagster_event
+        assert event is not None and "is gone" in (event.message or "")
 
         time.sleep(FREE_SLOTS_AFTER_SECONDS + 1)
         monitoring_iteration(instance)

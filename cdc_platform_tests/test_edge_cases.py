@@ -256,8 +256,9 @@ def test_tables_are_standard_delta_for_other_readers(spark, lake):
     assert polars_rows["v"].to_list() == [1.5, 2.5]
     assert polars_rows["_fivetran_end"].to_list()[1].year == 9999
     dataset = dt.to_pyarrow_dataset()  # noqa: F841 (read by DuckDB below)
-    active = duckdb.sql("select s from dataset where _fivetran_active").fetchall()
-    assert active == [("y",)]
+    relation = duckdb.sql("select s from dataset where _fivetran_active")
+    assert relation is not None  # a query, so a relation
+    assert relation.fetchall() == [("y",)]
     assert history_rows(path)[-1]["_fivetran_end"] == TMAX
 
 

@@ -601,7 +601,10 @@ def test_dagster_asset_reports_quarantine_and_fails_only_that_check(spark, lake,
     metadata = mats[0].materialization.metadata
     assert metadata["files_quarantined"].value == 1
     assert metadata["events_new"].value == 1
-    listed = metadata["quarantined"].value
+    quarantined = metadata["quarantined"]
+    assert isinstance(quarantined, dg.JsonMetadataValue)
+    listed = quarantined.value
+    assert isinstance(listed, Sequence)
     assert [q["file"] for q in listed] == [
         f"{t.name}/year=2024/month=01/day=01/hour=05/part-2.csv.zst.aes"
     ]

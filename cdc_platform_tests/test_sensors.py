@@ -1,6 +1,7 @@
 """The landing sensor as Dagster evaluates it: run requests, partition ranges, cursor progression."""
 
 import json
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def tick(
 
 
 @pytest.fixture
-def instance() -> dg.DagsterInstance:
+def instance() -> Iterator[dg.DagsterInstance]:
     with dg.DagsterInstance.ephemeral() as inst:
         yield inst
 

@@ -151,7 +151,7 @@ def build_run_failure_alert_sensor(
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
     monitor_all_code_locations: bool = False,
     minimum_interval_seconds: int | None = None,
-) -> dg.RunStatusSensorDefinition:
+) -> dg.SensorDefinition:
     """A run failure sensor posting a ``run_failed`` alert naming the table and partition(s).
 
     It needs the :class:`AlertWebhookResource` bound as ``alert_webhook``. A delivery error
@@ -239,6 +239,13 @@ def _failed_evaluations(
     return [r.id for r in records], sorted(failed, key=lambda f: f[0])
 
 
+def metadata_int(value: object) -> int:
+    """``int()`` of a number a check or materialization recorded as metadata (a TypeError else)."""
+    if isinstance(value, int | float | str):
+        return int(value)
+    raise TypeError(f"metadata value is not a number: {type(value).__name__}")
+
+
 def check_failed_payload(
     instance: dg.DagsterInstance,
     run_id: str,
@@ -247,9 +254,9 @@ def check_failed_payload(
 ) -> dict[str, Any]:
     """The ``check_failed`` alert for one recorded evaluation (its metadata holds the figures)."""
     meta = {k: v.value for k, v in evaluation.metadata.items()}
-    counts = {"failing_keys": int(meta.get("failing_keys") or 0)}
+    counts = {"failing_keys": metadata_int(meta.get("failing_keys") or 0)}
     if meta.get("checked_keys") is not None:
-        counts["checked_keys"] = int(meta["checked_keys"])
+        counts["checked_keys"] = metadata_int(meta["checked_keys"])
     run = instance.get_run_by_id(run_id)
     sample = meta.get("sample")
     return build_alert(

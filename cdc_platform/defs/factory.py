@@ -17,6 +17,7 @@ from cdc_platform.defs.alerts import (
     alert_webhook_from_env,
     build_check_failure_alert_sensor,
     build_run_failure_alert_sensor,
+    metadata_int,
 )
 from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
@@ -183,7 +184,9 @@ def _version_before_this_run(
     if event is None or event.run_id != context.run.run_id or event.asset_materialization is None:
         return False, None
     value = event.asset_materialization.metadata.get(VERSION_BEFORE)
-    return True, (int(value.value) if value is not None and value.value is not None else None)
+    return True, (
+        metadata_int(value.value) if value is not None and value.value is not None else None
+    )
 
 
 def _jsonable(value: Any) -> Any:

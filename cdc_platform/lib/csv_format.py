@@ -254,17 +254,17 @@ def _convert(raw: pa.Table, header: list[str], table: TableConfig, source: str) 
         strings = raw.column(name).combine_chunks()
         missing = None
         if table.null_string is not None:
-            missing = pc.equal(strings, table.null_string)
+            missing = pc.equal(strings, table.null_string)  # pyright: ignore[reportAttributeAccessIssue]
         if not is_cdc:
             unmodified = None
             if table.unmodified_string is not None:
-                unmodified = pc.equal(strings, table.unmodified_string)
-                missing = unmodified if missing is None else pc.or_(missing, unmodified)
+                unmodified = pc.equal(strings, table.unmodified_string)  # pyright: ignore[reportAttributeAccessIssue]
+                missing = unmodified if missing is None else pc.or_(missing, unmodified)  # pyright: ignore[reportAttributeAccessIssue]
             unmodified_masks.append(unmodified)
         values = (
             strings
             if missing is None
-            else pc.if_else(missing, pa.scalar(None, pa.string()), strings)
+            else pc.if_else(missing, pa.scalar(None, pa.string()), strings)  # pyright: ignore[reportAttributeAccessIssue]
         )
         arrays.append(_cast_column(values, strings, target, type_name, name, source, hide))
         names.append(name)
@@ -320,10 +320,10 @@ def _decode_base64(
     n = len(values)
     if n == 0:
         return pa.array([], pa.binary())
-    nulls = pc.is_null(values)
+    nulls = pc.is_null(values)  # pyright: ignore[reportAttributeAccessIssue]
     text = pc.fill_null(values, "")
-    valid = pc.match_substring_regex(text, _BASE64_RE)
-    if not pc.all(valid).as_py():
+    valid = pc.match_substring_regex(text, _BASE64_RE)  # pyright: ignore[reportAttributeAccessIssue]
+    if not pc.all(valid).as_py():  # pyright: ignore[reportAttributeAccessIssue]
         row = pc.index(valid, False).as_py()
         raise LandingFileError(
             f"row {row + 1}, column '{name}': {_show(strings[row].as_py(), hide)}"
@@ -331,25 +331,26 @@ def _decode_base64(
             row + 1,
             source,
         )
-    lengths = pc.cast(pc.binary_length(text), pa.int64())  # multiples of 4 (validated)
-    pads = pc.add(
-        pc.cast(pc.ends_with(text, "="), pa.int64()), pc.cast(pc.ends_with(text, "=="), pa.int64())
+    lengths = pc.cast(pc.binary_length(text), pa.int64())  # pyright: ignore[reportAttributeAccessIssue]  # multiples of 4 (validated)
+    pads = pc.add(  # pyright: ignore[reportAttributeAccessIssue]
+        pc.cast(pc.ends_with(text, "="), pa.int64()),  # pyright: ignore[reportAttributeAccessIssue]
+        pc.cast(pc.ends_with(text, "=="), pa.int64()),  # pyright: ignore[reportAttributeAccessIssue]
     )
     # With '=' replaced by 'A' every cell is whole 4-char groups, so the concatenation decodes
     # in one call; cell i then spans `full` bytes of which the last `pads` are filler.
-    unpadded = pc.replace_substring(text, "=", "A")
+    unpadded = pc.replace_substring(text, "=", "A")  # pyright: ignore[reportAttributeAccessIssue]
     decoded = binascii.a2b_base64(_string_data(unpadded))
-    full = pc.multiply(pc.divide(lengths, 4), 3)
-    keep = pc.subtract(full, pads)
-    starts = pa.concat_arrays([pa.array([0], pa.int64()), pc.cumulative_sum(full)])
-    ends = pc.add(starts.slice(0, n), keep)
+    full = pc.multiply(pc.divide(lengths, 4), 3)  # pyright: ignore[reportAttributeAccessIssue]
+    keep = pc.subtract(full, pads)  # pyright: ignore[reportAttributeAccessIssue]
+    starts = pa.concat_arrays([pa.array([0], pa.int64()), pc.cumulative_sum(full)])  # pyright: ignore[reportAttributeAccessIssue]
+    ends = pc.add(starts.slice(0, n), keep)  # pyright: ignore[reportAttributeAccessIssue]
     # Offsets of 2n cells alternating value / filler: sort(starts + ends) interleaves them.
     offsets = pc.cast(pa.concat_arrays([starts, ends]).sort(), pa.int32())
     pairs = pa.Array.from_buffers(
         pa.binary(), 2 * n, [None, offsets.buffers()[1], pa.py_buffer(decoded)]
     )
-    out = pc.list_element(pa.FixedSizeListArray.from_arrays(pairs, 2), 0)
-    return pc.if_else(nulls, pa.scalar(None, pa.binary()), out)
+    out = pc.list_element(pa.FixedSizeListArray.from_arrays(pairs, 2), 0)  # pyright: ignore[reportAttributeAccessIssue]
+    return pc.if_else(nulls, pa.scalar(None, pa.binary()), out)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _string_data(arr: pa.Array) -> memoryview:
@@ -372,17 +373,17 @@ def _unmodified_lists(n: int, data_cols: list[str], masks: list[pa.Array | None]
     for j, mask in enumerate(masks):
         if mask is None:
             continue
-        idx = pc.indices_nonzero(mask)
+        idx = pc.indices_nonzero(mask)  # pyright: ignore[reportAttributeAccessIssue]
         if len(idx):
             rows.append(idx)
             cols.append(pa.repeat(pa.scalar(j, pa.int32()), len(idx)))
-            counts = pc.add(counts, pc.cast(mask, pa.int32()))
+            counts = pc.add(counts, pc.cast(mask, pa.int32()))  # pyright: ignore[reportAttributeAccessIssue]
     offsets = pa.concat_arrays(
-        [pa.array([0], pa.int32()), pc.cast(pc.cumulative_sum(counts), pa.int32())]
+        [pa.array([0], pa.int32()), pc.cast(pc.cumulative_sum(counts), pa.int32())]  # pyright: ignore[reportAttributeAccessIssue]
     )
     if rows:
         cells = pa.table({"row": pa.concat_arrays(rows), "col": pa.concat_arrays(cols)})
-        order = pc.sort_indices(cells, sort_keys=[("row", "ascending"), ("col", "ascending")])
+        order = pc.sort_indices(cells, sort_keys=[("row", "ascending"), ("col", "ascending")])  # pyright: ignore[reportAttributeAccessIssue]
         col_idx = pc.take(cells.column("col"), order)
         values = pc.take(pa.array(data_cols, pa.string()), col_idx).combine_chunks()
     else:

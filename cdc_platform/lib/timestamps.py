@@ -42,13 +42,13 @@ def parse_timestamps(strings: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 def _normalize(strings: pa.Array) -> pa.Array:
     """Text Arrow parses as one UTC instant: fraction -> 6 digits, naive -> 'Z', date -> midnight."""
-    s = pc.replace_substring_regex(strings, _COMMA_FRACTION_RE, r"\1.\2")
-    s = pc.replace_substring_regex(s, _EXTRA_FRACTION_RE, r"\1")
-    date_only = pc.match_substring_regex(s, _DATE_ONLY_RE)
-    has_offset = pc.match_substring_regex(s, _HAS_OFFSET_RE)
-    with_midnight = pc.binary_join_element_wise(s, "T00:00:00Z", "")
-    with_z = pc.binary_join_element_wise(s, "Z", "")
-    return pc.if_else(date_only, with_midnight, pc.if_else(has_offset, s, with_z))
+    s = pc.replace_substring_regex(strings, _COMMA_FRACTION_RE, r"\1.\2")  # pyright: ignore[reportAttributeAccessIssue]
+    s = pc.replace_substring_regex(s, _EXTRA_FRACTION_RE, r"\1")  # pyright: ignore[reportAttributeAccessIssue]
+    date_only = pc.match_substring_regex(s, _DATE_ONLY_RE)  # pyright: ignore[reportAttributeAccessIssue]
+    has_offset = pc.match_substring_regex(s, _HAS_OFFSET_RE)  # pyright: ignore[reportAttributeAccessIssue]
+    with_midnight = pc.binary_join_element_wise(s, "T00:00:00Z", "")  # pyright: ignore[reportAttributeAccessIssue]
+    with_z = pc.binary_join_element_wise(s, "Z", "")  # pyright: ignore[reportAttributeAccessIssue]
+    return pc.if_else(date_only, with_midnight, pc.if_else(has_offset, s, with_z))  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def first_failure(values: pa.Array, convert: Callable[[pa.Array], pa.Array]) -> int | None:
