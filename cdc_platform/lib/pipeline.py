@@ -118,9 +118,10 @@ def materialize(
         events = read_events(
             spark, reader, [r.path for r in with_rows], event_schema(fields), native
         )
+        # Every file with rows has a seq range: a missing seq sets the file aside.
         seq_range = (
-            min(r.seq_min for r in good if r.num_rows),
-            max(r.seq_max for r in good if r.num_rows),
+            min(r.seq_min for r in with_rows if r.seq_min is not None),
+            max(r.seq_max for r in with_rows if r.seq_max is not None),
         )
         appended = changelog.append(
             spark, paths.changelog, events, table.primary_key, seq_range, events_read, synced_at

@@ -283,10 +283,10 @@ def _to_type(values: pa.Array, target: pa.DataType) -> pa.Array:
     if pa.types.is_dictionary(values.type):
         values = values.dictionary_decode()
     if pa.types.is_timestamp(values.type) and values.type.unit == "ns":
-        values = pc.floor_temporal(values, unit="microsecond")
+        values = pc.floor_temporal(values, unit="microsecond")  # pyright: ignore[reportAttributeAccessIssue]
     out = values if values.type == target else values.cast(target, safe=True)
     if pa.types.is_timestamp(target) or pa.types.is_date(target):
-        bounds = pc.min_max(out.cast(pa.int64() if pa.types.is_timestamp(target) else pa.int32()))
+        bounds = pc.min_max(out.cast(pa.int64() if pa.types.is_timestamp(target) else pa.int32()))  # pyright: ignore[reportAttributeAccessIssue]
         lo, hi = bounds["min"].as_py(), bounds["max"].as_py()
         low, high = (_US_MIN, _US_MAX) if pa.types.is_timestamp(target) else (_DATE_MIN, _DATE_MAX)
         if lo is not None and (lo < low or hi > high):
@@ -398,7 +398,7 @@ class LandingReader:
         cols = []
         for name, column in zip(tbl.column_names, tbl.columns, strict=True):
             if name == OP:
-                convert: Callable[[pa.Array], pa.Array] = lambda a: pc.utf8_upper(  # noqa: E731
+                convert: Callable[[pa.Array], pa.Array] = lambda a: pc.utf8_upper(  # noqa: E731  # pyright: ignore[reportAttributeAccessIssue]
                     _to_type(a, pa.string())
                 )
             elif name == TS and _is_string_like(column.type):
@@ -481,7 +481,7 @@ class LandingReader:
         error, row, bad = validate_rows(tbl, self.table.primary_key, self.show)
         if error:
             return FileReport(path, tbl.num_rows, schema, error, row, bad)
-        bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}
+        bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}  # pyright: ignore[reportAttributeAccessIssue]
         return FileReport(
             path,
             tbl.num_rows,
@@ -538,20 +538,21 @@ def validate_rows(
         return f"{SEQ} has type {tbl[SEQ].type}, expected an integer", None, 0
     if not pa.types.is_timestamp(tbl[TS].type):
         return f"{TS} has type {tbl[TS].type}, expected a timestamp", None, 0
-    checks: list[pa.ChunkedArray] = [pc.is_null(tbl[key]) for key in primary_key]
+    checks: list[pa.ChunkedArray] = [pc.is_null(tbl[key]) for key in primary_key]  # pyright: ignore[reportAttributeAccessIssue]
     op = tbl[OP]
-    checks.append(pc.invert(pc.fill_null(pc.is_in(op, pa.array(OPERATIONS)), False)))
-    checks.append(pc.is_null(tbl[SEQ]))
-    checks.append(pc.is_null(tbl[TS]))
+    checks.append(pc.invert(pc.fill_null(pc.is_in(op, pa.array(OPERATIONS)), False)))  # pyright: ignore[reportAttributeAccessIssue]
+    checks.append(pc.is_null(tbl[SEQ]))  # pyright: ignore[reportAttributeAccessIssue]
+    checks.append(pc.is_null(tbl[TS]))  # pyright: ignore[reportAttributeAccessIssue]
     ts = tbl[TS].cast(TS_TYPE)
-    out_of_range = pc.or_(
-        pc.less(ts, pa.scalar(TMIN, TS_TYPE)), pc.greater_equal(ts, pa.scalar(TMAX, TS_TYPE))
+    out_of_range = pc.or_(  # pyright: ignore[reportAttributeAccessIssue]
+        pc.less(ts, pa.scalar(TMIN, TS_TYPE)),  # pyright: ignore[reportAttributeAccessIssue]
+        pc.greater_equal(ts, pa.scalar(TMAX, TS_TYPE)),  # pyright: ignore[reportAttributeAccessIssue]
     )
     checks.append(pc.fill_null(out_of_range, False))
-    any_bad = None
-    for mask in checks:
-        any_bad = mask if any_bad is None else pc.or_(any_bad, mask)
-    bad_count = pc.sum(any_bad.cast(pa.int64())).as_py() or 0
+    any_bad = checks[0]  # there is always a key, seq and timestamp check
+    for mask in checks[1:]:
+        any_bad = pc.or_(any_bad, mask)  # pyright: ignore[reportAttributeAccessIssue]
+    bad_count = pc.sum(any_bad.cast(pa.int64())).as_py() or 0  # pyright: ignore[reportAttributeAccessIssue]
     if not bad_count:
         return None, None, 0
     first = pc.index(any_bad, True).as_py()
@@ -623,7 +624,9 @@ def validate_native(
         groups.setdefault(_checked_signature(r.schema, pk), []).append(r)
     summary = None
     for signature, members in groups.items():
-        schema = pa.schema([members[0].schema.field(name) for name, _ in signature])
+        first_schema = members[0].schema
+        assert first_schema is not None  # only readable files are grouped
+        schema = pa.schema([first_schema.field(name) for name, _ in signature])
         df = (
             spark.read.schema(from_arrow_schema(schema))
             .options(**NATIVE_READ_OPTIONS)
