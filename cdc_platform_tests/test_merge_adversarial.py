@@ -78,9 +78,6 @@ def test_crash_before_side_table_then_late_insert(t, monkeypatch):
     t.check(["v"])
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: stamp_delete_only_keys re-stamps a stale side table after compaction"
-)
 def test_crash_before_side_table_then_changelog_compaction_then_late_insert(t, monkeypatch):
     """Compaction stamps the side table with the compacted log version even though its rows
     are stale (the crash left them behind), so the next run trusts them: key 2's delete is
@@ -185,11 +182,6 @@ def test_multi_column_key_with_dotted_names_fast_and_slow(spark, lake):
     t.check(["v.w"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: _files_maybe_holding compares naive collected keys with tz-aware stats",
-)
 def test_timestamp_primary_key_late_event(spark, lake):
     """A late event prunes files by key statistics; here the key is a timestamp."""
     table = TableConfig(name="tk", primary_key=("id",), start=H0)

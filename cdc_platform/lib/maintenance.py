@@ -168,7 +168,7 @@ def _compact_changelog(
             app_transaction=(merge.APP_ID, version),
             strict=True,
         )
-        merge.stamp_delete_only_keys(paths, version)
+        merge.stamp_delete_only_keys(paths, version, applied)
     return _summary("changelog", files, chosen, adds, version)
 
 

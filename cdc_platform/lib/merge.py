@@ -344,10 +344,13 @@ def _few_key_values(keys: DataFrame, pk: list[str], count: int) -> list[Any] | N
     if len(pk) != 1 or not count or count > MAX_KEYS_FOR_PRUNING:
         return None
     values = [r[0] for r in keys.collect()]
-    try:
-        return sorted(values)
-    except TypeError:  # values with no order (say, binary or nested): no pruning
+    # Only values whose Delta statistics compare exactly with them: integers and strings
+    # (timestamps come back naive from Spark but zoned from the statistics, and so on).
+    if not all(isinstance(v, int | str) and not isinstance(v, bool) for v in values):
         return None
+    if len({type(v) for v in values}) > 1:
+        return None
+    return sorted(values)
 
 
 def _files_maybe_holding(
@@ -647,11 +650,15 @@ def _delete_only_keys_stale(paths: TablePaths, history_applied: int | None) -> b
     return delta.open_table(side).transaction_version(APP_ID) != history_applied
 
 
-def stamp_delete_only_keys(paths: TablePaths, log_version: int) -> None:
-    """Move the side table's watermark without changing its rows (a commit with no files)."""
+def stamp_delete_only_keys(paths: TablePaths, log_version: int, previous: int | None) -> None:
+    """Move the side table's watermark from ``previous`` to ``log_version`` without changing
+    its rows (a commit with no files). A side table not at ``previous`` is stale (a crash came
+    between two commits): it is left alone, so that the next run recomputes it."""
     if not delta.exists(paths.delete_only_keys):
         return  # then it is recomputed on the next run, as after a crash
     dt = delta.open_table(paths.delete_only_keys)
+    if dt.transaction_version(APP_ID) != previous:
+        return
     delta.commit(dt, [], [], delta.table_arrow_schema(dt), app_transaction=(APP_ID, log_version))
 
 
