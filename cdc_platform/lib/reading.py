@@ -751,16 +751,20 @@ def _parallelism(spark: SparkSession) -> int:
     return os.cpu_count() or 1
 
 
+def _path_frame(spark: SparkSession, paths: Sequence[str]) -> DataFrame:
+    """One row per path, spread over a task per file (up to a cap)."""
+    n = min(len(paths), _parallelism(spark) * 4)
+    df = spark.createDataFrame([(p,) for p in paths], "path string")
+    return df.repartition(n) if n > 1 else df
+
+
 def _per_file(spark: SparkSession, paths: list[str], fn: Callable[[str], T]) -> list[T]:
     """``fn(path)`` for every path, in Spark tasks (one per file up to a cap), in order.
 
     DataFrame APIs only (``mapInArrow``), so it runs on Spark Connect too; each result comes
     back pickled, and it must be small: reports, not rows.
     """
-    n = min(len(paths), _parallelism(spark) * 4)
-    df = spark.createDataFrame([(p,) for p in paths], "path string")
-    if n > 1:
-        df = df.repartition(n)
+    df = _path_frame(spark, paths)
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
@@ -871,10 +875,7 @@ def _read_decoded(
 ) -> DataFrame:
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    n = min(len(paths), _parallelism(spark) * 4)
-    path_df = spark.createDataFrame([(p,) for p in paths], "path string")
-    if n > 1:
-        path_df = path_df.repartition(n)
+    path_df = _path_frame(spark, paths)
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
