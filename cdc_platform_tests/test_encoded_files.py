@@ -31,6 +31,7 @@ from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib import quarantine
+from cdc_platform.lib.columns import STATE_COLUMNS
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.invariants import CHECK_NAMES, NO_QUARANTINE
@@ -354,8 +355,11 @@ def test_every_encoding_gives_the_same_history(spark, lake, file_format, compres
     assert (result.files_read, result.events_read, result.events_new) == (2, 8, 7)
     assert by_key_start(history(lake, name)) == by_key_start(WIDE_EXPECTED)
     schema = DeltaTable(str(TablePaths.of(lake["warehouse"], name).history)).schema().to_arrow()
-    assert {f.name: pa.field(f).type for f in schema} == WIDE_TYPES
-    assert [f.name for f in schema] == list(WIDE_TYPES)
+    types = {f.name: pa.field(f).type for f in schema}
+    # the merge's state columns follow the contract's columns
+    assert [types.pop(c) for c in STATE_COLUMNS] == [pa.bool_(), pa.timestamp("us", tz="UTC")]
+    assert types == WIDE_TYPES
+    assert [f.name for f in schema][: len(WIDE_TYPES)] == list(WIDE_TYPES)
 
 
 # -- 3. file keys and key rotation -------------------------------------------------------------------
