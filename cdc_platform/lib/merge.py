@@ -439,38 +439,23 @@ def _state_events(current: DataFrame, pk: list[str], data_columns: list[str]) ->
     """
     from pyspark.sql import functions as F
 
-    def event(op: str, at: Column, seq: int) -> DataFrame:
-        return current.select(
-            *cols(pk),
-            *cols(data_columns),
-            F.lit(op).alias(OP),
-            F.lit(seq).cast("long").alias(SEQ),
-            at.alias(TS),
+    def event(rows: DataFrame, op: str, at: Column, seq: int) -> DataFrame:
+        image = cols(data_columns) if op != "DELETE" else []  # a delete carries only its key
+        return rows.select(
+            *cols(pk), *image, F.lit(op).alias(OP), F.lit(seq).cast("long").alias(SEQ), at.alias(TS)
         )
 
-    insert = event("INSERT", col(START), 0)
-    live = current.filter(col(ACTIVE))
-    noop = live.filter(col(LAST_EVENT_AT) > col(START)).select(
-        *cols(pk),
-        *cols(data_columns),
-        F.lit("UPDATE").alias(OP),
-        F.lit(1).cast("long").alias(SEQ),
-        col(LAST_EVENT_AT).alias(TS),
-    )
-    dead = current.filter(~col(ACTIVE))
-    delete = dead.select(
-        *cols(pk), F.lit("DELETE").alias(OP), F.lit(1).cast("long").alias(SEQ), col(END).alias(TS)
-    )
-    later_delete = dead.filter(col(LAST_EVENT_AT) > col(END)).select(
-        *cols(pk),
-        F.lit("DELETE").alias(OP),
-        F.lit(2).cast("long").alias(SEQ),
-        col(LAST_EVENT_AT).alias(TS),
-    )
+    live, dead = current.filter(col(ACTIVE)), current.filter(~col(ACTIVE))
     return (
-        insert.unionByName(noop)
-        .unionByName(delete, allowMissingColumns=True)
-        .unionByName(later_delete, allowMissingColumns=True)
+        event(current, "INSERT", col(START), 0)
+        .unionByName(
+            event(live.filter(col(LAST_EVENT_AT) > col(START)), "UPDATE", col(LAST_EVENT_AT), 1)
+        )
+        .unionByName(event(dead, "DELETE", col(END), 1), allowMissingColumns=True)
+        .unionByName(
+            event(dead.filter(col(LAST_EVENT_AT) > col(END)), "DELETE", col(LAST_EVENT_AT), 2),
+            allowMissingColumns=True,
+        )
     )
 
 
