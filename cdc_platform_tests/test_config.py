@@ -166,3 +166,15 @@ def test_missing_java_is_one_clear_line(tmp_path, monkeypatch):
         assert proc.stdout.strip().splitlines() == [
             "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."
         ]
+
+
+def test_a_long_lived_session_keeps_a_bounded_ui_history(spark):
+    """The shared test session outlives thousands of SQL executions, as a Spark Connect server
+    or a long backfill does. Spark keeps each execution's plan and metrics for its UI; unbounded
+    (1000 by default, with many-column plans) that filled the driver's heap and later
+    aggregations failed with AGGREGATE_OUT_OF_MEMORY."""
+    executions = 60
+    for i in range(executions):
+        spark.range(3).selectExpr(f"id + {i} AS x").groupBy("x").count().collect()
+    store = spark._jsparkSession.sharedState().statusStore()
+    assert store.executionsCount() < executions / 2

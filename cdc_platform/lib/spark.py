@@ -51,6 +51,15 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.network.crypto.enabled": "true",
     # A merge's plan has many columns; Spark warns each time it shortens one for a log line.
     "spark.sql.debug.maxToStringFields": "1000",
+    # A long-lived driver (the test session, a Spark Connect server, an in-process run
+    # that applies a backfill) keeps the plan and metrics of every SQL execution, job and
+    # stage for the UI by default (1000 each). With many-column plans that filled a 2 GiB
+    # heap after ~11k stages, and aggregations then failed with AGGREGATE_OUT_OF_MEMORY.
+    "spark.sql.ui.retainedExecutions": "20",
+    "spark.ui.retainedJobs": "50",
+    "spark.ui.retainedStages": "50",
+    "spark.ui.retainedTasks": "5000",
+    "spark.ui.dagGraph.retainedRootRDDs": "50",
 }
 
 # Spark's log settings: warnings and errors to stderr, minus the two start-up notices that hold
