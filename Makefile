@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 
-.PHONY: demo ui test lint bench java clean spark-connect spark-connect-stop
+.PHONY: demo ui test test-cluster lint bench java clean spark-connect spark-connect-stop
 
 demo: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.demo.run
@@ -18,6 +18,10 @@ test: java $(VENV)/.installed
 	$(BIN)/ruff format --check cdc_platform cdc_platform_tests benchmarks
 	$(BIN)/pyright
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# A real Spark standalone cluster (a master and two workers from the pyspark package).
+test-cluster: java $(VENV)/.installed
+	$(BIN)/pytest --run-cluster cdc_platform_tests/test_cluster.py
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check --fix cdc_platform cdc_platform_tests benchmarks

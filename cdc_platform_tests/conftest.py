@@ -16,6 +16,11 @@ from cdc_platform_tests.webhook import Webhook, serve_webhook
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run the larger property runs too")
     parser.addoption(
+        "--run-cluster",
+        action="store_true",
+        help="run the pipeline on a real Spark standalone cluster too (starts one)",
+    )
+    parser.addoption(
         "--run-connect",
         action="store_true",
         help="run the pipeline against a real Spark Connect server too (starts one)",
@@ -24,12 +29,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
+        "markers", "cluster: on a real Spark standalone cluster, opt in with --run-cluster"
+    )
+    config.addinivalue_line(
         "markers", "connect: against a real Spark Connect server, opt in with --run-connect"
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    opt_in = {"slow": "--run-slow", "connect": "--run-connect"}
+    opt_in = {"slow": "--run-slow", "connect": "--run-connect", "cluster": "--run-cluster"}
     for marker, option in opt_in.items():
         if config.getoption(option):
             continue

@@ -6,6 +6,8 @@ import base64
 import json
 import os
 import pickle
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +123,25 @@ def test_keys_for_order_and_normalisation():
     # a file key equal to a table key is tried once
     dup = Keyring.from_mapping({"tables": {"orders": [K2_B64, K1_B64]}, "files": {REL: K1_B64}})
     assert dup.keys_for("orders", REL) == [K1, K2]
+
+
+def test_a_table_reader_ships_only_that_tables_keys():
+    from cdc_platform.lib.config import TableConfig
+    from cdc_platform.lib.reading import LandingReader
+
+    ring = Keyring.from_mapping(GOOD)
+    orders = ring.for_table("orders")
+    assert orders.keys_for("orders", REL) == [K3, K1]
+    assert orders.keys_for("users", "users/a.csv") == []
+    assert (orders.table_count, orders.file_count) == (1, 1)
+    users = Keyring.from_mapping(GOOD).for_table("users")
+    assert users.keys_for("users", REL) == [K2, K3] and users.file_count == 0
+    # "order" is a prefix of "orders" as a string, never as a folder
+    assert ring.for_table("order").keys_for("order", REL) == []
+
+    table = TableConfig(name="users", primary_key=("id",), start=datetime(2024, 1, 1, tzinfo=UTC))
+    shipped = pickle.dumps(LandingReader(table, Path("/landing"), ring))
+    assert K2 in shipped and K3 in shipped and K1 not in shipped
 
 
 def test_empty():

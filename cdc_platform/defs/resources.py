@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 KEYRING_ENV_VAR = "CDC_KEYRING"
 SPARK_REMOTE_ENV_VAR = "CDC_SPARK_REMOTE"
+SPARK_MASTER_ENV_VAR = "CDC_SPARK_MASTER"
+SPARK_AUTH_SECRET_ENV_VAR = "CDC_SPARK_AUTH_SECRET"
 
 # Spark has one SparkContext per process, and Dagster runs each step with a *copy* of the
 # resource object it was given, so which session a SparkResource started is process-wide state:
@@ -48,6 +50,12 @@ class SparkResource(dg.ConfigurableResource):
         f"${SPARK_REMOTE_ENV_VAR} if set when the code location loads, else local mode.",
     )
     spark_config: dict[str, Any] = Field(default_factory=dict, description="Extra Spark conf.")
+    auth_secret: str | None = Field(
+        default=None,
+        description="The standalone cluster's shared secret (spark.authenticate.secret); "
+        f"pass it as an EnvVar (default: ${SPARK_AUTH_SECRET_ENV_VAR}). Spark redacts it "
+        "from its UI and event logs; the platform never logs it.",
+    )
     app_name: str = "cdc_platform"
     stop_at_end_of_run: bool = Field(
         default=True,
@@ -65,6 +73,8 @@ class SparkResource(dg.ConfigurableResource):
 
             with _started_lock:
                 conf = {k: str(v) for k, v in self.spark_config.items()}
+                if self.auth_secret:
+                    conf["spark.authenticate.secret"] = self.auth_secret
                 if self.remote:
                     # A Connect session is this process's own client of the server: reuse
                     # one a SparkResource started, else start (and later stop) a new one.
@@ -104,10 +114,19 @@ def _is_connect(session: Any) -> bool:
 
 
 def spark_resource_from_env() -> SparkResource:
-    """The ``spark`` resource of the code location: Spark Connect at ``$CDC_SPARK_REMOTE``
-    (an ``EnvVar``, so the UI shows where it comes from) if set, else local mode."""
+    """The ``spark`` resource of the code location, from the environment (as ``EnvVar``s, so
+    the UI shows where each setting comes from): Spark Connect at ``$CDC_SPARK_REMOTE`` if set;
+    else the cluster at ``$CDC_SPARK_MASTER`` (e.g. ``spark://host:7077``) with the shared
+    secret in ``$CDC_SPARK_AUTH_SECRET``; else local mode."""
     if os.environ.get(SPARK_REMOTE_ENV_VAR):
         return SparkResource(remote=dg.EnvVar(SPARK_REMOTE_ENV_VAR))
+    if os.environ.get(SPARK_MASTER_ENV_VAR):
+        secret = (
+            dg.EnvVar(SPARK_AUTH_SECRET_ENV_VAR)
+            if os.environ.get(SPARK_AUTH_SECRET_ENV_VAR)
+            else None
+        )
+        return SparkResource(master=dg.EnvVar(SPARK_MASTER_ENV_VAR), auth_secret=secret)
     return SparkResource()
 
 

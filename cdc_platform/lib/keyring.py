@@ -144,6 +144,14 @@ class Keyring:
                 out.append(key)
         return out
 
+    def for_table(self, table: str) -> Keyring:
+        """Only the keys that can open ``table``'s files: what a task decoding that table gets,
+        so a task (or a worker that keeps its closure) never holds another table's keys."""
+        prefix = normalize_relative_path(table) + "/"
+        files = {p: k for p, k in self._files.items() if p.startswith(prefix)}
+        tables = {t: keys for t, keys in self._tables.items() if t == table}
+        return Keyring(tables, files)
+
     @property
     def table_count(self) -> int:
         return len(self._tables)

@@ -297,7 +297,8 @@ def _to_type(values: pa.Array, target: pa.DataType) -> pa.Array:
 class LandingReader:
     """Decodes a table's landing files; picklable, so Spark ships it to the tasks.
 
-    The keyring travels inside the pickled task closure, never in Spark conf, logs or the UI.
+    Only the table's own keys travel, inside the pickled task closure (over Spark's encrypted
+    RPC), never in Spark conf, logs or the UI.
     For an encrypted table no reason ever quotes a cell (or a library message that might):
     reasons name the row and the column only.
     """
@@ -307,7 +308,7 @@ class LandingReader:
     ) -> None:
         self.table = table
         self.landing_root = str(landing_root)
-        self.keyring = keyring or Keyring.empty()
+        self.keyring = (keyring or Keyring.empty()).for_table(table.name)
         self.hide_values = table.encryption != "none"
 
     def __repr__(self) -> str:

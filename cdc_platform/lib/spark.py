@@ -88,7 +88,9 @@ def spark_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str, 
     merged = {**DEFAULT_CONF, "spark.master": master}
     merged.update(conf or {})
     merged.update(REQUIRED_CONF)
-    merged.setdefault("spark.pyspark.python", sys.executable)
+    # Executors run $PYSPARK_PYTHON where set (a cluster's nodes keep Python elsewhere), else
+    # this very interpreter, which has every package the platform needs.
+    merged.setdefault("spark.pyspark.python", os.environ.get("PYSPARK_PYTHON") or sys.executable)
     merged.setdefault("spark.pyspark.driver.python", sys.executable)
     if "log4j" not in merged["spark.driver.extraJavaOptions"]:
         merged["spark.driver.extraJavaOptions"] += (
@@ -106,6 +108,7 @@ def build_spark_session(
 ) -> SparkSession:
     """Create (or reuse) the session; the import is here so that importing the package stays light."""
     check_java()
+    # PySpark takes the workers' interpreter from this variable when the context starts.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if is_local(master):
         # Read by the JVM at launch: a local session listens on the loopback interface only.
@@ -117,7 +120,45 @@ def build_spark_session(
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     quiet_logs(session)
+    if not is_local(master):
+        ship_package(session)
     return session
+
+
+def package_zip(folder: Path | None = None) -> Path:
+    """This installed ``cdc_platform`` package as a zip, named by its content's hash (built
+    once per version of the code). Executors import the platform from it, never from their
+    working directory or whatever their Python path happens to hold."""
+    import hashlib
+    import tempfile
+    import zipfile
+
+    root = Path(__file__).resolve().parent.parent  # the cdc_platform package folder
+    sources = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in {".py", ".properties"}
+    )
+    digest = hashlib.sha256()
+    for p in sources:
+        digest.update(str(p.relative_to(root.parent)).encode() + b"\0" + p.read_bytes())
+    out = (folder or Path(tempfile.gettempdir())) / f"cdc_platform-{digest.hexdigest()[:16]}.zip"
+    if not out.exists():
+        partial = out.with_suffix(f".{os.getpid()}.tmp")
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as z:
+            for p in sources:
+                z.write(p, p.relative_to(root.parent).as_posix())
+        partial.replace(out)  # atomic: a concurrent run never ships a half-written zip
+    return out
+
+
+def ship_package(session: SparkSession) -> None:
+    """Send the platform's code to a cluster's executors (``addPyFile``: on their Python path
+    ahead of site-packages). Not needed in local mode, where tasks run this interpreter."""
+    zip_path = package_zip()
+    if any(Path(f).name == zip_path.name for f in session.sparkContext.listFiles):
+        return  # a reused session already has this version
+    session.sparkContext.addPyFile(str(zip_path))
 
 
 # -- Spark Connect ---------------------------------------------------------------------------------
