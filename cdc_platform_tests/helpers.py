@@ -69,7 +69,12 @@ def write_parquet_events(
 
 def history_rows(
     table_path: Path,
-    drop: Iterable[str] = ("_fivetran_synced", "_cdc_current", "_cdc_last_event_at"),
+    drop: Iterable[str] = (
+        "_fivetran_synced",
+        "_cdc_current",
+        "_cdc_last_event_at",
+        "_cdc_changed_columns",
+    ),
 ) -> list[dict[str, Any]]:
     """The table's rows as dicts sorted by every column but the dropped ones."""
     tbl = DeltaTable(str(table_path)).to_pyarrow_table()

@@ -191,3 +191,27 @@ def _fold_key(
         row["_fivetran_active"] = v["active"]
         rows.append(row)
     return rows
+
+
+def changed_columns(
+    versions: Iterable[Mapping[str, Any]], primary_key: Sequence[str]
+) -> dict[tuple[Any, ...], list[str] | None]:
+    """``_cdc_changed_columns`` as defined, from consecutive versions: per (key, start), the
+    data columns (in the rows' column order) whose value differs, None-safe, from the key's
+    previous version; None for a key's first version."""
+    by_key: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for v in versions:
+        by_key.setdefault(tuple(v[k] for k in primary_key), []).append(v)
+    out: dict[tuple[Any, ...], list[str] | None] = {}
+    for key, rows in by_key.items():
+        rows = sorted(rows, key=lambda r: r["_fivetran_start"])
+        names = [
+            c for c in rows[0] if c not in primary_key and not c.startswith(("_fivetran_", "_cdc_"))
+        ]
+        previous: Mapping[str, Any] | None = None
+        for r in rows:
+            out[(*key, r["_fivetran_start"])] = (
+                None if previous is None else [c for c in names if not _same(r[c], previous[c])]
+            )
+            previous = r
+    return out

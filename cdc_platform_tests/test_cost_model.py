@@ -19,7 +19,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.lib import delta
-from cdc_platform.lib.columns import CURRENT, LAST_EVENT_AT
+from cdc_platform.lib.columns import CHANGED, CURRENT, LAST_EVENT_AT
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.merge import APP_ID, is_closed_file
 from cdc_platform.lib.pipeline import materialize
@@ -141,11 +141,12 @@ def test_delete_only_keys_are_remembered(spark, lake):
 def test_a_table_without_state_columns_is_recomputed_once(spark, lake):
     events = _deep_history(spark, lake, hours=2)
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
-    # The layout before the state columns: same rows, no `_cdc_current`/`_cdc_last_event_at`.
+    # The layout before the state columns: same rows, no `_cdc_current`/`_cdc_last_event_at`
+    # (nor `_cdc_changed_columns`, which came later still).
     dt = DeltaTable(str(paths.history))
     applied = dt.transaction_version(APP_ID)
     assert applied is not None
-    old = delta.read_arrow(paths.history).drop_columns([CURRENT, LAST_EVENT_AT])
+    old = delta.read_arrow(paths.history).drop_columns([CURRENT, LAST_EVENT_AT, CHANGED])
     write_deltalake(
         str(paths.history),
         old,

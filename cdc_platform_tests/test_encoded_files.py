@@ -357,7 +357,11 @@ def test_every_encoding_gives_the_same_history(spark, lake, file_format, compres
     schema = DeltaTable(str(TablePaths.of(lake["warehouse"], name).history)).schema().to_arrow()
     types = {f.name: pa.field(f).type for f in schema}
     # the merge's state columns follow the contract's columns
-    assert [types.pop(c) for c in STATE_COLUMNS] == [pa.bool_(), pa.timestamp("us", tz="UTC")]
+    assert [types.pop(c) for c in STATE_COLUMNS] == [
+        pa.bool_(),
+        pa.timestamp("us", tz="UTC"),
+        pa.list_(pa.string()),
+    ]
     assert types == WIDE_TYPES
     assert [f.name for f in schema][: len(WIDE_TYPES)] == list(WIDE_TYPES)
 

@@ -300,6 +300,18 @@ CORRUPTIONS = {
         replace_versions(3, version(3, 30, T0, T1 - MS), version(3, 31, T1, TMAX)),
         [3],
     ),
+    # Changed columns that do not match the versions around them: key 1's update at T1
+    # changed `name` and `v`; key 3's only version has no predecessor, so none.
+    "wrong_changed_columns": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        edit(1, T1, _cdc_changed_columns=["name"]),
+        [1],
+    ),
+    "changed_columns_on_a_first_version": Corruption(
+        invariants.MATCHES_CHANGELOG,
+        edit(3, T0, _cdc_changed_columns=[]),
+        [3],
+    ),
     # A writer that loses a key entirely: only the reconciliation with the change log sees it.
     "lost_key": Corruption(
         invariants.MATCHES_CHANGELOG,

@@ -27,7 +27,7 @@ from cdc_platform.lib.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
-from cdc_platform_tests.reference import UNMODIFIED, reference_history
+from cdc_platform_tests.reference import UNMODIFIED, changed_columns, reference_history
 from cdc_platform_tests.strategies import assign_to_files, cdc_event_batches
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
@@ -132,6 +132,10 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
     path = TablePaths.of(warehouse, table.name).history
     actual = history_rows(path) if path.exists() else []
     assert normalize(actual, COLUMNS) == normalize(expected, COLUMNS)
+    # Changed columns are right after any order of deliveries, late events included.
+    rows = history_rows(path, drop=()) if path.exists() else []
+    stored = {(r["id"], r["_fivetran_start"]): r["_cdc_changed_columns"] for r in rows}
+    assert stored == changed_columns(rows, ["id"])
 
 
 PROFILE = settings(

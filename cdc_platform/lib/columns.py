@@ -41,11 +41,14 @@ END = "_fivetran_end"
 ACTIVE = "_fivetran_active"
 SYNCED = "_fivetran_synced"
 HISTORY_SYSTEM_COLUMNS = (START, END, ACTIVE, SYNCED)
-# State the merge keeps on each key's latest version (extra `_cdc_` system columns, which the
-# contract allows): whether a version is its key's latest, and when that key's last event was.
+# What the merge derives for each version beyond the contract's columns (extra `_cdc_` system
+# columns, which the contract allows): whether a version is its key's latest, when that key's
+# last event was (on its latest version), and which columns differ from the key's previous
+# version (null on a key's first version).
 CURRENT = "_cdc_current"
 LAST_EVENT_AT = "_cdc_last_event_at"
-STATE_COLUMNS = (CURRENT, LAST_EVENT_AT)
+CHANGED = "_cdc_changed_columns"
+STATE_COLUMNS = (CURRENT, LAST_EVENT_AT, CHANGED)
 
 # -- types -------------------------------------------------------------------------------------
 TS_TYPE = pa.timestamp("us", tz="UTC")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from cdc_platform.lib.columns import (
     ACTIVE,
+    CHANGED,
     END,
     INGESTED_AT,
     OP,
@@ -94,7 +95,9 @@ def build_versions(
     data_columns: Sequence[str],
     deduplicated: bool = False,
 ) -> DataFrame:
-    """Every version of every key in ``events``: key, data columns, start, end, active.
+    """Every version of every key in ``events``: key, data columns, start, end, active, and
+    ``_cdc_changed_columns`` (the data columns whose value differs, ``<=>``, from the key's
+    previous version; null for the first version of a key in ``events``).
 
     ``events`` must hold *all* events of the keys it covers (order does not matter). Column
     names are used verbatim (quoted), and the working columns live under the internal prefix,
@@ -159,11 +162,25 @@ def build_versions(
         .when(col(_NEXT_CLOSE).isNotNull(), col(_NEXT_CLOSE))
         .otherwise(tmax_literal())
     )
-    versions = steps.filter(col(_OPENS)).select(
+    opened = steps.filter(col(_OPENS))
+    # Which columns differ from the key's previous version (null for the first one it folds).
+    previous = F.lag(col(_IMG)).over(Window.partitionBy(*pkc).orderBy(col(_MS)))
+    differing = [
+        F.when(~col(_IMG).getField(c).eqNullSafe(previous.getField(c)), F.lit(c))
+        for c in data_columns
+    ]
+    changed = F.when(
+        previous.isNotNull(),
+        F.filter(F.array(*differing), lambda name: name.isNotNull())
+        if differing
+        else F.array().cast("array<string>"),
+    )
+    versions = opened.select(
         *pkc,
         *[col(_IMG).getField(c).alias(c) for c in data_columns],
         col(_MS).alias(START),
         end.alias(END),
+        changed.alias(CHANGED),
     )
     return versions.withColumn(ACTIVE, col(END) == tmax_literal())
 

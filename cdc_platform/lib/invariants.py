@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_platform.lib import changelog, delta, quarantine
 from cdc_platform.lib.columns import (
     ACTIVE,
+    CHANGED,
     CURRENT,
     END,
     LAST_EVENT_AT,
@@ -333,7 +334,7 @@ def _reconciliation(
     timeline = timeline.join(image_steps, [*pk, t], "left")
     failing = timeline.filter(step_fails | version_fails).select(*cols(pk))
     if CURRENT in table.columns:
-        failing = failing.unionByName(_state_mismatches(table, events, pk))
+        failing = failing.unionByName(_state_mismatches(table, events, pk, data_columns))
     return outcome(MATCHES_CHANGELOG, failing)
 
 
@@ -403,10 +404,13 @@ def _same_image(a: Column, b: Column, data_columns: Sequence[str]) -> Column:
     return F.coalesce(same, F.lit(False))
 
 
-def _state_mismatches(table: DataFrame, events: DataFrame, pk: list[str]) -> DataFrame:
+def _state_mismatches(
+    table: DataFrame, events: DataFrame, pk: list[str], data_columns: Sequence[str]
+) -> DataFrame:
     """Keys whose state columns (which the merge's fast path trusts) break their definition:
     a key's latest version, and only it, is current and carries the millisecond of the key's
-    last event; every other version has no last-event time."""
+    last event; every other version has no last-event time; a version's changed columns are
+    the data columns that differ from the key's previous version (null on its first)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -416,14 +420,23 @@ def _state_mismatches(table: DataFrame, events: DataFrame, pk: list[str]) -> Dat
     latest = internal("latest")
     by_start = Window.partitionBy(*cols(pk)).orderBy(col(START).desc())
     expected_last = F.when(col(latest), col(internal("last_event")))
-    return (
-        table.join(last, pk, "left")
-        .withColumn(latest, F.row_number().over(by_start) == 1)
-        .filter(
-            ~col(CURRENT).eqNullSafe(col(latest)) | ~col(LAST_EVENT_AT).eqNullSafe(expected_last)
+    rows = table.join(last, pk, "left").withColumn(latest, F.row_number().over(by_start) == 1)
+    wrong = ~col(CURRENT).eqNullSafe(col(latest)) | ~col(LAST_EVENT_AT).eqNullSafe(expected_last)
+    if CHANGED in table.columns:
+        previous = Window.partitionBy(*cols(pk)).orderBy(col(START))
+        first = F.lag(col(START)).over(previous).isNull()
+        differing = [
+            F.when(~col(c).eqNullSafe(F.lag(col(c)).over(previous)), F.lit(c)) for c in data_columns
+        ]
+        names = (
+            F.filter(F.array(*differing), lambda n: n.isNotNull())
+            if differing
+            else F.array().cast("array<string>")
         )
-        .select(*cols(pk))
-    )
+        expected = internal("expected_changed")
+        rows = rows.withColumn(expected, F.when(~first, names))
+        wrong = wrong | ~col(CHANGED).eqNullSafe(col(expected))
+    return rows.filter(wrong).select(*cols(pk))
 
 
 def _quarantine_check(paths: TablePaths) -> CheckOutcome:

@@ -43,6 +43,7 @@ import pyarrow as pa
 from cdc_platform.lib import changelog, delta
 from cdc_platform.lib.columns import (
     ACTIVE,
+    CHANGED,
     CURRENT,
     END,
     HISTORY_SYSTEM_COLUMNS,
@@ -118,6 +119,7 @@ def history_schema(primary_key: Sequence[str], key_and_data: pa.Schema) -> pa.Sc
         pa.field(SYNCED, ts),
         pa.field(CURRENT, pa.bool_()),
         pa.field(LAST_EVENT_AT, ts),
+        pa.field(CHANGED, pa.list_(pa.string())),
     ]
     return pa.schema([f.with_nullable(True) for f in (*keys, *data, *system)])
 
@@ -145,7 +147,7 @@ class _Snapshot:
     changelog: DeltaTable
     history: DeltaTable | None
     applied: int | None  # change-log version the history table reflects
-    rebuild: bool  # the history table predates the state columns: recompute every key
+    rebuild: bool  # the history table predates a state column: recompute every key
 
     @classmethod
     def open(cls, paths: TablePaths) -> _Snapshot | None:
@@ -154,7 +156,9 @@ class _Snapshot:
         log = delta.open_table(paths.changelog)
         history = delta.open_table(paths.history) if delta.exists(paths.history) else None
         applied = history.transaction_version(APP_ID) if history is not None else None
-        rebuild = history is not None and CURRENT not in delta.table_arrow_schema(history).names
+        rebuild = history is not None and not set(STATE_COLUMNS) <= set(
+            delta.table_arrow_schema(history).names
+        )
         return cls(log, history, None if rebuild else applied, rebuild)
 
 
@@ -507,6 +511,10 @@ def _compare(
         col(_FILE).alias(internal("prior_file")),
     )
     joined = versions.join(prior, [*pk, START], "left")
+    # The fold gives no changed columns to the first version it folds of a key (it saw no
+    # predecessor). For a fast key that is the replayed current row: its changed columns are
+    # the stored ones. For a slow key it is the key's first version: null before and now.
+    joined = joined.withColumn(CHANGED, F.coalesce(col(CHANGED), col(renamed[CHANGED])))
     existed = col(internal("prior_file")).isNotNull()
     same_version: Column = existed
     for c in [*data_columns, END, ACTIVE]:
