@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from cdc_platform.lib import invariants
+from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
@@ -76,6 +76,18 @@ def test_changed_columns_follow_fast_path_and_late_events(spark, lake):
     assert rows == changed_columns(history_rows(paths.history, drop=()), ["id"])
     outcomes = {o.name: o for o in invariants.run_checks(spark, paths, ["id"])}
     assert outcomes[invariants.MATCHES_CHANGELOG].passed
+
+    # The README's query: when did `status` change?
+    files = delta.absolute_paths(
+        paths.history, delta.snapshot_files(delta.open_table(paths.history))
+    )
+    spark.read.parquet(*files).createOrReplaceTempView("c_history")
+    when = spark.sql(
+        "SELECT _fivetran_start FROM c_history "
+        "WHERE array_contains(_cdc_changed_columns, 'status') ORDER BY 1"
+    ).collect()
+    assert [r[0].replace(tzinfo=UTC) for r in when] == [t[3], u[2]]
+    spark.catalog.dropTempView("c_history")
 
 
 def test_a_new_column_counts_as_changed_where_it_gets_a_value(spark, lake):

@@ -20,6 +20,7 @@ from cdc_platform.defs.alerts import (
     metadata_int,
 )
 from cdc_platform.defs.maintenance import build_maintenance_job
+from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
 from cdc_platform.defs.sensors import build_landing_sensor
 from cdc_platform.lib import applied_files, invariants
@@ -208,6 +209,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         description="Every invariant over every history table (not just the keys a run touched).",
     )
     maintenance_jobs = [build_maintenance_job(platform, t, pool_name(t)) for t in platform.tables]
+    plan_jobs = [build_plan_job(platform, t) for t in platform.tables]
     return dg.Definitions(
         assets=[t.asset for t in tables],
         asset_checks=[t.checks for t in tables],
@@ -216,7 +218,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
             build_run_failure_alert_sensor(),
         ],
-        jobs=[check_job, *maintenance_jobs],
+        jobs=[check_job, *maintenance_jobs, *plan_jobs],
         # One process per run: the asset step and its checks share one Spark session (one JVM)
         # instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.
         executor=dg.in_process_executor,
