@@ -88,6 +88,7 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
         events = _without_unmodified(events)
     files = assign_to_files(data.draw, events, start_hour=START)
     landing, warehouse = root / "landing", root / "warehouse"
+    landing.mkdir()  # the landing root exists even when every file of the run arrives late
 
     def write(key: tuple[datetime, str]) -> None:
         hour, name = key
