@@ -674,6 +674,7 @@ def test_no_password_in_logs_events_or_ui_and_no_warnings(
     for name in UNITS:
         text = log_text(deployment, name)
         assert password not in text, f"the password is in the {name} log"
+        assert "\x1b" not in text, f"{name} logs escape codes (journalctl: '[N blob data]')"
         noise = [
             line
             for line in text.splitlines()
