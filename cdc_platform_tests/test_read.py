@@ -1,4 +1,4 @@
-"""Point-in-time reads (``cdc_platform.read``).
+"""Point-in-time reads (``cdc_platform.read``) and the ``<table>_current`` asset.
 
 The history table is built by the real pipeline from landing files with updates, a no-op
 update, deletes, a re-insert after a delete, an insert and a delete in one millisecond, a
@@ -10,23 +10,31 @@ instants are also spelled out by hand, so a wrong reference fails too.
 
 from __future__ import annotations
 
+import json
+import textwrap
 from collections.abc import Iterable, Mapping
 from datetime import UTC, date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import duckdb
 import polars as pl
 import pytest
 
 from cdc_platform import read
-from cdc_platform.lib import delta
+from cdc_platform.defs.factory import (
+    CURRENT_TABLES_SENSOR,
+    build_definitions,
+    build_table_definitions,
+)
+from cdc_platform.lib import current_table, delta, maintenance
 from cdc_platform.lib.columns import ACTIVE, END, START, TMAX
-from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.helpers import write_parquet_events
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1, H2 = T0, T0 + timedelta(hours=1)  # delivery hours (landing folders)
@@ -245,3 +253,165 @@ def test_errors_name_what_is_missing(spark, tmp_path):
         read.current_arrow(tmp_path / "nothing")
     with pytest.raises(TypeError, match="path or TablePaths"):
         read.current_arrow(42)  # pyright: ignore[reportArgumentType]
+
+
+# -- the <table>_current asset ------------------------------------------------------------------
+
+
+def _platform(root: Path) -> PlatformConfig:
+    config = root / "cdc_platform.yaml"
+    config.write_text(
+        textwrap.dedent(
+            """\
+            landing_root: landing
+            warehouse_root: warehouse
+            tables:
+              - name: t
+                primary_key: [id]
+                start: "2024-01-01-00:00"
+                current_table: true
+              - name: plain
+                primary_key: [id]
+                start: "2024-01-01-00:00"
+            """
+        )
+    )
+    (root / "landing").mkdir()
+    return load_config(config)
+
+
+def _current_rows(paths: TablePaths) -> list[tuple]:
+    return _rows(delta.read_arrow(paths.current).to_pylist())
+
+
+def _scd1(spark: Any, paths: TablePaths) -> list[tuple]:
+    df = read.current(paths, spark=spark)
+    return _spark_rows(df.drop(START, END, ACTIVE, "_fivetran_synced"))
+
+
+def _commit(table: Path, version: int) -> tuple[list[str], list[str], dict[str, Any]]:
+    lines = (table / "_delta_log" / f"{version:020d}.json").read_text().splitlines()
+    actions = [json.loads(line) for line in lines]
+    adds = [a["add"]["path"] for a in actions if "add" in a]
+    removes = [a["remove"]["path"] for a in actions if "remove" in a]
+    info = next(a["commitInfo"] for a in actions if "commitInfo" in a)
+    return adds, removes, info
+
+
+def test_current_table_asset_follows_the_history_asset(spark, tmp_path):
+    platform = _platform(tmp_path)
+    table = platform.table("t")
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    defs = build_table_definitions(platform, table)
+    assert defs.current is not None
+    current_key = dg.AssetKey("t_current")
+    instance = dg.DagsterInstance.ephemeral()
+    resources = dagster_resources()
+
+    def tick(cursor: Any = None) -> tuple[int, Any]:
+        assert defs.current is not None
+        result = dg.evaluate_automation_conditions(
+            defs=dg.Definitions(assets=[defs.asset, defs.current], resources=resources),
+            instance=instance,
+            cursor=cursor,
+        )
+        return result.get_num_requested(current_key), result.cursor
+
+    def materialize_history(hour: datetime) -> None:
+        run = dg.materialize(
+            [defs.asset, defs.checks],
+            partition_key=hour.strftime("%Y-%m-%d-%H:%M"),
+            instance=instance,
+            resources=resources,
+        )
+        assert run.success
+
+    def materialize_current() -> dict[str, Any]:
+        assert defs.current is not None
+        run = dg.materialize([defs.current], instance=instance, resources=resources)
+        assert run.success
+        [event] = run.get_asset_materialization_events()
+        return {k: v.value for k, v in event.materialization.metadata.items()}
+
+    # Nothing to show before the history table exists (most hourly partitions stay missing
+    # for ever: plain eager() would wait for them and never run).
+    requested, cursor = tick()
+    assert requested == 0
+
+    write_parquet_events(platform.landing_root, "t", H1, HOUR1)
+    materialize_history(H1)
+    requested, cursor = tick(cursor)
+    assert requested == 1
+    meta = materialize_current()
+    assert _current_rows(paths) == _scd1(spark, paths)
+    assert {dict(r)["id"]: dict(r)["v"] for r in _current_rows(paths)} == {
+        "a": 2,
+        "b": 10,
+        "f": 60,
+    }
+    assert meta["dagster/row_count"] == 3 and meta["history_version"] == 1
+    first = meta["delta_version"]
+    first_files = {f.path for f in delta.snapshot_files(delta.open_table(paths.current))}
+    requested, cursor = tick(cursor)
+    assert requested == 0  # up to date
+
+    write_parquet_events(platform.landing_root, "t", H2, HOUR2)
+    materialize_history(H2)
+    requested, cursor = tick(cursor)
+    assert requested == 1
+    meta = materialize_current()
+    assert _current_rows(paths) == _scd1(spark, paths)
+    assert {dict(r)["id"]: (dict(r)["v"], dict(r)["note"]) for r in _current_rows(paths)} == {
+        "a": (3, "back"),
+        "b": (11, "x"),
+        "d": (70, "new"),
+        "f": (61, None),
+    }
+    assert meta["dagster/row_count"] == 4 and meta["files_removed"] == len(first_files)
+    # The whole content was replaced by exactly one commit: every old file out, new ones in.
+    assert meta["delta_version"] == first + 1
+    adds, removes, info = _commit(paths.current, first + 1)
+    assert set(removes) == first_files and adds and not set(adds) & first_files
+    history_version = delta.open_table(paths.history).version()
+    assert info[current_table.HISTORY_VERSION] == meta["history_version"] == history_version
+
+    # VACUUM removes the replaced files only when asked to include the current table.
+    def in_current(removed: list[str]) -> set[str]:
+        return {p for p in removed if p.startswith(f"{paths.current}/")}
+
+    assert not in_current(maintenance.vacuum(paths, 0, enforce_retention_duration=False))
+    removed = maintenance.vacuum(paths, 0, enforce_retention_duration=False, current_table=True)
+    old_files = {str(paths.current / f) for f in first_files}
+    assert {p for p in in_current(removed) if p.endswith(".parquet")} == old_files
+    assert _current_rows(paths) == _scd1(spark, paths)
+
+
+def test_an_empty_live_set_empties_the_current_table(spark, tmp_path):
+    platform = _platform(tmp_path)
+    table = platform.table("t")
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    write_parquet_events(platform.landing_root, "t", H1, HOUR1[:1])
+    materialize(spark, table, platform.landing_root, platform.warehouse_root, [H1])
+    assert current_table.refresh(spark, paths, table.primary_key).rows == 1
+    write_parquet_events(platform.landing_root, "t", H2, [ev("DELETE", 2, s(9), "a", v=None)])
+    materialize(spark, table, platform.landing_root, platform.warehouse_root, [H2])
+    result = current_table.refresh(spark, paths, table.primary_key)
+    assert (result.rows, result.files_added, result.files_removed) == (0, 0, 1)
+    assert delta.read_arrow(paths.current).num_rows == 0
+    assert delta.read_arrow(paths.current).schema.names == ["id", "v"]
+
+
+def test_definitions_have_the_current_asset_and_its_sensor_only_when_asked(tmp_path):
+    platform = _platform(tmp_path)
+    defs = build_definitions(platform)
+    graph = defs.resolve_asset_graph()
+    assert dg.AssetKey("t_current") in graph.get_all_asset_keys()
+    assert dg.AssetKey("plain_current") not in graph.get_all_asset_keys()
+    assert graph.get(dg.AssetKey("t_current")).parent_keys == {dg.AssetKey("t")}
+    sensor = defs.resolve_sensor_def(CURRENT_TABLES_SENSOR)
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    without = PlatformConfig(
+        platform.landing_root, platform.warehouse_root, (platform.table("plain"),)
+    )
+    names = {s.name for s in build_definitions(without).sensors or []}
+    assert CURRENT_TABLES_SENSOR not in names
