@@ -91,6 +91,10 @@ def test_valid_config_resolves_paths_against_its_folder(tmp_path):
             "table '_orders', field 'name': must not start with '_'",
         ),
         ('{name: .cdc, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:00", current_table: "yes"}',
+            "table 'orders', field 'current_table': 'yes' must be true or false",
+        ),
         ('{name: a/b, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
     ],
 )
@@ -136,6 +140,21 @@ def test_table_names_differing_only_in_case_are_one_folder(tmp_path):
     )
     with pytest.raises(ConfigError, match="defined twice"):
         load_config(_config(tmp_path, f"landing_root: l\nwarehouse_root: w\ntables:\n{tables}"))
+
+
+def test_a_current_table_may_not_take_another_tables_name(tmp_path):
+    tables = (
+        '  - {name: orders, primary_key: [id], start: "2024-01-01-00:00", current_table: true}\n'
+        '  - {name: Orders_Current, primary_key: [id], start: "2024-01-01-00:00"}\n'
+    )
+    path = _config(tmp_path, f"landing_root: l\nwarehouse_root: w\ntables:\n{tables}")
+    with pytest.raises(ConfigError, match="its current table 'orders_current' has the name"):
+        load_config(path)
+    flagged = (
+        '  - {name: orders, primary_key: [id], start: "2024-01-01-00:00", current_table: true}\n'
+    )
+    cfg = load_config(_config(tmp_path, f"landing_root: l\nwarehouse_root: w\ntables:\n{flagged}"))
+    assert cfg.table("orders").current_table
 
 
 def test_unknown_top_level_key_and_missing_file(tmp_path):

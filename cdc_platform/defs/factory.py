@@ -3,6 +3,10 @@
 The asset is an hourly time-partitioned history table; a materialization (one partition or a
 whole range, in one run) calls the pure pipeline. The checks are the SCD2 invariants, run in
 Spark after every materialization on the keys it touched, and over everything on a schedule.
+
+With ``current_table: true`` a table also gets ``<table>_current``: an unpartitioned asset
+downstream of the history asset holding its active rows (SCD1), which the
+``cdc_current_tables`` automation sensor refreshes after each history materialization.
 """
 
 from collections.abc import Iterable
@@ -23,14 +27,15 @@ from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
 from cdc_platform.defs.sensors import build_landing_sensor
-from cdc_platform.lib import applied_files, invariants
+from cdc_platform.lib import applied_files, current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key, hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.warehouse import TablePaths, current_table_name
 
 GROUP = "cdc_history"
 VERSION_BEFORE = "delta_version_before"
+CURRENT_TABLES_SENSOR = "cdc_current_tables"
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class TableDefinitions:
     asset: dg.AssetsDefinition
     checks: dg.AssetChecksDefinition
     sensor: dg.SensorDefinition
+    current: dg.AssetsDefinition | None = None  # `<table>_current`, if the config asks for it
 
 
 def pool_name(table: TableConfig) -> str:
@@ -145,7 +151,71 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
     sensor = build_landing_sensor(
         table, platform.landing_root, history_table, warehouse_root=platform.warehouse_root
     )
-    return TableDefinitions(history_table, history_checks, sensor)
+    current = build_current_table_asset(platform, table) if table.current_table else None
+    return TableDefinitions(history_table, history_checks, sensor, current)
+
+
+def current_table_condition() -> dg.AutomationCondition:
+    """Eager, except that it waits only for the history table to exist.
+
+    ``AutomationCondition.eager()`` holds back while *any* upstream partition is missing; an
+    unpartitioned asset depends on every hourly partition of the history asset, most of which
+    (hours with no files) are never materialized, so eager would never run it.
+    """
+    return (
+        dg.AutomationCondition.in_latest_time_window()
+        & (
+            dg.AutomationCondition.newly_missing() | dg.AutomationCondition.any_deps_updated()
+        ).since_last_handled()
+        & dg.AutomationCondition.any_deps_match(~dg.AutomationCondition.missing()).with_label(
+            "history_table_exists"
+        )
+        & ~dg.AutomationCondition.any_deps_in_progress()
+        & ~dg.AutomationCondition.in_progress()
+    ).with_label("eager_after_history")
+
+
+def build_current_table_asset(platform: PlatformConfig, table: TableConfig) -> dg.AssetsDefinition:
+    """``<table>_current``: the history table's active rows, rewritten whole on each refresh."""
+    paths = TablePaths.of(platform.warehouse_root, table.name)
+
+    @dg.asset(
+        key=dg.AssetKey(current_table_name(table.name)),
+        deps=[dg.AssetKey(table.name)],
+        group_name=GROUP,
+        kinds={"spark", "delta"},
+        description=(
+            f"Current (SCD1) Delta table `{paths.current}`: one row per live key of "
+            f"`{table.name}`, key and data columns only, refreshed after the history table."
+        ),
+        metadata={
+            "primary_key": list(table.primary_key),
+            "table_path": dg.MetadataValue.path(str(paths.current)),
+        },
+        automation_condition=current_table_condition(),
+        pool=pool_name(table),
+    )
+    def current_rows(
+        context: dg.AssetExecutionContext, spark: SparkResource
+    ) -> dg.MaterializeResult:
+        result = current_table.refresh(spark.spark_session, paths, table.primary_key)
+        context.log.info(
+            f"{table.name}: current table has {result.rows} row(s) "
+            f"(history version {result.history_version})"
+        )
+        return dg.MaterializeResult(
+            metadata={
+                # Dagster's standard row-count key (the UI charts it across materializations)
+                "dagster/row_count": result.rows,
+                "delta_version": result.version,
+                "history_version": result.history_version,
+                "files_added": result.files_added,
+                "files_removed": result.files_removed,
+                "commit_attempts": result.attempts,
+            }
+        )
+
+    return current_rows
 
 
 def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
@@ -210,11 +280,28 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
     )
     maintenance_jobs = [build_maintenance_job(platform, t, pool_name(t)) for t in platform.tables]
     plan_jobs = [build_plan_job(platform, t) for t in platform.tables]
+    current_assets = [t.current for t in tables if t.current is not None]
+    # Runs the current tables' automation conditions; on by default (Dagster's own default
+    # automation sensor starts stopped). Needs the daemon, as the landing sensors do.
+    current_sensor = (
+        [
+            dg.AutomationConditionSensorDefinition(
+                CURRENT_TABLES_SENSOR,
+                target=dg.AssetSelection.assets(*current_assets),
+                default_status=dg.DefaultSensorStatus.RUNNING,
+                minimum_interval_seconds=30,
+                description="Refreshes each <table>_current after its history table changes.",
+            )
+        ]
+        if current_assets
+        else []
+    )
     return dg.Definitions(
-        assets=[t.asset for t in tables],
+        assets=[*(t.asset for t in tables), *current_assets],
         asset_checks=[t.checks for t in tables],
         sensors=[
             *(t.sensor for t in tables),
+            *current_sensor,
             build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
             build_run_failure_alert_sensor(),
         ],

@@ -45,7 +45,7 @@ def build_maintenance_job(
                 f"{c.table}_files_rewritten": c.files_rewritten,
             }
         if config.vacuum:
-            removed = vacuum(paths, config.retention_hours)
+            removed = vacuum(paths, config.retention_hours, current_table=table.current_table)
             metadata["vacuumed_files"] = len(removed)
         context.log_event(
             dg.AssetObservation(
@@ -56,7 +56,10 @@ def build_maintenance_job(
 
     @dg.job(
         name=maintenance_job_name(table),
-        description=f"Compact {table.name}'s history table and change log, then VACUUM them.",
+        description=(
+            f"Compact {table.name}'s history table and change log, then VACUUM them"
+            + (" and its current table." if table.current_table else ".")
+        ),
         tags={"cdc_platform/table": table.name},
     )
     def maintenance() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
+from cdc_platform.lib.warehouse import current_table_name
 
 CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +64,9 @@ class TableConfig:
     lookback_hours: int = 6
     full_sweep_minutes: int = 60
     sensor_interval_seconds: int = 60
+    # Also keep `<table>_current`: the active rows only (SCD1), refreshed after each
+    # materialization of the history table (an optional second asset).
+    current_table: bool = False
 
     @property
     def start_partition_key(self) -> str:
@@ -105,6 +109,7 @@ _TABLE_FIELDS = {
     "lookback_hours",
     "full_sweep_minutes",
     "sensor_interval_seconds",
+    "current_table",
 }
 _TOP_FIELDS = {
     "landing_root",
@@ -148,6 +153,13 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
     if dupes:
         # case-insensitive: on such file systems 'Orders' and 'orders' are one folder
         raise ConfigError(f"{where}: table name(s) defined twice: {dupes}")
+    for t in tables:
+        if t.current_table and current_table_name(t.name).lower() in names:
+            # one folder and one asset key for two tables
+            raise ConfigError(
+                f"{where}: table '{t.name}', field 'current_table': its current table "
+                f"'{current_table_name(t.name)}' has the name of another table"
+            )
     schedule = _cron(raw, "check_schedule", "0 3 * * *", where)
     maintenance = _cron(raw, "maintenance_schedule", "30 4 * * *", where)
     landing_root = _resolve(raw["landing_root"], base_dir, where, "landing_root")
@@ -249,6 +261,12 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
             raise fail(key, "must be a string")
         return value
 
+    def boolean(key: str) -> bool:
+        value = raw.get(key, False)
+        if not isinstance(value, bool):
+            raise fail(key, f"{value!r} must be true or false")
+        return value
+
     def positive_int(key: str, default: int) -> int:
         value = raw.get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -294,4 +312,5 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         lookback_hours=positive_int("lookback_hours", 6),
         full_sweep_minutes=positive_int("full_sweep_minutes", 60),
         sensor_interval_seconds=positive_int("sensor_interval_seconds", 60),
+        current_table=boolean("current_table"),
     )

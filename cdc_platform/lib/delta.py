@@ -204,20 +204,28 @@ def commit(
     app_transaction: tuple[str, int] | None = None,
     metadata: Mapping[str, Any] | None = None,
     strict: bool = False,
+    overwrite: bool = False,
 ) -> int:
     """Commit adds and removes as one Delta version and return it.
 
     ``strict`` refuses to rebase over a concurrent commit (the caller recomputes and retries);
     ``app_transaction`` records ``(app_id, version)`` in the same commit, so the table itself
-    says which input it already contains.
+    says which input it already contains. ``overwrite`` replaces every file of ``dt``'s
+    snapshot with ``adds`` (delta-rs writes the removes; pass none) and makes ``schema`` the
+    table's schema in that same commit, so a widened schema and the new rows appear together.
     """
+    if overwrite and removes:
+        raise ValueError("an overwrite commit removes every file itself: pass no removes")
     props = CommitProperties(
         custom_metadata=dict(metadata or {}),
         max_commit_retries=0 if strict else None,
         app_transactions=[Transaction(*app_transaction)] if app_transaction else None,
     )
     dt.create_write_transaction(
-        [*adds, *removes], mode="append", schema=schema, commit_properties=props
+        [*adds, *removes],
+        mode="overwrite" if overwrite else "append",
+        schema=schema,
+        commit_properties=props,
     )
     dt.update_incremental()
     return dt.version()

@@ -17,8 +17,9 @@ no row changed.
 
 VACUUM (``vacuum``):
 
-Each table has three Delta tables (``warehouse.TablePaths``): the history table, its change log
-and its quarantine. ``vacuum`` cleans all three:
+Each table has several Delta tables (``warehouse.TablePaths``): the history table, its change
+log, its quarantine, its delete-only keys and, if configured, its current table (every refresh
+of which replaces all its files). ``vacuum`` cleans each of them that exists:
 
 - ``DeltaTable.vacuum(full=True)``: every data file the log does not reference any more (replaced
   by a later commit longer than ``retention_hours`` ago) *and* every file in the table's folder
@@ -215,11 +216,17 @@ def vacuum(
     *,
     dry_run: bool = False,
     enforce_retention_duration: bool = True,
+    current_table: bool = False,
 ) -> list[str]:
-    """VACUUM the history table, change log and quarantine of one table; the paths removed
-    (or, with ``dry_run``, that would be)."""
+    """VACUUM the history table, change log, quarantine and delete-only keys of one table, and
+    its current table if it has one (``current_table``: only then, since without the config
+    flag that folder name may be another table's); the paths removed (or, with ``dry_run``,
+    that would be)."""
     removed: list[str] = []
-    for table_path in (paths.history, paths.changelog, paths.quarantine, paths.delete_only_keys):
+    tables = [paths.history, paths.changelog, paths.quarantine, paths.delete_only_keys]
+    if current_table:
+        tables.append(paths.current)
+    for table_path in tables:
         if not delta.exists(table_path):
             continue
         files = delta.open_table(table_path).vacuum(
@@ -270,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             TablePaths.of(platform.warehouse_root, table.name),
             args.retention_hours,
             dry_run=args.dry_run,
+            current_table=table.current_table,
         )
         verb = "would remove" if args.dry_run else "removed"
         print(f"{table.name}: {verb} {len(removed)} file(s) or folder(s)")

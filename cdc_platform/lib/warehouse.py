@@ -5,6 +5,9 @@
 ``changelog`` (every valid event ever landed, so late events can be placed and any key
 recomputed), ``quarantine`` (files set aside, with the reason) and ``delete_only_keys``
 (keys whose every event so far is a delete: they have no row in the history table).
+
+``<warehouse_root>/<table>_current`` is the table's optional current table (``current_table:
+true`` in the config): the active rows only, one per live key, with the key and data columns.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class TablePaths:
     changelog: Path
     quarantine: Path
     delete_only_keys: Path
+    current: Path
 
     @classmethod
     def of(cls, warehouse_root: Path, table: str) -> TablePaths:
@@ -29,4 +33,10 @@ class TablePaths:
             changelog=system / "changelog",
             quarantine=system / "quarantine",
             delete_only_keys=system / "delete_only_keys",
+            current=root / current_table_name(table),
         )
+
+
+def current_table_name(table: str) -> str:
+    """The name of a table's current table: its folder in the warehouse and its asset key."""
+    return f"{table}_current"

@@ -1,0 +1,115 @@
+"""A table's current table: the active rows of its history table as a plain (SCD1) Delta table.
+
+``<warehouse_root>/<table>_current`` holds one row per live key with the key and data columns
+only, for users who want the live table rather than its history. Each refresh reads the history
+table's latest snapshot (its live files only, ``read.current``) and replaces the whole current
+table in **one Delta commit** that removes every old file, adds the new ones and, when the
+history table gained a column, widens the schema, so a reader sees the old content or the
+new, never a mix. The commit records which history version it
+reflects (commit metadata ``cdc_platform.history_version``). Replaced files stay for time
+travel until the table's VACUUM (``lib/maintenance.py``) deletes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from cdc_platform import read
+from cdc_platform.lib import changelog, delta
+from cdc_platform.lib.columns import col, cols, is_reserved
+from cdc_platform.lib.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+HISTORY_VERSION = "cdc_platform.history_version"
+
+
+@dataclass(frozen=True)
+class CurrentTableResult:
+    rows: int
+    version: int
+    history_version: int
+    files_added: int
+    files_removed: int
+    attempts: int
+
+
+def refresh(
+    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str]
+) -> CurrentTableResult:
+    """Replace the current table with the history table's active rows; retry if another
+    writer commits to it first (each attempt reads the history table anew)."""
+    result, attempts = delta.with_commit_retries(
+        lambda: _refresh_once(spark, paths, primary_key), f"current table {paths.current}"
+    )
+    return replace(result, attempts=attempts)
+
+
+def _refresh_once(
+    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str]
+) -> CurrentTableResult:
+    from pyspark.sql import functions as F
+
+    if not delta.exists(paths.history):
+        raise FileNotFoundError(
+            f"history table {paths.history} does not exist yet: materialize it first"
+        )
+    history = delta.open_table(paths.history)
+    history_version = history.version()
+    live_rows = sum(
+        f.num_records or 0 for f in delta.snapshot_files(history) if read.may_hold(f, None)
+    )
+    # Key and data columns: every name outside the platform's `_fivetran_`/`_cdc_` spaces.
+    user = pa.schema([f for f in delta.table_arrow_schema(history) if not is_reserved(f.name)])
+    dt = (
+        delta.open_table(paths.current)
+        if delta.exists(paths.current)
+        else delta.ensure_table(
+            paths.current, user, description="cdc_platform current table (active rows, SCD1)"
+        )
+    )
+    # Columns are only ever added, as in the history table: the table's own, then new ones.
+    existing = delta.table_arrow_schema(dt)
+    schema = pa.schema([*existing, *(f for f in user if f.name not in existing.names)])
+    # The version just opened, not "the latest" again: the commit records what it reflects.
+    live = read.current(paths.history, spark=spark, version=history_version)
+    types = changelog.spark_schema(schema)
+    rows = live.select(
+        *(
+            col(f.name)
+            if f.name in user.names
+            else F.lit(None).cast(types[f.name].dataType).alias(f.name)
+            for f in schema
+        )
+    )
+    old = delta.snapshot_files(dt)
+    n = delta.file_count_for(live_rows)
+    pk = cols(list(primary_key))
+    shaped = rows.repartitionByRange(n, *pk) if n > 1 else rows.coalesce(1)
+    adds = delta.write_files(shaped.sortWithinPartitions(*pk), paths.current)
+    try:
+        version = delta.commit(
+            dt,
+            adds,
+            [],
+            schema,
+            metadata={HISTORY_VERSION: history_version},
+            strict=True,
+            overwrite=True,
+        )
+    except BaseException:
+        delta.discard(paths.current, adds)
+        raise
+    return CurrentTableResult(
+        rows=sum(delta.num_records(a) for a in adds),
+        version=version,
+        history_version=history_version,
+        files_added=len(adds),
+        files_removed=len(old),
+        attempts=1,
+    )
