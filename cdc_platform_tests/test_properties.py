@@ -130,7 +130,7 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
 
     expected = reference_history(events, ["id"])
     path = TablePaths.of(warehouse, table.name).history
-    actual = history_rows(path) if path.exists() else []
+    actual = history_rows(path) if path.path.exists() else []
     assert normalize(actual, COLUMNS) == normalize(expected, COLUMNS)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
+from cdc_platform.lib.storage import Location
 
 CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ class PlatformConfig:
     """The whole config file, with paths already resolved against the file's folder."""
 
     landing_root: Path
-    warehouse_root: Path
+    warehouse_root: Location
     tables: tuple[TableConfig, ...]
     check_schedule: str = "0 3 * * *"
     maintenance_schedule: str = "30 4 * * *"
@@ -151,8 +152,8 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
     schedule = _cron(raw, "check_schedule", "0 3 * * *", where)
     maintenance = _cron(raw, "maintenance_schedule", "30 4 * * *", where)
     landing_root = _resolve(raw["landing_root"], base_dir, where, "landing_root")
-    warehouse_root = _resolve(raw["warehouse_root"], base_dir, where, "warehouse_root")
-    _check_roots_apart(landing_root, warehouse_root, where)
+    warehouse_root = Location.of(_resolve(raw["warehouse_root"], base_dir, where, "warehouse_root"))
+    _check_roots_apart(landing_root, warehouse_root.path, where)
     return PlatformConfig(
         landing_root=landing_root,
         warehouse_root=warehouse_root,
