@@ -4,7 +4,8 @@ Three tools touch the warehouse, and each names a place its own way:
 
 - delta-rs (commits, VACUUM, small reads): the URI (``s3://bucket/prefix``) plus its
   ``storage_options`` (``aws_region``, ``aws_endpoint_url``, ...).
-- Spark (reads and writes the Parquet files): a Hadoop file-system URI (``s3a://bucket/prefix``).
+- Spark (reads and writes the Parquet files): a Hadoop file-system URI (``s3a://bucket/prefix``),
+  with the credentials as Hadoop settings (``spark.hadoop.fs.s3a.*``).
 - The driver's own file operations (list what Spark wrote, read Parquet footers, delete what was
   never committed): a ``pyarrow.fs`` file system rooted at the location.
 
@@ -20,7 +21,7 @@ names, never values.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -187,3 +188,68 @@ class Location:
 
 
 Where = Location | str | os.PathLike[str]
+
+
+# -- Spark's Hadoop settings ---------------------------------------------------------------------
+
+# delta-rs option names (every alias object_store accepts, lower case) -> Hadoop S3A setting.
+_S3A_SETTINGS: dict[str, tuple[str, ...]] = {
+    "fs.s3a.access.key": ("aws_access_key_id", "access_key_id"),
+    "fs.s3a.secret.key": ("aws_secret_access_key", "secret_access_key"),
+    "fs.s3a.session.token": ("aws_session_token", "session_token", "aws_token", "token"),
+    "fs.s3a.endpoint.region": ("aws_region", "region", "aws_default_region", "default_region"),
+    "fs.s3a.endpoint": (
+        "aws_endpoint_url",
+        "aws_endpoint",
+        "endpoint_url",
+        "endpoint",
+        "aws_endpoint_url_s3",
+    ),
+}
+_VIRTUAL_HOSTED = ("aws_virtual_hosted_style_request", "virtual_hosted_style_request")
+TEMPORARY_CREDENTIALS_PROVIDER = "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider"
+
+
+def hadoop_conf(location: Location) -> dict[str, str]:
+    """The Hadoop settings Spark needs to reach ``location`` the way delta-rs does.
+
+    Only S3 has any: the keys, session token, region and endpoint go to their ``fs.s3a.*``
+    settings, and a custom endpoint (MinIO, Ceph, ...) is addressed path-style unless the options
+    ask for virtual-hosted requests, as delta-rs does. Options with no Hadoop meaning (delta-rs'
+    own, like ``aws_conditional_put``) are delta-rs only. For ``gs://`` and ``abfss://`` Spark
+    uses the credentials its cluster configures for the connector. Environment references are
+    read now.
+    """
+    if location.scheme != "s3" or not location.options:
+        return {}
+    given = {k.lower(): k for k in location.options}
+    resolved = location.storage_options or {}
+
+    def value(aliases: Iterable[str]) -> str | None:
+        key = next((given[a] for a in aliases if a in given), None)
+        return resolved[key] if key is not None else None
+
+    conf = {hk: v for hk, aliases in _S3A_SETTINGS.items() if (v := value(aliases)) is not None}
+    if "fs.s3a.session.token" in conf:
+        conf["fs.s3a.aws.credentials.provider"] = TEMPORARY_CREDENTIALS_PROVIDER
+    endpoint = conf.get("fs.s3a.endpoint")
+    if endpoint is not None:
+        virtual = (value(_VIRTUAL_HOSTED) or "false").strip().lower() == "true"
+        conf["fs.s3a.path.style.access"] = "false" if virtual else "true"
+        if endpoint.lower().startswith("http://"):
+            conf["fs.s3a.connection.ssl.enabled"] = "false"
+    return conf
+
+
+def spark_hadoop_conf(locations: Iterable[Location]) -> dict[str, str]:
+    """``hadoop_conf`` of every location as Spark conf (``spark.hadoop.<setting>``)."""
+    conf: dict[str, str] = {}
+    for location in locations:
+        conf.update({f"spark.hadoop.{k}": v for k, v in hadoop_conf(location).items()})
+    return conf
+
+
+def options_as_config(options: Mapping[str, OptionValue]) -> dict[str, str | dict[str, str]]:
+    """Options in the config file's form (``{env: NAME}`` for a reference): what a Dagster
+    resource can carry and show without ever holding a secret read from the environment."""
+    return {k: {"env": v.name} if isinstance(v, EnvRef) else v for k, v in options.items()}
