@@ -44,7 +44,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from cdc_platform.lib.columns import (
@@ -57,6 +56,7 @@ from cdc_platform.lib.columns import (
     cols,
     is_reserved,
 )
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -66,17 +66,17 @@ if TYPE_CHECKING:
 
     from cdc_platform.lib.delta import DataFile
 
-TableRef = str | os.PathLike[str] | TablePaths
+TableRef = str | os.PathLike[str] | Location | TablePaths
 Engine = Literal["duckdb", "polars"]
 ENGINES: tuple[Engine, ...] = ("duckdb", "polars")
 
 
-def history_path(table: TableRef) -> Path:
-    """The history table's folder, from a path or a ``TablePaths``."""
+def history_path(table: TableRef) -> Location:
+    """The history table's folder, from a path, a URI, a ``Location`` or a ``TablePaths``."""
     if isinstance(table, TablePaths):
         return table.history
-    if isinstance(table, str | os.PathLike):
-        return Path(table)
+    if isinstance(table, str | os.PathLike | Location):
+        return Location.of(table)
     raise TypeError(f"table must be a path or TablePaths, not {type(table).__name__}: {table!r}")
 
 
@@ -113,7 +113,7 @@ def as_of_instant(ts: datetime | str) -> datetime:
 class _Snapshot:
     """One version of the history table: what every read in this module works from."""
 
-    path: Path
+    path: Location
     version: int
     schema: pa.Schema  # the whole table, state columns included
     files: tuple[DataFile, ...]
@@ -145,7 +145,7 @@ class _Snapshot:
     def paths(self, files: Sequence[DataFile]) -> list[str]:
         from cdc_platform.lib import delta
 
-        return [os.path.abspath(p) for p in delta.absolute_paths(self.path, files)]
+        return delta.absolute_paths(self.path, files)
 
 
 def may_hold(f: DataFile, at: datetime | None) -> bool:
@@ -242,7 +242,14 @@ def _arrow_read(table: TableRef, at: datetime | None, version: int | None) -> ds
     snap = _Snapshot.open(table, version)
     # A dataset schema with the state columns left out reads only the returned columns.
     schema = pa.schema([snap.schema.field(n) for n in snap.columns])
-    dataset = ds.dataset(snap.paths(snap.files_at(at)), schema=schema, format="parquet")
+    files = snap.files_at(at)
+    if snap.path.is_local:
+        dataset = ds.dataset(snap.paths(files), schema=schema, format="parquet")
+    else:  # relative paths on a file system rooted at the table, with its storage options
+        fs = snap.path.filesystem()
+        dataset = ds.dataset(
+            [f.path for f in files], schema=schema, format="parquet", filesystem=fs
+        )
     if at is None:
         return dataset.filter(ds.field(ACTIVE) == pa.scalar(True))
     instant = pa.scalar(at, TS_TYPE)
@@ -302,7 +309,11 @@ def _sql(
         raise ValueError(f"engine must be one of {list(ENGINES)}, not {engine!r}")
     snap = _Snapshot.open(table, version)
     if relation is None:
-        relation = _read_parquet(snap, at) if engine == "duckdb" else sql_identifier(snap.path.name)
+        relation = (
+            _read_parquet(snap, at)
+            if engine == "duckdb"
+            else sql_identifier(os.path.basename(str(snap.path)))
+        )
     select = ", ".join(sql_identifier(c) for c in snap.columns)
     if at is None:
         where = sql_identifier(ACTIVE)
@@ -325,6 +336,11 @@ def _read_parquet(snap: _Snapshot, at: datetime | None) -> str:
     chosen = snap.files_at(at)
     wanted = set(snap.columns)
     have: set[str] = set()
+    if not snap.path.is_local:  # the SQL names files; DuckDB would need the store's credentials
+        raise ValueError(
+            f"SQL for DuckDB lists local files; {snap.path} is on an object store: use "
+            "engine='polars', as_of/current (Spark) or as_of_arrow/current_arrow"
+        )
     for path in snap.paths(chosen):
         have |= set(pq.read_schema(path).names)
     chosen_paths = {f.path for f in chosen}

@@ -15,6 +15,7 @@ from deltalake import DeltaTable
 from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.landing import hour_folder
+from cdc_platform.lib.storage import Where
 
 CDC_FIELDS = [
     pa.field("cdc_operation_type", pa.string()),
@@ -68,7 +69,7 @@ def write_parquet_events(
 
 
 def history_rows(
-    table_path: Path,
+    table_path: Where,
     drop: Iterable[str] = (
         "_fivetran_synced",
         "_cdc_current",

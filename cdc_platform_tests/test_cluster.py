@@ -329,8 +329,8 @@ def test_pipeline_on_a_standalone_cluster_equals_local_mode(spark, cluster, tmp_
         for part in ("history", "changelog"):
             a = getattr(TablePaths.of(platform.warehouse_root, name), part)
             b = getattr(TablePaths.of(remote_platform.warehouse_root, name), part)
-            assert table_rows(a) == table_rows(b), (name, part)
-    assert table_rows(TablePaths.of(platform.warehouse_root, "payments").history)
+            assert table_rows(a.path) == table_rows(b.path), (name, part)
+    assert table_rows(TablePaths.of(platform.warehouse_root, "payments").history.path)
 
     # The executors ran the shipped code: they could not have imported it any other way.
     fetched = list(cluster.folder.glob("worker*/app-*/*/cdc_platform-*.zip"))

@@ -33,6 +33,7 @@ from cdc_platform.lib import invariants, merge
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.merge import COMMIT_ATTEMPTS
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 
@@ -215,8 +216,9 @@ def test_retries_are_bounded_and_leave_the_table_intact(
     assert_same_table(root, lakes["reference"])
 
 
-def assert_no_uncommitted_files(table_path: Path) -> None:
+def assert_no_uncommitted_files(table: Location) -> None:
     """Every Parquet file under the table is in the snapshot or was removed by a commit."""
+    table_path = table.path
     dt = DeltaTable(str(table_path))
     on_disk = {
         str(p.relative_to(table_path))
@@ -235,7 +237,7 @@ def assert_no_uncommitted_files(table_path: Path) -> None:
 def test_one_writer_per_table_is_configured() -> None:
     instance_yaml = yaml.safe_load((REPO_ROOT / "dagster.yaml").read_text())
     assert instance_yaml["concurrency"]["pools"]["default_limit"] == 1
-    platform = PlatformConfig(Path("/nonexistent/l"), Path("/nonexistent/w"), (TABLE,))
+    platform = PlatformConfig(Path("/nonexistent/l"), Location.of("/nonexistent/w"), (TABLE,))
     defs = build_table_definitions(platform, TABLE)
     assert pool_name(TABLE) == f"cdc_table_{NAME}"
     assert defs.asset.op.pool == f"cdc_table_{NAME}"
@@ -342,7 +344,9 @@ def test_kill_9_of_a_run_frees_its_slot_and_the_next_run_completes(spark, tmp_pa
         assert info.claimed_slots == [] and info.active_run_ids == set()
 
         # The next run of the table takes the slot and completes.
-        platform = PlatformConfig(tmp_path / "landing", tmp_path / "warehouse", (table,))
+        platform = PlatformConfig(
+            tmp_path / "landing", Location.of(tmp_path / "warehouse"), (table,)
+        )
         defs = build_table_definitions(platform, table)
         result = dg.materialize(
             [defs.asset, defs.checks],

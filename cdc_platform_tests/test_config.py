@@ -130,7 +130,7 @@ def test_sibling_roots_with_a_common_prefix_are_fine(tmp_path):
     cfg = load_config(
         _config(tmp_path, f"landing_root: data\nwarehouse_root: data2\ntables:\n  - {table}\n")
     )
-    assert cfg.warehouse_root == tmp_path / "data2"
+    assert cfg.warehouse_root.path == tmp_path / "data2"
 
 
 def test_table_names_differing_only_in_case_are_one_folder(tmp_path):

@@ -23,6 +23,7 @@ from cdc_platform.lib.columns import CHANGED, CURRENT, LAST_EVENT_AT
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.merge import APP_ID, is_closed_file
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
@@ -56,8 +57,8 @@ def _deep_history(spark: Any, lake: dict[str, Path], hours: int) -> list[dict[st
     return events
 
 
-def _commit_actions(table: Path, version: int) -> tuple[list[str], list[str]]:
-    lines = (table / "_delta_log" / f"{version:020d}.json").read_text().splitlines()
+def _commit_actions(table: Location, version: int) -> tuple[list[str], list[str]]:
+    lines = (table.path / "_delta_log" / f"{version:020d}.json").read_text().splitlines()
     actions = [json.loads(line) for line in lines]
     adds = [a["add"]["path"] for a in actions if "add" in a]
     removes = [a["remove"]["path"] for a in actions if "remove" in a]
@@ -85,7 +86,7 @@ def test_in_order_hour_touches_only_current_rows_of_its_keys(spark, lake):
     assert removes and not set(removes) & closed_before
     holding = set()
     for path in removes:
-        ids = set(pq.read_table(paths.history / path, columns=["id"])["id"].to_pylist())
+        ids = set(pq.read_table(paths.history.path / path, columns=["id"])["id"].to_pylist())
         holding.add(bool(ids & {3, 7}))
     assert holding == {True}
     # The change log: only the file this run logged was read.

@@ -33,7 +33,7 @@ def run(spark, lake, hours, table: TableConfig = TABLE):
 
 
 def table_path(lake, name: str = "t") -> Path:
-    return TablePaths.of(lake["warehouse"], name).history
+    return TablePaths.of(lake["warehouse"], name).history.path
 
 
 def assert_matches_reference(lake, events, columns, name: str = "t") -> None:

@@ -38,6 +38,7 @@ from cdc_platform.lib.invariants import CHECK_NAMES, NO_QUARANTINE
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import history_rows
 
@@ -570,7 +571,7 @@ def test_keys_never_leak_after_a_wrong_key(spark, lake):
 def test_dagster_asset_reports_quarantine_and_fails_only_that_check(spark, lake, tmp_path):
     t = csv_table("dagster_csv", SEED_COLUMNS)
     platform = PlatformConfig(
-        landing_root=lake["landing"], warehouse_root=lake["warehouse"], tables=(t,)
+        landing_root=lake["landing"], warehouse_root=Location.of(lake["warehouse"]), tables=(t,)
     )
     land(
         lake,

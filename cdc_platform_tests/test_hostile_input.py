@@ -441,7 +441,7 @@ def test_missing_landing_root_fails_with_a_clear_message(spark, lake, tmp_path):
     missing = tmp_path / "no-such-landing"
     with pytest.raises(LandingRootMissingError, match=r"landing_root .*no-such-landing does not"):
         materialize(spark, TABLE, missing, lake["warehouse"], [H0])
-    assert not paths(lake).changelog.exists()
+    assert not paths(lake).changelog.path.exists()
     # A table folder missing inside an existing landing root is just zero files.
     assert run(spark, lake, [H0]).files_read == 0
 
@@ -449,7 +449,7 @@ def test_missing_landing_root_fails_with_a_clear_message(spark, lake, tmp_path):
 def test_replay_without_new_events_leaves_no_empty_change_log_folder(spark, lake):
     write_parquet_events(lake["landing"], "t", H0, [ev("INSERT", 1, H0, 1, v=1)])
     run(spark, lake, [H0])
-    data = paths(lake).changelog / "data"
+    data = paths(lake).changelog.path / "data"
     before = sorted(os.listdir(data))
     again = run(spark, lake, [H0])
     assert again.events_new == 0

@@ -28,6 +28,7 @@ from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 from cdc_platform_tests.webhook import Webhook
@@ -139,7 +140,7 @@ def failing(outcomes: dict[str, invariants.CheckOutcome]) -> set[str]:
     return {n for n, o in outcomes.items() if not o.passed}
 
 
-def corrupt(table_path: Path, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]):
+def corrupt(table_path: Location, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]):
     """What a buggy writer does: rewrite the whole table, same schema, different rows."""
     dt = DeltaTable(str(table_path))
     tbl = dt.to_pyarrow_table()
@@ -359,7 +360,7 @@ def test_a_quarantined_file_fails_only_its_check(spark, copy: Path) -> None:
 # --- scoping: the keys a materialization touched ------------------------------------------------
 
 
-def keys_in_files_added_since(table_path: Path, since: int) -> set[int]:
+def keys_in_files_added_since(table_path: Location, since: int) -> set[int]:
     """Independently of touched_keys: diff the add actions, read the new files with pyarrow."""
     before = set(DeltaTable(str(table_path), version=since).file_uris())
     added = [u for u in DeltaTable(str(table_path)).file_uris() if u not in before]
@@ -525,7 +526,9 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
 
 def test_full_table_check_job_selects_every_tables_checks(tmp_path: Path) -> None:
     other = TableConfig(name="inv_other", primary_key=("k",), start=H0)
-    platform = PlatformConfig(tmp_path / "landing", tmp_path / "warehouse", (TABLE, other))
+    platform = PlatformConfig(
+        tmp_path / "landing", Location.of(tmp_path / "warehouse"), (TABLE, other)
+    )
     job = build_definitions(platform).get_job_def("cdc_full_table_checks")
     selected = job.asset_layer.asset_graph.asset_check_keys
     assert {(k.asset_key.to_user_string(), k.name) for k in selected} == {

@@ -16,19 +16,20 @@ from deltalake.transaction import AddAction
 
 from cdc_platform.lib import delta
 from cdc_platform.lib.maintenance import vacuum
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 
 OLD = 1_000_000_000  # 2001: older than any retention
 
 
-def make_table(path: Path, ids: range) -> None:
+def make_table(path: Location, ids: range) -> None:
     write_deltalake(str(path), pa.table({"id": list(ids)}), mode="append")
 
 
-def crashed_write(table_path: Path, age: float | None = OLD) -> Path:
+def crashed_write(table: Location, age: float | None = OLD) -> Path:
     """What a run that died before its commit leaves: a Parquet file in its own data/<uuid>/
     folder (as delta.write_files names it), a .crc beside it, a half-written _temporary/."""
-    folder = table_path / delta.DATA_DIR / uuid.uuid4().hex
+    folder = table.path / delta.DATA_DIR / uuid.uuid4().hex
     (folder / "_temporary" / "0").mkdir(parents=True)
     part = folder / f"part-00000-{uuid.uuid4()}-c000.snappy.parquet"
     pq.write_table(pa.table({"id": [999]}), part)
@@ -104,12 +105,12 @@ def test_committed_files_in_segment_sub_folders_are_kept(tmp_path: Path) -> None
     level down must never look like a crashed write's leftovers."""
     paths = TablePaths.of(tmp_path, "orders")
     make_table(paths.history, range(1))
-    folder = paths.history / delta.DATA_DIR / uuid.uuid4().hex
+    folder = paths.history.path / delta.DATA_DIR / uuid.uuid4().hex
     (folder / "live").mkdir(parents=True)
     part = folder / "live" / "part-00000.snappy.parquet"
     pq.write_table(pa.table({"id": [5]}), part)
     add = AddAction(
-        path=part.relative_to(paths.history).as_posix(),
+        path=part.relative_to(paths.history.path).as_posix(),
         size=part.stat().st_size,
         partition_values={},
         modification_time=int(part.stat().st_mtime * 1000),

@@ -119,5 +119,5 @@ def test_plan_of_a_table_not_created_yet(spark, lake):
     write_parquet_events(lake["landing"], "fresh", H0, [ev("INSERT", 1, H0, 1, status="a")])
     p = plan(spark, table, lake["landing"], lake["warehouse"], [H0])
     assert (p.outcome.merge.versions_opened, p.late_events) == (1, 0)
-    assert not TablePaths.of(lake["warehouse"], "fresh").history.exists()
+    assert not TablePaths.of(lake["warehouse"], "fresh").history.path.exists()
     assert [p.name for p in (lake["warehouse"] / "_cdc").iterdir()] == []

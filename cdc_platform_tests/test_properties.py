@@ -131,10 +131,10 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
 
     expected = reference_history(events, ["id"])
     path = TablePaths.of(warehouse, table.name).history
-    actual = history_rows(path) if path.exists() else []
+    actual = history_rows(path) if path.path.exists() else []
     assert normalize(actual, COLUMNS) == normalize(expected, COLUMNS)
     # Changed columns are right after any order of deliveries, late events included.
-    rows = history_rows(path, drop=()) if path.exists() else []
+    rows = history_rows(path, drop=()) if path.path.exists() else []
     stored = {(r["id"], r["_fivetran_start"]): r["_cdc_changed_columns"] for r in rows}
     assert stored == changed_columns(rows, ["id"])
 

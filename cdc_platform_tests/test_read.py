@@ -32,6 +32,7 @@ from cdc_platform.lib import current_table, delta, maintenance
 from cdc_platform.lib.columns import ACTIVE, END, START, TMAX
 from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
@@ -92,12 +93,12 @@ INSTANTS = [*BY_HAND, s(30) - MS, s(30), s(45) - MS, s(45), T0 + timedelta(days=
 def history(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The history table after two runs: closed, deleted and live files, old and new columns."""
     root = tmp_path_factory.mktemp("read")
-    platform = PlatformConfig(root / "landing", root / "warehouse", ())
+    platform = PlatformConfig(root / "landing", Location.of(root / "warehouse"), ())
     table = TableConfig(name="t", primary_key=("id",), start=H1)
     for hour, events in ((H1, HOUR1), (H2, HOUR2)):
         write_parquet_events(platform.landing_root, table.name, hour, events)
         materialize(spark, table, platform.landing_root, platform.warehouse_root, [hour])
-    return TablePaths.of(platform.warehouse_root, table.name).history
+    return TablePaths.of(platform.warehouse_root, table.name).history.path
 
 
 def _utc(value: Any) -> Any:
@@ -370,7 +371,7 @@ def test_current_table_asset_follows_the_history_asset(spark, tmp_path):
     assert meta["dagster/row_count"] == 4 and meta["files_removed"] == len(first_files)
     # The whole content was replaced by exactly one commit: every old file out, new ones in.
     assert meta["delta_version"] == first + 1
-    adds, removes, info = _commit(paths.current, first + 1)
+    adds, removes, info = _commit(paths.current.path, first + 1)
     assert set(removes) == first_files and adds and not set(adds) & first_files
     history_version = delta.open_table(paths.history).version()
     assert info[current_table.HISTORY_VERSION] == meta["history_version"] == history_version

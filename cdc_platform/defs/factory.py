@@ -329,7 +329,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             ),
         ],
         resources={
-            "spark": spark_resource_from_env(),
+            "spark": spark_resource_from_env(platform.warehouse_root),
             "keyring": KeyringResource(),
             ALERT_RESOURCE_KEY: alert_webhook_from_env(),
         },

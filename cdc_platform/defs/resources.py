@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
+from cdc_platform.lib.config import parse_location
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.spark import build_connect_session, build_spark_session
+from cdc_platform.lib.storage import Location, options_as_config
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -41,6 +44,11 @@ class SparkResource(dg.ConfigurableResource):
     no JVM of its own; ``stop()`` then ends the session, never the server.
     A session that was already running when the resource was first used (a notebook, a test
     suite) is reused and never stopped by it.
+
+    ``warehouse_root`` and ``warehouse_storage_options`` (as in the platform config; the code
+    location fills them in for an object-store warehouse) give the session the Hadoop settings
+    to reach it. Secrets are ``{env: NAME}`` references, read when the session starts, so the
+    Dagster UI shows variable names only. Over Spark Connect the server's own settings apply.
     """
 
     master: str = Field(default="local[2]", description="Spark master URL.")
@@ -57,6 +65,13 @@ class SparkResource(dg.ConfigurableResource):
         "from its UI and event logs; the platform never logs it.",
     )
     app_name: str = "cdc_platform"
+    warehouse_root: str | None = Field(
+        default=None, description="An object-store warehouse the session reads and writes."
+    )
+    warehouse_storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Its storage options, as in the platform config (secrets as {env: NAME}).",
+    )
     stop_at_end_of_run: bool = Field(
         default=True,
         description="Stop the session when the run ends; False keeps it for the next run "
@@ -83,11 +98,23 @@ class SparkResource(dg.ConfigurableResource):
                     session = session or build_connect_session(self.remote, conf, self.app_name)
                 else:
                     already_running = SparkSession.getActiveSession() is not None
-                    session = build_spark_session(self.master, conf, self.app_name)
+                    session = build_spark_session(
+                        self.master, conf, self.app_name, storage=self.object_stores()
+                    )
                 if not already_running and not any(s is session for s in _started):
                     _started.append(session)
             self._session = session
         return self._session
+
+    def object_stores(self) -> tuple[Location, ...]:
+        """The warehouse as a ``Location`` if it is an object store (then Spark needs its
+        Hadoop settings); none for a local folder."""
+        if not self.warehouse_root:
+            return ()
+        where = "spark resource"
+        options = self.warehouse_storage_options or None
+        location = parse_location(self.warehouse_root, options, Path.cwd(), where, "warehouse_root")
+        return () if location.is_local else (location,)
 
     def stop(self) -> None:
         """Stop the session a SparkResource started in this process; never a session it only
@@ -113,21 +140,28 @@ def _is_connect(session: Any) -> bool:
     return is_connect(session)
 
 
-def spark_resource_from_env() -> SparkResource:
+def spark_resource_from_env(warehouse: Location | None = None) -> SparkResource:
     """The ``spark`` resource of the code location, from the environment (as ``EnvVar``s, so
     the UI shows where each setting comes from): Spark Connect at ``$CDC_SPARK_REMOTE`` if set;
     else the cluster at ``$CDC_SPARK_MASTER`` (e.g. ``spark://host:7077``) with the shared
-    secret in ``$CDC_SPARK_AUTH_SECRET``; else local mode."""
+    secret in ``$CDC_SPARK_AUTH_SECRET``; else local mode. With the object-store ``warehouse``
+    it must reach, if any."""
+    store: dict[str, Any] = {}
+    if warehouse is not None and not warehouse.is_local:
+        store = {
+            "warehouse_root": warehouse.uri,
+            "warehouse_storage_options": options_as_config(warehouse.options),
+        }
     if os.environ.get(SPARK_REMOTE_ENV_VAR):
-        return SparkResource(remote=dg.EnvVar(SPARK_REMOTE_ENV_VAR))
+        return SparkResource(remote=dg.EnvVar(SPARK_REMOTE_ENV_VAR), **store)
     if os.environ.get(SPARK_MASTER_ENV_VAR):
         secret = (
             dg.EnvVar(SPARK_AUTH_SECRET_ENV_VAR)
             if os.environ.get(SPARK_AUTH_SECRET_ENV_VAR)
             else None
         )
-        return SparkResource(master=dg.EnvVar(SPARK_MASTER_ENV_VAR), auth_secret=secret)
-    return SparkResource()
+        return SparkResource(master=dg.EnvVar(SPARK_MASTER_ENV_VAR), auth_secret=secret, **store)
+    return SparkResource(**store)
 
 
 class KeyringResource(dg.ConfigurableResource):

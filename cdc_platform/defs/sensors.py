@@ -21,6 +21,7 @@ import dagster as dg
 from cdc_platform.lib import applied_files
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.sensor_cursor import CursorState, PartitionRequest, evaluate, seed_state
+from cdc_platform.lib.storage import Where
 
 # Dagster's own tag names (dagster._core.storage.tags); spelled out to avoid a private import.
 PARTITION_TAG = "dagster/partition"
@@ -57,7 +58,7 @@ def build_landing_sensor(
     target: dg.AssetsDefinition,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
     *,
-    warehouse_root: Path | None = None,
+    warehouse_root: Where | None = None,
     clock: Callable[[], datetime] = _utcnow,
 ) -> dg.SensorDefinition:
     """A sensor requesting runs of ``target`` for new/changed hour folders of ``table``.

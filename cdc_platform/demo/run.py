@@ -22,6 +22,7 @@ from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib import delta
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.landing import all_hour_folders, hour_to_partition_key
+from cdc_platform.lib.storage import Where
 from cdc_platform.lib.warehouse import TablePaths
 
 HOURS = 12
@@ -49,7 +50,7 @@ def prepare_landing(platform: PlatformConfig) -> None:
     print("sample landing zone:", ", ".join(f"{t}: {n} events" for t, n in sorted(counts.items())))
 
 
-def history_summary(history: Path) -> tuple[int, int, int]:
+def history_summary(history: Where) -> tuple[int, int, int]:
     """(versions, active versions, Delta version) of a history table."""
     rows = delta.read_arrow(history, columns=["_fivetran_active"])
     active = rows["_fivetran_active"].to_pylist().count(True)

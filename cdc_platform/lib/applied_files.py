@@ -20,9 +20,11 @@ from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
-from deltalake import DeltaTable, write_deltalake
+from deltalake import write_deltalake
 
+from cdc_platform.lib import delta
 from cdc_platform.lib.landing import LandingFile
+from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
 SCHEMA = pa.schema(
@@ -45,7 +47,7 @@ class AppliedFile:
     file: LandingFile
 
 
-def ledger_path(warehouse_root: Path, table: str) -> Path:
+def ledger_path(warehouse_root: Where, table: str) -> Location:
     return TablePaths.of(warehouse_root, table).changelog.parent / "applied_files"
 
 
@@ -58,7 +60,7 @@ def _quote(value: str) -> str:
 
 
 def record(
-    path: Path,
+    path: Where,
     landing_root: Path,
     partitions: Sequence[str],
     files: Iterable[AppliedFile],
@@ -78,23 +80,31 @@ def record(
         for a in files
     ]
     data = pa.Table.from_pylist(rows, schema=SCHEMA)
-    if not DeltaTable.is_deltatable(str(path)):
+    loc = Location.of(path)
+    if not delta.exists(loc):
         if not rows:
             return
-        Path(path).mkdir(parents=True, exist_ok=True)
-        write_deltalake(str(path), data, mode="append")
+        if loc.is_local:
+            loc.path.mkdir(parents=True, exist_ok=True)
+        write_deltalake(loc.uri, data, mode="append", storage_options=loc.storage_options)
         return
     if not partitions:
         return
     predicate = f"partition IN ({', '.join(_quote(p) for p in sorted(set(partitions)))})"
-    write_deltalake(str(path), data, mode="overwrite", predicate=predicate)
+    write_deltalake(
+        loc.uri,
+        data,
+        mode="overwrite",
+        predicate=predicate,
+        storage_options=loc.storage_options,
+    )
 
 
-def applied(path: Path) -> set[FileIdentity]:
+def applied(path: Where) -> set[FileIdentity]:
     """Every (file, size, mtime_ns) recorded; empty when nothing was recorded yet."""
-    if not DeltaTable.is_deltatable(str(path)):
+    if not delta.exists(path):
         return set()
-    tbl = DeltaTable(str(path)).to_pyarrow_table(columns=["file", "size", "mtime_ns"])
+    tbl = delta.read_arrow(path, columns=["file", "size", "mtime_ns"])
     return set(
         zip(
             tbl["file"].to_pylist(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -29,6 +28,7 @@ from cdc_platform.lib.columns import (
     internal,
 )
 from cdc_platform.lib.reading import normalize_type
+from cdc_platform.lib.storage import Where
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
@@ -45,7 +45,7 @@ class AppendResult:
     version: int | None
 
 
-def key_and_data_fields(path: Path) -> pa.Schema | None:
+def key_and_data_fields(path: Where) -> pa.Schema | None:
     """The change log's key and data columns so far (None before its first event)."""
     if not delta.exists(path):
         return None
@@ -68,7 +68,7 @@ def spark_schema(dt_schema: pa.Schema) -> StructType:
 
 
 def read(
-    spark: SparkSession, path: Path, files: Sequence[delta.DataFile] | None = None
+    spark: SparkSession, path: Where, files: Sequence[delta.DataFile] | None = None
 ) -> DataFrame | None:
     """The change log's events (all of them, or those in ``files``) as a lazy DataFrame."""
     if not delta.exists(path):
@@ -79,7 +79,7 @@ def read(
 
 
 def read_files(
-    spark: SparkSession, path: Path, schema: StructType, files: Sequence[delta.DataFile]
+    spark: SparkSession, path: Where, schema: StructType, files: Sequence[delta.DataFile]
 ) -> DataFrame:
     """The events in ``files`` of the change log at ``path``, read with ``schema``."""
     if not files:
@@ -89,7 +89,7 @@ def read_files(
 
 def append(
     spark: SparkSession,
-    path: Path,
+    path: Where,
     events: DataFrame,
     primary_key: Sequence[str],
     seq_range: tuple[int, int],
@@ -145,7 +145,7 @@ def append(
     return delta.with_commit_retries(attempt, f"change log append to {path}")[0]
 
 
-def files_since(path: Path, dt: DeltaTable, applied_version: int | None) -> list[delta.DataFile]:
+def files_since(path: Where, dt: DeltaTable, applied_version: int | None) -> list[delta.DataFile]:
     """Files of the snapshot ``dt`` that were added after ``applied_version`` (all if None)."""
     now = delta.snapshot_files(dt)
     if applied_version is None:

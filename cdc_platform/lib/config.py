@@ -3,6 +3,11 @@
 The file is YAML, named by the env var ``CDC_PLATFORM_CONFIG`` (default: ``cdc_platform.yaml``
 at the repo root). Parsing is strict: an unknown key, a missing primary key or a bad date is
 an error naming the table and the field, so a typo never silently changes behaviour.
+
+``warehouse_root`` may be an object store (``s3://bucket/prefix``, ``gs://``, ``abfss://``) with
+``warehouse_storage_options`` for delta-rs (``lib.storage``); a secret among them must be an
+environment reference, ``{env: NAME}``, so it is never in the file. ``landing_root`` is a local or
+mounted folder: the sensors and readers list and open landing files on a file system.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import yaml
 
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
+from cdc_platform.lib.storage import OBJECT_STORE_SCHEMES, EnvRef, Location, OptionValue
 from cdc_platform.lib.warehouse import current_table_name
 
 CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
@@ -42,6 +48,8 @@ CSV_TYPES = (
 )
 _DECIMAL_RE = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Storage options whose name says they hold a secret: only as {env: NAME}, never in the file.
+_SECRET_OPTION_RE = re.compile(r"secret|password|sas|(^|_)token$|(^|_)key$|key_base64$")
 
 
 class ConfigError(ValueError):
@@ -83,7 +91,7 @@ class PlatformConfig:
     """The whole config file, with paths already resolved against the file's folder."""
 
     landing_root: Path
-    warehouse_root: Path
+    warehouse_root: Location
     tables: tuple[TableConfig, ...]
     check_schedule: str = "0 3 * * *"
     maintenance_schedule: str = "30 4 * * *"
@@ -114,6 +122,7 @@ _TABLE_FIELDS = {
 _TOP_FIELDS = {
     "landing_root",
     "warehouse_root",
+    "warehouse_storage_options",
     "tables",
     "check_schedule",
     "maintenance_schedule",
@@ -162,9 +171,16 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
             )
     schedule = _cron(raw, "check_schedule", "0 3 * * *", where)
     maintenance = _cron(raw, "maintenance_schedule", "30 4 * * *", where)
-    landing_root = _resolve(raw["landing_root"], base_dir, where, "landing_root")
-    warehouse_root = _resolve(raw["warehouse_root"], base_dir, where, "warehouse_root")
-    _check_roots_apart(landing_root, warehouse_root, where)
+    landing_root = _landing_root(raw["landing_root"], base_dir, where)
+    warehouse_root = parse_location(
+        raw["warehouse_root"],
+        raw.get("warehouse_storage_options"),
+        base_dir,
+        where,
+        "warehouse_root",
+    )
+    if warehouse_root.is_local:
+        _check_roots_apart(landing_root, warehouse_root.path, where)
     return PlatformConfig(
         landing_root=landing_root,
         warehouse_root=warehouse_root,
@@ -187,6 +203,89 @@ def _resolve(value: Any, base_dir: Path, where: str, key: str) -> Path:
         raise ConfigError(f"{where}: field '{key}' must be a non-empty path string")
     p = Path(value).expanduser()
     return p if p.is_absolute() else (base_dir / p).resolve()
+
+
+def _is_object_store(value: Any) -> bool:
+    return isinstance(value, str) and value.split("://", 1)[0].lower() in OBJECT_STORE_SCHEMES
+
+
+def _landing_root(value: Any, base_dir: Path, where: str) -> Path:
+    """The landing root: a local or mounted folder (a plain path or ``file://``)."""
+    if _is_object_store(value):
+        raise ConfigError(
+            f"{where}: field 'landing_root': {value} is an object store; landing files must be"
+            " on a local or mounted file system (the sensors list hour folders and compare file"
+            " modification times there): mount the bucket or copy its files to a folder"
+        )
+    if isinstance(value, str) and "://" in value:  # file:///..., or an unsupported scheme
+        try:
+            return Location.of(value).path
+        except ValueError as exc:
+            raise ConfigError(f"{where}: field 'landing_root': {exc}") from None
+    return _resolve(value, base_dir, where, "landing_root")
+
+
+def parse_location(value: Any, options: Any, base_dir: Path, where: str, key: str) -> Location:
+    """A root from the config: a path (relative to ``base_dir``), a ``file://`` URI or an
+    object-store URI, with its storage options (only for an object store)."""
+    if isinstance(value, str) and "://" in value:
+        try:
+            location = Location.of(value)  # a supported scheme, and a bucket
+        except ValueError as exc:
+            raise ConfigError(f"{where}: field '{key}': {exc}") from None
+    else:
+        location = Location.of(_resolve(value, base_dir, where, key))
+    options_key = key.removesuffix("_root") + "_storage_options"
+    if not location.is_local:
+        return Location(location.uri, parse_storage_options(options, where, options_key))
+    if options is not None:
+        raise ConfigError(
+            f"{where}: field '{options_key}': storage options are for an object-store {key}"
+            f" ({', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)}), not a local folder"
+        )
+    return location
+
+
+def parse_storage_options(raw: Any, where: str, key: str) -> dict[str, OptionValue]:
+    """delta-rs storage options: names to strings (numbers and booleans are written as
+    delta-rs expects them) or ``{env: NAME}``; a secret only as ``{env: NAME}``."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: field '{key}' must be a mapping of option name to value")
+    options: dict[str, OptionValue] = {}
+    seen: dict[str, str] = {}
+    for name, value in raw.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: field '{key}': option names must be strings")
+        if name.lower() in seen:
+            raise ConfigError(
+                f"{where}: field '{key}': '{seen[name.lower()]}' and '{name}' are one option"
+            )
+        seen[name.lower()] = name
+        if isinstance(value, dict):
+            env = value.get("env")
+            if set(value) != {"env"} or not isinstance(env, str) or not env:
+                raise ConfigError(
+                    f"{where}: field '{key}', option '{name}': a reference is {{env: NAME}}"
+                )
+            options[name] = EnvRef(env)
+        elif _SECRET_OPTION_RE.search(name.lower()):
+            # The value itself is never echoed: it is a secret.
+            raise ConfigError(
+                f"{where}: field '{key}', option '{name}' holds a secret: give it as"
+                " {env: NAME} (an environment variable), not in the file"
+            )
+        elif isinstance(value, bool):
+            options[name] = "true" if value else "false"
+        elif isinstance(value, str | int | float):
+            options[name] = str(value)
+        else:
+            raise ConfigError(
+                f"{where}: field '{key}', option '{name}': a string, number, boolean or"
+                " {env: NAME}"
+            )
+    return options
 
 
 def _check_roots_apart(landing_root: Path, warehouse_root: Path, where: str) -> None:

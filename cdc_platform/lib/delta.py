@@ -8,27 +8,33 @@ Files Spark wrote but nobody committed are invisible to readers and removed by `
 
 The driver only touches file *metadata* here: Parquet footers for the statistics that let
 readers skip files, never the rows themselves.
+
+Every table is named by a ``storage.Location`` (a path works too): delta-rs gets its URI and
+storage options, Spark its Hadoop URI, and the driver's file operations a ``pyarrow.fs`` file
+system, so a local warehouse and one on S3 take the same code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import os
-import shutil
+import posixpath
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Field, Schema, Transaction
 from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
+
+from cdc_platform.lib.storage import Location, Where
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -55,15 +61,19 @@ class DataFile:
     max_values: Mapping[str, Any]
 
 
-def exists(table_path: Path) -> bool:
-    return DeltaTable.is_deltatable(str(table_path))
+def exists(table_path: Where) -> bool:
+    loc = Location.of(table_path)
+    return DeltaTable.is_deltatable(loc.uri, loc.storage_options)
 
 
-def open_table(table_path: Path, version: int | None = None) -> DeltaTable:
-    return DeltaTable(str(table_path), version=version)
+def open_table(table_path: Where, version: int | None = None) -> DeltaTable:
+    """The table's snapshot (the latest, or ``version``); it keeps the storage options, so
+    commits, VACUUM and schema changes made through it reach the same store."""
+    loc = Location.of(table_path)
+    return DeltaTable(loc.uri, version=version, storage_options=loc.storage_options)
 
 
-def version_or_none(table_path: Path) -> int | None:
+def version_or_none(table_path: Where) -> int | None:
     """The table's current version, or None before its first commit."""
     return open_table(table_path).version() if exists(table_path) else None
 
@@ -79,24 +89,33 @@ def snapshot_files(dt: DeltaTable) -> list[DataFile]:
     return files
 
 
-def absolute_paths(table_path: Path, files: Iterable[DataFile | str]) -> list[str]:
-    return [str(Path(table_path) / (f.path if isinstance(f, DataFile) else f)) for f in files]
+def absolute_paths(table_path: Where, files: Iterable[DataFile | str]) -> list[str]:
+    """Where Spark reads each file (``s3a://...`` on S3, the local path otherwise)."""
+    loc = Location.of(table_path)
+    return [loc.spark_uri(f.path if isinstance(f, DataFile) else f) for f in files]
 
 
-def read_arrow(table_path: Path, columns: Sequence[str] | None = None) -> pa.Table:
-    """The table's current rows (``columns`` only, if given), read by Arrow's own file system.
+def read_arrow(table_path: Where, columns: Sequence[str] | None = None) -> pa.Table:
+    """The table's current rows (``columns`` only, if given), read with no Python in Arrow's
+    I/O threads: locally by Arrow's own file system, on an object store by delta-rs' scan.
 
     Not ``DeltaTable.to_pyarrow_table``: that reads through a Python file-system handler, so
     Arrow's I/O threads hold buffers owned by Python objects and may still release them after
     the call returned. A thread doing so while the interpreter exits is ended by CPython in the
     middle of Arrow's C++ code and the process aborts ("terminate called without an active
-    exception", exit status 134). Arrow's native reader needs no Python in its threads.
+    exception", exit status 134). Neither reader here needs Python in its threads.
     """
     import pyarrow.dataset as ds
 
-    dt = open_table(table_path)
-    paths = absolute_paths(table_path, snapshot_files(dt))
-    dataset = ds.dataset(paths, schema=table_arrow_schema(dt), format="parquet")
+    loc = Location.of(table_path)
+    dt = open_table(loc)
+    schema = table_arrow_schema(dt)
+    if not loc.is_local:
+        wanted = pa.schema([schema.field(c) for c in columns]) if columns is not None else schema
+        # delta-rs' engine may pick other Arrow types (string views): give the table's own.
+        return pa.table(dt.scan(columns=wanted.names)).cast(wanted)
+    paths = absolute_paths(loc, snapshot_files(dt))
+    dataset = ds.dataset(paths, schema=schema, format="parquet")
     return dataset.to_table(columns=list(columns) if columns is not None else None)
 
 
@@ -109,25 +128,31 @@ def arrow_schema_of(df: DataFrame) -> pa.Schema:
 
 
 def ensure_table(
-    table_path: Path, schema: pa.Schema, description: str = "", table: DeltaTable | None = None
+    table_path: Where, schema: pa.Schema, description: str = "", table: DeltaTable | None = None
 ) -> DeltaTable:
     """Create the table if it is missing; add any new (nullable) columns. Never drops a column.
 
     ``table`` is the snapshot the caller already opened, if any (it is returned as it is when
     no column is missing, so a run keeps seeing one version).
     """
-    if table is None and not exists(table_path):
-        Path(table_path).mkdir(parents=True, exist_ok=True)
+    loc = Location.of(table_path)
+    if table is None and not exists(loc):
+        if loc.is_local:  # an object store has no folders to create
+            loc.path.mkdir(parents=True, exist_ok=True)
         return DeltaTable.create(
-            str(table_path), schema=schema, mode="ignore", description=description
+            loc.uri,
+            schema=schema,
+            mode="ignore",
+            description=description,
+            storage_options=loc.storage_options,
         )
-    dt = table if table is not None else open_table(table_path)
+    dt = table if table is not None else open_table(loc)
     have = {f.name for f in dt.schema().fields}
     new_fields = [f for f in schema if f.name not in have]
     if new_fields:
         delta_fields = Schema.from_arrow(pa.schema(new_fields)).fields
         dt.alter.add_columns([Field(f.name, f.type, nullable=True) for f in delta_fields])
-        dt = open_table(table_path)
+        dt = open_table(loc)
     return dt
 
 
@@ -136,7 +161,7 @@ def table_arrow_schema(dt: DeltaTable) -> pa.Schema:
 
 
 def write_files(
-    df: DataFrame, table_path: Path, partition_by: str | None = None, data_change: bool = True
+    df: DataFrame, table_path: Where, partition_by: str | None = None, data_change: bool = True
 ) -> list[AddAction]:
     """Have Spark write ``df`` as Parquet under the table folder; return add actions for them.
 
@@ -145,41 +170,69 @@ def write_files(
     working column that splits the rows into files (one value per file, the column itself is
     not stored): its values become sub-folders ``data/<uuid>/<value>/``, not Delta partitions.
     """
+    loc = Location.of(table_path)
     rel_dir = f"{DATA_DIR}/{uuid.uuid4().hex}"
-    out_dir = Path(table_path) / rel_dir
     writer = df.write.mode("error").option("compression", "snappy")
     if partition_by:
         writer = writer.partitionBy(partition_by)
-    writer.parquet(str(out_dir))
-    if partition_by:  # `<column>=<value>/` -> `<value>/`: no Hive-style names in a Delta table
-        for entry in list(os.scandir(out_dir)):
-            if entry.is_dir() and "=" in entry.name:
-                os.rename(entry.path, out_dir / entry.name.split("=", 1)[1])
+    writer.parquet(loc.spark_uri(rel_dir))
+    return adds_for_written(loc, rel_dir, data_change)
+
+
+def adds_for_written(table_path: Where, rel_dir: str, data_change: bool = True) -> list[AddAction]:
+    """The add actions for the Parquet files a writer left in ``rel_dir`` (table-relative).
+
+    The driver's half of ``write_files``, on the table's own file system (local or object
+    store): a ``<column>=<value>/`` sub-folder becomes ``<value>/`` (no Hive-style names in a
+    Delta table), checksums, markers and empty files are deleted, and each remaining file's
+    statistics come from its Parquet footer. A folder left with nothing to commit (a replay
+    with no new events) is removed.
+    """
+    fs = Location.of(table_path).filesystem()
+    listed = fs.get_file_info(pafs.FileSelector(rel_dir, recursive=True, allow_not_found=True))
     adds = []
-    for file in sorted(out_dir.rglob("*")):
-        if not file.is_file():
+    for info in sorted((i for i in listed if i.type == pafs.FileType.File), key=lambda i: i.path):
+        if not info.base_name.endswith(".parquet") or info.base_name.startswith((".", "_")):
+            fs.delete_file(info.path)  # .crc checksums and markers: not table data
             continue
-        if not file.name.endswith(".parquet") or file.name.startswith((".", "_")):
-            os.remove(file)  # .crc checksums and markers: not table data
-            continue
-        meta = pq.read_metadata(file)
+        with fs.open_input_file(info.path) as fh:
+            meta = pq.read_metadata(fh)
         if meta.num_rows == 0:
-            os.remove(file)
+            fs.delete_file(info.path)
             continue
-        st = file.stat()
+        path = _without_hive_names(info.path)
+        if path != info.path:
+            fs.create_dir(posixpath.dirname(path))
+            fs.move(info.path, path)
+        mtime = info.mtime.timestamp() if info.mtime is not None else time.time()
         adds.append(
             AddAction(
-                path=file.relative_to(table_path).as_posix(),
-                size=st.st_size,
+                path=path,
+                size=int(info.size or 0),
                 partition_values={},
-                modification_time=int(st.st_mtime * 1000),
+                modification_time=int(mtime * 1000),
                 data_change=data_change,
                 stats=json.dumps(file_stats(meta)),
             )
         )
-    if not adds:  # nothing to commit (say, a replay with no new events): leave no empty folder
-        shutil.rmtree(out_dir, ignore_errors=True)
-    return adds
+    if not adds:
+        _delete_dir(fs, rel_dir)
+        return []
+    for info in listed:  # the <column>=<value>/ folders, emptied by the moves
+        if info.type == pafs.FileType.Directory and "=" in info.base_name:
+            _delete_dir(fs, info.path)
+    return sorted(adds, key=lambda a: a.path)
+
+
+def _without_hive_names(path: str) -> str:
+    """``data/<uuid>/<column>=<value>/part-0.parquet`` -> ``data/<uuid>/<value>/part-0.parquet``."""
+    return "/".join(p.split("=", 1)[1] if "=" in p else p for p in path.split("/"))
+
+
+def _delete_dir(fs: pafs.FileSystem, path: str) -> None:
+    """Delete ``path`` and everything below it; gone already is fine."""
+    with contextlib.suppress(OSError):
+        fs.delete_dir(path)
 
 
 def file_count_for(rows: int, rows_per_file: int = ROWS_PER_FILE) -> int:
@@ -237,10 +290,11 @@ def top_level_leaves(meta: pq.FileMetaData) -> dict[str, int]:
     return {path: i for i, path in enumerate(leaves) if "." not in path}
 
 
-def discard(table_path: Path, adds: Sequence[AddAction]) -> None:
+def discard(table_path: Where, adds: Sequence[AddAction]) -> None:
     """Delete files written for a commit that did not happen (no reader ever saw them)."""
-    for folder in {Path(table_path).joinpath(*Path(a.path).parts[:2]) for a in adds}:
-        shutil.rmtree(folder, ignore_errors=True)
+    fs = Location.of(table_path).filesystem()
+    for folder in sorted({"/".join(a.path.split("/")[:2]) for a in adds}):
+        _delete_dir(fs, folder)
 
 
 def with_commit_retries(attempt: Callable[[], T], what: str) -> tuple[T, int]:

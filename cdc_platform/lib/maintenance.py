@@ -29,6 +29,7 @@ of which replaces all its files). ``vacuum`` cleans each of them that exists:
 - Then the ``data/<uuid>/`` folders Spark wrote for a commit that never happened and that now
   hold no data file: delta-rs skips names starting with ``.`` or ``_``, so Spark's ``.crc``
   checksums and a ``_temporary/`` folder left by a write that died half-way are removed here.
+  On an object store a "folder" is a key prefix: its age is that of its newest object.
 
 Files younger than ``retention_hours`` are never touched, so a run writing at the same time
 keeps its files; do not pass 0 while runs may be writing. A full VACUUM lists everything under
@@ -41,20 +42,20 @@ Run it for every table of the config: ``python -m cdc_platform.lib.maintenance``
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.transaction import AddAction
 
 from cdc_platform.lib import changelog, delta, merge
 from cdc_platform.lib.columns import ACTIVE, CURRENT, cols
 from cdc_platform.lib.config import load_config
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def _compact_changelog(
 
 def _commit_rewrite(
     dt: DeltaTable,
-    table_path: Path,
+    table_path: Location,
     adds: list[AddAction],
     removed: Sequence[delta.DataFile],
     schema: pa.Schema,
@@ -235,35 +236,43 @@ def vacuum(
             enforce_retention_duration=enforce_retention_duration,
             full=True,
         )
-        removed.extend(str(Path(table_path) / f) for f in files)
+        removed.extend(str(table_path / f) for f in files)
         removed.extend(_stale_write_folders(table_path, retention_hours, dry_run))
     return sorted(removed)
 
 
-def _stale_write_folders(table_path: Path, retention_hours: int, dry_run: bool) -> list[str]:
+def _stale_write_folders(table_path: Location, retention_hours: int, dry_run: bool) -> list[str]:
     """``data/<uuid>/`` folders with no data file left, untouched for ``retention_hours``."""
-    data_dir = Path(table_path) / delta.DATA_DIR
-    if not data_dir.is_dir():
-        return []
+    fs = table_path.filesystem()
+    selector = pafs.FileSelector(delta.DATA_DIR, recursive=True, allow_not_found=True)
+    folders: dict[str, list[pafs.FileInfo]] = {}  # data/<uuid> -> it and everything below it
+    for info in fs.get_file_info(selector):
+        parts = info.path.split("/")
+        if len(parts) > 2 or info.type == pafs.FileType.Directory:
+            folders.setdefault("/".join(parts[:2]), []).append(info)
     cutoff = time.time() - retention_hours * 3600
     stale = []
-    for folder in sorted(p for p in data_dir.iterdir() if p.is_dir()):
-        entries = [folder, *folder.rglob("*")]
-        if any(_is_data_file(p, folder) for p in entries):
+    for folder, entries in sorted(folders.items()):
+        if any(_is_data_file(e, folder) for e in entries):
             continue
-        if max(p.lstat().st_mtime for p in entries) > cutoff:
+        newest = max((e.mtime.timestamp() for e in entries if e.mtime is not None), default=None)
+        if newest is not None and newest > cutoff:
             continue
-        stale.append(str(folder))
+        stale.append(str(table_path / folder))
         if not dry_run:
-            shutil.rmtree(folder)
+            fs.delete_dir(folder)
     return stale
 
 
-def _is_data_file(path: Path, folder: Path) -> bool:
+def _is_data_file(info: pafs.FileInfo, folder: str) -> bool:
     """A file the table's log may reference: a ``part-*.parquet`` in the write folder or in one
     of its segment sub-folders (``data/<uuid>/live/``), never under a hidden or ``_`` folder."""
-    parts = path.relative_to(folder).parts
-    return bool(parts) and path.suffix == ".parquet" and all(p[0] not in "._" for p in parts)
+    parts = info.path[len(folder) + 1 :].split("/")
+    return (
+        info.type == pafs.FileType.File
+        and info.path.endswith(".parquet")
+        and all(p and p[0] not in "._" for p in parts)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -59,6 +58,7 @@ from cdc_platform.lib.columns import (
     internal,
 )
 from cdc_platform.lib.history import build_versions, dedupe_events
+from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -388,21 +388,24 @@ def _cached(df: DataFrame) -> Iterator[DataFrame]:
 
 
 def _read_history(
-    spark: SparkSession, table_path: Path, schema: StructType, files: Sequence[delta.DataFile]
+    spark: SparkSession, table_path: Where, schema: StructType, files: Sequence[delta.DataFile]
 ) -> DataFrame:
     """Rows of ``files`` with the (table-relative) file each came from, in ``_FILE``."""
     from pyspark.sql import functions as F
 
     if not files:
         return spark.createDataFrame([], schema).withColumn(_FILE, F.lit(None).cast("string"))
-    root = os.path.abspath(str(table_path))
     rows = spark.read.schema(schema).parquet(*delta.absolute_paths(table_path, files))
-    # input_file_name() is a URI; the table-relative path is what the Delta log knows.
-    prefix_len = len(root) + 1
-    return rows.withColumn(
-        _FILE,
-        F.expr(f"substring(url_decode(parse_url(input_file_name(), 'PATH')), {prefix_len + 1})"),
-    )
+    return rows.withColumn(_FILE, table_relative(F.input_file_name(), Location.of(table_path)))
+
+
+def table_relative(file_url: Column, table: Location) -> Column:
+    """The table-relative path (what the Delta log knows) of a file URL as Spark gives it
+    (``input_file_name()``: ``file:///wh/t/data/x.parquet``, ``s3a://bucket/wh/t/data/...``)."""
+    from pyspark.sql import functions as F
+
+    path = F.url_decode(F.parse_url(file_url, F.lit("PATH")))
+    return path.substr(F.lit(len(table.url_path) + 2), F.length(path))  # after "<prefix>/"
 
 
 def _classify(
@@ -566,7 +569,7 @@ def _count_new_versions(compared: DataFrame, pk: list[str]) -> tuple[int, int, i
 
 def write_segments(
     out: DataFrame,
-    table_path: Path,
+    table_path: Where,
     pk: list[str],
     expected_rows: int,
     data_change: bool = True,

@@ -30,6 +30,7 @@ from cdc_platform.lib.reading import (
     read_events,
     unify_schema,
 )
+from cdc_platform.lib.storage import Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def materialize(
     spark: SparkSession,
     table: TableConfig,
     landing_root: Path,
-    warehouse_root: Path,
+    warehouse_root: Where,
     hours: Sequence[datetime],
     keyring: Keyring | None = None,
     synced_at: datetime | None = None,

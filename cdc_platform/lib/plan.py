@@ -31,6 +31,7 @@ from cdc_platform.lib.columns import CURRENT, LAST_EVENT_AT, TS, col, cols
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -54,11 +55,19 @@ def plan(
     spark: SparkSession,
     table: TableConfig,
     landing_root: Path,
-    warehouse_root: Path,
+    warehouse_root: Where,
     hours: Sequence[datetime],
     keyring: Keyring | None = None,
 ) -> MergePlan:
-    """The merge plan for ``hours`` of ``table``; writes nothing outside a temporary folder."""
+    """The merge plan for ``hours`` of ``table``; writes nothing outside a temporary folder.
+
+    The warehouse must be a local or mounted folder: the shadow links to the real files.
+    """
+    if not Location.of(warehouse_root).is_local:
+        raise ValueError(
+            f"a merge plan needs a local or mounted warehouse (its shadow links to the real "
+            f"files); {warehouse_root} is on an object store"
+        )
     real = TablePaths.of(warehouse_root, table.name)
     with shadow_warehouse(warehouse_root, table.name) as shadow_root:
         shadow = TablePaths.of(shadow_root, table.name)
@@ -69,16 +78,16 @@ def plan(
 
 
 @contextmanager
-def shadow_warehouse(warehouse_root: Path, table: str) -> Iterator[Path]:
+def shadow_warehouse(warehouse_root: Where, table: str) -> Iterator[Path]:
     """A temporary warehouse holding a shadow of ``table`` (history, change log and side
     tables): Delta logs copied, data files symlinked. Removed on exit."""
-    system = Path(warehouse_root) / "_cdc"
+    system = Location.of(warehouse_root).path / "_cdc"
     system.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=".plan-", dir=system))
     try:
         real, shadow = TablePaths.of(warehouse_root, table), TablePaths.of(root, table)
-        _mirror(real.history, shadow.history)
-        _mirror(real.changelog.parent, shadow.changelog.parent)  # every side table of it
+        _mirror(real.history.path, shadow.history.path)
+        _mirror(real.changelog.parent.path, shadow.changelog.parent.path)  # its side tables
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import pyarrow as pa
-from deltalake import DeltaTable, write_deltalake
+from deltalake import write_deltalake
 
 from cdc_platform.lib import delta
+from cdc_platform.lib.storage import Location, Where
 
 SCHEMA = pa.schema(
     [
@@ -44,7 +44,7 @@ def _quote(value: str) -> str:
 
 
 def record(
-    path: Path,
+    path: Where,
     files_read: Sequence[str],
     entries: Sequence[QuarantinedFile],
     partitions: Sequence[str] = (),
@@ -57,11 +57,13 @@ def record(
     if not files_read and not entries and not partitions:
         return
     data = pa.Table.from_pylist([e.__dict__ for e in entries], schema=SCHEMA)
-    if not DeltaTable.is_deltatable(str(path)):
+    loc = Location.of(path)
+    if not delta.exists(loc):
         if not entries:
             return
-        Path(path).mkdir(parents=True, exist_ok=True)
-        write_deltalake(str(path), data, mode="append")
+        if loc.is_local:
+            loc.path.mkdir(parents=True, exist_ok=True)
+        write_deltalake(loc.uri, data, mode="append", storage_options=loc.storage_options)
         return
     files = sorted(set(files_read) | {e.file for e in entries})
     clauses = [
@@ -70,11 +72,17 @@ def record(
         if values
     ]
     predicate = " OR ".join(clauses)
-    write_deltalake(str(path), data, mode="overwrite", predicate=predicate)
+    write_deltalake(
+        loc.uri,
+        data,
+        mode="overwrite",
+        predicate=predicate,
+        storage_options=loc.storage_options,
+    )
 
 
-def current(path: Path) -> list[QuarantinedFile]:
-    if not DeltaTable.is_deltatable(str(path)):
+def current(path: Where) -> list[QuarantinedFile]:
+    if not delta.exists(path):
         return []
     rows = delta.read_arrow(path).to_pylist()
     return sorted((QuarantinedFile(**r) for r in rows), key=lambda q: q.file)

@@ -12,6 +12,10 @@ which carries the I/O encryption keys (``spark.authenticate`` + ``spark.network.
 In local mode the secret is generated per application; on YARN and Kubernetes too; a standalone
 cluster needs ``spark.authenticate.secret`` set to its shared secret. A local session binds to
 the loopback interface only: no other host takes part, so none needs to reach it.
+
+A warehouse on an object store (``storage.Location``) adds the Hadoop settings its storage
+options map to (``spark.hadoop.fs.s3a.*`` for S3); reading and writing ``s3a://`` then needs only
+the connector (``hadoop-aws`` and the AWS SDK bundle) on Spark's classpath.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from cdc_platform.lib.storage import Location, spark_hadoop_conf
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -83,9 +89,14 @@ def check_java() -> None:
         )
 
 
-def spark_conf(master: str, conf: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The effective configuration: defaults, then the caller's, then what correctness needs."""
+def spark_conf(
+    master: str, conf: Mapping[str, str] | None = None, storage: Iterable[Location] = ()
+) -> dict[str, str]:
+    """The effective configuration: defaults, then the Hadoop settings of the object stores in
+    ``storage`` (environment references read now), then the caller's, then what correctness
+    needs. The caller's conf wins over the derived settings (a cluster's own credentials)."""
     merged = {**DEFAULT_CONF, "spark.master": master}
+    merged.update(spark_hadoop_conf(storage))
     merged.update(conf or {})
     merged.update(REQUIRED_CONF)
     # Executors run $PYSPARK_PYTHON where set (a cluster's nodes keep Python elsewhere), else
@@ -104,9 +115,14 @@ def is_local(master: str) -> bool:
 
 
 def build_spark_session(
-    master: str = "local[2]", conf: Mapping[str, str] | None = None, app_name: str = "cdc_platform"
+    master: str = "local[2]",
+    conf: Mapping[str, str] | None = None,
+    app_name: str = "cdc_platform",
+    storage: Iterable[Location] = (),
 ) -> SparkSession:
-    """Create (or reuse) the session; the import is here so that importing the package stays light."""
+    """Create (or reuse) the session; the import is here so that importing the package stays light.
+
+    ``storage``: the object stores the session reads and writes (``spark_conf``)."""
     check_java()
     # PySpark takes the workers' interpreter from this variable when the context starts.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -116,7 +132,7 @@ def build_spark_session(
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName(app_name)
-    for key, value in spark_conf(master, conf).items():
+    for key, value in spark_conf(master, conf, storage).items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     quiet_logs(session)

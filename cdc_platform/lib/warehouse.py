@@ -5,6 +5,7 @@
 ``changelog`` (every valid event ever landed, so late events can be placed and any key
 recomputed), ``quarantine`` (files set aside, with the reason) and ``delete_only_keys``
 (keys whose every event so far is a delete: they have no row in the history table).
+The warehouse root may be a local folder or an object store (``lib.storage``).
 
 ``<warehouse_root>/<table>_current`` is the table's optional current table (``current_table:
 true`` in the config): the active rows only, one per live key, with the key and data columns.
@@ -13,20 +14,23 @@ true`` in the config): the active rows only, one per live key, with the key and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from cdc_platform.lib.storage import Location, Where
 
 
 @dataclass(frozen=True)
 class TablePaths:
-    history: Path
-    changelog: Path
-    quarantine: Path
-    delete_only_keys: Path
-    current: Path
+    """The Delta tables of one table; each a ``Location`` with the warehouse's options."""
+
+    history: Location
+    changelog: Location
+    quarantine: Location
+    delete_only_keys: Location
+    current: Location
 
     @classmethod
-    def of(cls, warehouse_root: Path, table: str) -> TablePaths:
-        root = Path(warehouse_root)
+    def of(cls, warehouse_root: Where, table: str) -> TablePaths:
+        root = Location.of(warehouse_root)
         system = root / "_cdc" / table
         return cls(
             history=root / table,
