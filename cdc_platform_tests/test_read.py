@@ -29,7 +29,7 @@ from cdc_platform.defs.factory import (
     build_table_definitions,
 )
 from cdc_platform.lib import current_table, delta, maintenance
-from cdc_platform.lib.columns import ACTIVE, END, START, TMAX
+from cdc_platform.lib.columns import ACTIVE, END, START, STATE_COLUMNS, TMAX
 from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import Location
@@ -42,7 +42,7 @@ H1, H2 = T0, T0 + timedelta(hours=1)  # delivery hours (landing folders)
 MS = timedelta(milliseconds=1)
 US = timedelta(microseconds=1)
 SEC = timedelta(seconds=1)
-STATE = ("_cdc_current", "_cdc_last_event_at")
+STATE = STATE_COLUMNS  # the merge's own columns: no read returns them
 
 
 def s(seconds: float) -> datetime:
