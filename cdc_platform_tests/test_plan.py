@@ -46,7 +46,11 @@ def test_plan_reports_the_real_runs_figures_and_writes_nothing(spark, tmp_path):
     landing, warehouse = platform.landing_root, platform.warehouse_root
     t0 = H0 + timedelta(minutes=30)
     write_parquet_events(
-        landing, "orders", H0, [ev("INSERT", i, t0, i, status="new") for i in range(1, 9)]
+        landing,
+        "orders",
+        H0,
+        # Key 50 is delete-only: it has no version, its last event lives in a side table.
+        [ev("INSERT", i, t0, i, status="new") for i in range(1, 9)] + [ev("DELETE", 9, t0, 50)],
     )
     t1 = H1 + timedelta(minutes=30)
     write_parquet_events(
@@ -54,12 +58,13 @@ def test_plan_reports_the_real_runs_figures_and_writes_nothing(spark, tmp_path):
     )
     materialize(spark, table, landing, warehouse, [H0, H1])
 
-    # What is pending: an in-order hour, a late file (two keys, older than their last event,
-    # one of them by two days), and a file that will be set aside.
+    # What is pending: an in-order hour, a late file (three keys, older than their last event,
+    # one of them by two days, one of them delete-only), and a file that will be set aside.
     write_parquet_events(landing, "orders", H2, [ev("UPDATE", 30, H2, 7, status="sent")])
     late = [
         ev("UPDATE", 20, t1 - timedelta(minutes=1), 1, status="held"),
         ev("UPDATE", 21, t0 - timedelta(days=2), 2, status="old"),
+        ev("INSERT", 22, t0 - timedelta(hours=1), 50, status="early"),
     ]
     write_parquet_events(landing, "orders", H0, late, name="late.parquet")
     (hour_folder(landing, "orders", H2) / "broken.parquet").write_bytes(b"not parquet")
@@ -88,7 +93,7 @@ def test_plan_reports_the_real_runs_figures_and_writes_nothing(spark, tmp_path):
         if e.event_type == dg.DagsterEventType.ASSET_OBSERVATION
     ]
     planned = {k: v.value for k, v in observation.metadata.items()}
-    assert planned["late_events"] == 2 and planned["late_keys"] == 2
+    assert planned["late_events"] == 3 and planned["late_keys"] == 3
     assert planned["oldest_late_event"] == (t0 - timedelta(days=2)).isoformat()
     # Key 2's newest version opened at t1 = t0 + 1 h; its late event is from t0 - 2 days.
     assert planned["late_reach_hours"] == 49.0
@@ -109,7 +114,7 @@ def test_plan_reports_the_real_runs_figures_and_writes_nothing(spark, tmp_path):
         planned["files_added"],
     )
     assert (real.events_new, len(real.quarantined)) == (planned["events_new"], 1)
-    assert m.keys_affected == 3 and m.files_removed >= 1 and m.bytes_removed > 0
+    assert m.keys_affected == 4 and m.files_removed >= 1 and m.bytes_removed > 0
 
 
 def test_plan_of_a_table_not_created_yet(spark, lake):

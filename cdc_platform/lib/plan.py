@@ -145,6 +145,16 @@ def _late_events(
         .filter(col(CURRENT))
         .select(*cols(pk), col(LAST_EVENT_AT))
     )
+    # A key whose every event is a delete has no version; the merge keeps its last event in
+    # the delete-only side table, and an event at or before it is just as late.
+    if delta.exists(real.delete_only_keys):
+        side = delta.snapshot_files(delta.open_table(real.delete_only_keys))
+        if side:
+            last = last.unionByName(
+                spark.read.parquet(*delta.absolute_paths(real.delete_only_keys, side)).select(
+                    *cols(pk), col(LAST_EVENT_AT)
+                )
+            )
     late = events.join(last, pk).filter(col("_cdc_tmp_ms") <= col(LAST_EVENT_AT))
     gap = col(LAST_EVENT_AT).cast("double") - col("_cdc_tmp_ms").cast("double")
     row = late.agg(
