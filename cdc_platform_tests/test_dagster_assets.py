@@ -56,7 +56,7 @@ def run_partition(
     )
     assert result.success
     evaluations = result.get_asset_check_evaluations()
-    assert len(evaluations) == 9 and all(e.passed for e in evaluations), [
+    assert len(evaluations) == 10 and all(e.passed for e in evaluations), [
         e.check_name for e in evaluations if not e.passed
     ]
     return result

@@ -567,3 +567,45 @@ def test_a_bug_in_the_writers_fold_is_caught(spark, tmp_path: Path, monkeypatch)
     outcomes = outcomes_by_name(spark, tmp_path)
     assert failing(outcomes) == {invariants.MATCHES_CHANGELOG}
     assert outcomes[invariants.MATCHES_CHANGELOG].sample == [1]
+
+
+def test_versions_one_millisecond_apart_pass(spark, lake) -> None:
+    """A version superseded 1 ms after it started ends in the millisecond it started (start =
+    end): that is right, and matches_change_log once flagged it (found by a property test)."""
+    t0 = datetime(2024, 1, 1, 0, 0, 0, 8000, tzinfo=UTC)
+    ms = timedelta(milliseconds=1)
+    rows = [
+        {
+            "id": 1,
+            "v": "a",
+            "cdc_operation_type": "INSERT",
+            "cdc_change_seq": 1,
+            "cdc_commit_timestamp": t0,
+        },
+        {
+            "id": 1,
+            "v": "b",
+            "cdc_operation_type": "UPDATE",
+            "cdc_change_seq": 2,
+            "cdc_commit_timestamp": t0 + ms,
+        },
+        {
+            "id": 1,
+            "v": "c",
+            "cdc_operation_type": "UPDATE",
+            "cdc_change_seq": 3,
+            "cdc_commit_timestamp": t0 + 2 * ms,
+        },
+    ]
+    table = TableConfig(name="one_ms", primary_key=("id",), start=t0.replace(microsecond=0))
+    write_parquet_events(lake["landing"], table.name, table.start, rows)
+    materialize(spark, table, lake["landing"], lake["warehouse"], [table.start])
+    paths = TablePaths.of(lake["warehouse"], table.name)
+    got = history_rows(paths.history)
+    assert [(r["v"], r["_fivetran_start"] == r["_fivetran_end"]) for r in got] == [
+        ("a", True),
+        ("b", True),
+        ("c", False),
+    ]
+    outcomes = invariants.run_checks(spark, paths, table.primary_key)
+    assert [(o.name, o.sample) for o in outcomes if not o.passed] == []

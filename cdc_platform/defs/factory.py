@@ -26,6 +26,7 @@ from cdc_platform.defs.alerts import (
 from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
+from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.defs.sensors import build_landing_sensor
 from cdc_platform.lib import applied_files, current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
@@ -305,7 +306,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
             build_run_failure_alert_sensor(),
         ],
-        jobs=[check_job, *maintenance_jobs, *plan_jobs],
+        jobs=[check_job, *maintenance_jobs, *plan_jobs, *build_revocation_jobs(platform)],
         # One process per run: the asset step and its checks share one Spark session (one JVM)
         # instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.
         executor=dg.in_process_executor,

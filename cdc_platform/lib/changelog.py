@@ -8,7 +8,7 @@ records: "I contain every changelog file up to version N".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -95,8 +95,13 @@ def append(
     seq_range: tuple[int, int],
     expected_rows: int,
     ingested_at: datetime,
+    revoked: Callable[[], set[str]] | None = None,
 ) -> AppendResult:
-    """Add the events not already logged; one Spark job, one Delta commit (or none)."""
+    """Add the events not already logged; one Spark job, one Delta commit (or none).
+
+    ``revoked`` gives the landing files un-applied so far; it is asked again on every commit
+    attempt, so a file revoked while this append raced an un-apply is never logged again.
+    """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -117,6 +122,9 @@ def append(
             or not (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
         ]
         new = batch
+        gone = revoked() if revoked is not None else set()
+        if gone:
+            new = new.filter(~col(SOURCE_FILE).isin(sorted(gone)))
         if candidates:
             logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(
                 *cols([*pk, SEQ])

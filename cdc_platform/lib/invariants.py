@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_platform.lib import changelog, delta, quarantine
+from cdc_platform.lib import changelog, delta, quarantine, revoked_files
 from cdc_platform.lib.columns import (
     ACTIVE,
     CHANGED,
@@ -20,6 +20,7 @@ from cdc_platform.lib.columns import (
     LAST_EVENT_AT,
     OP,
     SEQ,
+    SOURCE_FILE,
     START,
     STATE_COLUMNS,
     SYNCED,
@@ -46,6 +47,7 @@ PK_NOT_NULL = "primary_key_not_null"
 UNIQUE_KEY_START = "unique_key_and_start"
 NO_QUARANTINE = "no_quarantined_files"
 MATCHES_CHANGELOG = "matches_change_log"
+NO_REVOKED = "no_revoked_events"
 
 DESCRIPTIONS = {
     ONE_ACTIVE: "At most one version of each key is active.",
@@ -63,6 +65,7 @@ DESCRIPTIONS = {
         "delete, no no-op version. Not caught: which copy of a duplicated cdc_change_seq wins "
         "and how unmodified cells resolve (shared with the writer); _fivetran_synced."
     ),
+    NO_REVOKED: "The change log holds no event of a landing file that a user un-applied.",
 }
 CHECK_NAMES = tuple(DESCRIPTIONS)
 
@@ -113,12 +116,12 @@ def run_checks(
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
-    outcomes = [_quarantine_check(paths)]
+    outcomes = [_quarantine_check(paths), _revoked_check(spark, paths)]
     if not delta.exists(paths.history):
         return outcomes + [
             CheckOutcome(n, True, 0, detail="table not created yet")
             for n in CHECK_NAMES
-            if n != NO_QUARANTINE
+            if n not in (NO_QUARANTINE, NO_REVOKED)
         ]
     dt = delta.open_table(paths.history)
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
@@ -224,7 +227,7 @@ def _reconciliation(
     1. a version starts at a millisecond without a non-delete event (spurious or shifted
        version; a key that has no events at all);
     2. after a step whose last event is not a delete, the version covering it (the latest one
-       starting at or before it) is missing, ends at or before the step, or holds another image
+       starting at or before it) is missing, ends before the step, or holds another image
        (a missing version, a wrong image, a lost key, an update applied to the wrong version);
     3. after a step that ends with a delete, the covering version still runs past it (a missed
        delete); if the step also had an image, that version must end exactly there and hold
@@ -298,7 +301,8 @@ def _reconciliation(
     image_then_delete = F.col(f"{step}.has_image") & F.col(f"{step}.ends_deleted")
     not_true = lambda c: ~F.coalesce(c, F.lit(False))  # noqa: E731
     step_fails = is_step & (
-        (live_after & (cov.isNull() | not_true(cov.getField("end") > F.col(t)) | ~same))
+        # A version may end in the millisecond it covers: its successor starts 1 ms later.
+        (live_after & (cov.isNull() | not_true(cov.getField("end") >= F.col(t)) | ~same))
         | (image_then_delete & (cov.isNull() | not_true(cov.getField("end") == F.col(t)) | ~same))
         | (~F.col(f"{step}.has_image") & F.coalesce(cov.getField("end") > F.col(t), F.lit(False)))
     )
@@ -443,6 +447,33 @@ def _quarantine_check(paths: TablePaths) -> CheckOutcome:
     entries = quarantine.current(paths.quarantine)
     sample = [{"file": e.file, "reason": e.reason} for e in entries[:SAMPLE_SIZE]]
     return CheckOutcome(NO_QUARANTINE, not entries, len(entries), sample)
+
+
+def _revoked_check(spark: SparkSession, paths: TablePaths) -> CheckOutcome:
+    """Events of revoked files left in the change log, per file (costs nothing when no file
+    was ever revoked). The history table follows the log: ``matches_change_log`` covers it."""
+    from pyspark.sql import functions as F
+
+    names = revoked_files.revoked_names(paths.revoked_files)
+    if not names or not delta.exists(paths.changelog):
+        return CheckOutcome(NO_REVOKED, True, 0)
+    dt = delta.open_table(paths.changelog)
+    files = delta.snapshot_files(dt)
+    if not files:
+        return CheckOutcome(NO_REVOKED, True, 0)
+    left = (
+        changelog.read_files(
+            spark, paths.changelog, changelog.spark_schema(delta.table_arrow_schema(dt)), files
+        )
+        .filter(col(SOURCE_FILE).isin(sorted(names)))
+        .groupBy(SOURCE_FILE)
+        .agg(F.count(F.lit(1)).alias("events"))
+        .orderBy(SOURCE_FILE)
+        .collect()
+    )
+    sample = [{"file": r[SOURCE_FILE], "events": int(r["events"])} for r in left[:SAMPLE_SIZE]]
+    detail = f"{len(left)} revoked file(s) still have events in the change log" if left else ""
+    return CheckOutcome(NO_REVOKED, not left, len(left), sample, detail=detail)
 
 
 def _key(row: Any, pk: list[str]) -> Any:

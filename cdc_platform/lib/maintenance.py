@@ -219,12 +219,20 @@ def vacuum(
     enforce_retention_duration: bool = True,
     current_table: bool = False,
 ) -> list[str]:
-    """VACUUM the history table, change log, quarantine and delete-only keys of one table, and
+    """VACUUM the history table and every side table (change log, quarantine, delete-only,
+    revoked files, retracted keys) of one table, and
     its current table if it has one (``current_table``: only then, since without the config
     flag that folder name may be another table's); the paths removed (or, with ``dry_run``,
     that would be)."""
     removed: list[str] = []
-    tables = [paths.history, paths.changelog, paths.quarantine, paths.delete_only_keys]
+    tables = [
+        paths.history,
+        paths.changelog,
+        paths.quarantine,
+        paths.delete_only_keys,
+        paths.revoked_files,
+        paths.retracted_keys,
+    ]
     if current_table:
         tables.append(paths.current)
     for table_path in tables:

@@ -20,6 +20,10 @@ events touch, not what the table holds:
 * **Keys with no version.** A key whose every event is a delete has no row in the table, yet
   its deletes matter if an older insert lands later. Such keys, with their last event time,
   are kept in a small side table (``delete_only_keys``) so that a new key can be told from one.
+* **Retracted keys.** Un-applying a landing file (``lib.revocation``) takes its events out of
+  the change log, so a key may lose events without gaining any. Such keys are listed in a side
+  table (``retracted_keys``) with the change-log version the removal followed; until the
+  history table has caught up past it, they are recomputed (slow path), even with no event left.
 
 Only files holding a row that changes are rewritten (copy-on-write); rows that stay as they
 were keep their ``_fivetran_synced``. Removes and adds are committed together with the new
@@ -81,6 +85,10 @@ _OLD_FILE = internal("old_file")
 _OLD_SYNCED = internal("old_synced")
 _OLD_ACTIVE = internal("old_active")
 _DELETE_ONLY = internal("delete_only")
+_FORCED = internal("forced")
+
+# Column of the retracted-keys side table: the change-log version its removal commit followed.
+AFTER_LOG_VERSION = "_cdc_after_log_version"
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,8 @@ def _apply_once(
         return MergeResult(history_version=delta.version_or_none(paths.history))
     log_version = snap.changelog.version()
     pending = changelog.files_since(paths.changelog, snap.changelog, snap.applied)
-    if not pending:
+    retracted = _pending_retractions(spark, paths, snap.applied, log_version)
+    if not pending and retracted is None:
         if snap.history is not None and _delete_only_keys_stale(paths, snap.applied):
             # A crash came between the last history commit and its side-table commit.
             pk_unversioned = _read_delete_only_keys(spark, paths, pk, snap)
@@ -203,7 +212,17 @@ def _apply_once(
         changelog.read_files(spark, paths.changelog, log_spark_schema, pending), pk
     )
     ms = F.date_trunc("millisecond", col(TS))
-    with _cached(pending_events.groupBy(*cols(pk)).agg(F.min(ms).alias(_MIN_MS))) as touched:
+    touched_keys = pending_events.select(*cols(pk), ms.alias(_MIN_MS), F.lit(False).alias(_FORCED))
+    if retracted is not None:  # recomputed whatever their pending events say
+        touched_keys = touched_keys.unionByName(
+            retracted.select(
+                *cols(pk), F.lit(None).cast("timestamp").alias(_MIN_MS), F.lit(True).alias(_FORCED)
+            )
+        )
+    touched_keys = touched_keys.groupBy(*cols(pk)).agg(
+        F.min(_MIN_MS).alias(_MIN_MS), F.max(_FORCED).alias(_FORCED)
+    )
+    with _cached(touched_keys) as touched:
         current = _read_history(spark, paths.history, hist_schema, current_files).join(
             touched.select(*cols(pk)), pk, "left_semi"
         )
@@ -266,6 +285,7 @@ def _apply_once(
                         .join(slow_keys, pk, "left_semi")
                         .select(*cols([*columns, _FILE]))
                     )
+                versions = versions.join(keys.select(*cols(pk), _SLOW), pk, "left")
                 with _cached(_compare(versions, old, pk, data_columns, synced_at)) as compared:
                     rewritten_names, vanished = _old_rows_changed(compared, old, pk)
                     rewritten = [f for f in files if f.path in rewritten_names]
@@ -418,7 +438,8 @@ def _classify(
     """Each touched key with ``_SLOW``: must it be recomputed from all its events?
 
     Fast means every pending event is later than anything the key received before, so its
-    current row (or its delete-only record) is all the past the fold needs.
+    current row (or its delete-only record) is all the past the fold needs. A retracted key
+    (``_FORCED``) is slow: its current row may stand for events that are gone.
     """
     from pyspark.sql import functions as F
 
@@ -431,7 +452,7 @@ def _classify(
     slow = col(_MIN_MS) <= F.coalesce(col(internal("last")), col(internal("ghost_last")))
     return joined.select(
         *cols(pk),
-        F.coalesce(slow, F.lit(False)).alias(_SLOW),
+        (col(_FORCED) | F.coalesce(slow, F.lit(False))).alias(_SLOW),
         col(internal("ghost_last")).isNotNull().alias(_DELETE_ONLY),
     )
 
@@ -497,6 +518,8 @@ def _compare(
 ) -> DataFrame:
     """The new versions, each with the old row at the same ``(key, start)`` if it is identical.
 
+    ``versions`` carries ``_SLOW`` (was its key recomputed from all its events?); it is dropped.
+
     A version whose image, end and active flag are as before keeps its ``_fivetran_synced``
     (only its state columns may have moved, say after a no-op update); any other gets this
     run's. A row identical in every column may stay where it is: ``_OLD_FILE`` names its file.
@@ -516,8 +539,12 @@ def _compare(
     joined = versions.join(prior, [*pk, START], "left")
     # The fold gives no changed columns to the first version it folds of a key (it saw no
     # predecessor). For a fast key that is the replayed current row: its changed columns are
-    # the stored ones. For a slow key it is the key's first version: null before and now.
-    joined = joined.withColumn(CHANGED, F.coalesce(col(CHANGED), col(renamed[CHANGED])))
+    # the stored ones. For a slow key (``_SLOW``) it is the key's first version: null, even
+    # where that version was not the first before (an un-apply removed the earlier ones).
+    joined = joined.withColumn(
+        CHANGED,
+        F.when(col(_SLOW), col(CHANGED)).otherwise(F.coalesce(col(CHANGED), col(renamed[CHANGED]))),
+    ).drop(_SLOW)
     existed = col(internal("prior_file")).isNotNull()
     same_version: Column = existed
     for c in [*data_columns, END, ACTIVE]:
@@ -685,6 +712,66 @@ def _store_delete_only_keys(paths: TablePaths, keys: DataFrame | None, log_versi
             delta.table_arrow_schema(dt),
             app_transaction=(APP_ID, log_version),
         )
+    except BaseException:
+        delta.discard(side, adds)
+        raise
+
+
+# -- keys whose events an un-apply removed -------------------------------------------------------
+
+
+def _pending_retractions(
+    spark: SparkSession, paths: TablePaths, applied: int | None, log_version: int
+) -> DataFrame | None:
+    """Retracted keys the history table has not caught up with: the removal followed change-log
+    version ``v`` (committed as ``v + 1``, strictly), and the table reflects ``v`` or earlier.
+    Rows with ``v`` at the log's current version belong to a removal that never committed.
+    """
+    side = paths.retracted_keys
+    if not delta.exists(side):
+        return None
+    dt = delta.open_table(side)
+    low = -1 if applied is None else applied
+    # Each file holds the keys of one removal: one AFTER_LOG_VERSION value, in its statistics.
+    files = [
+        f
+        for f in delta.snapshot_files(dt)
+        if f.max_values.get(AFTER_LOG_VERSION, low) >= low
+        and f.min_values.get(AFTER_LOG_VERSION, -1) < log_version
+    ]
+    if not files:
+        return None
+    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
+    after = col(AFTER_LOG_VERSION)
+    return (
+        spark.read.schema(schema)
+        .parquet(*delta.absolute_paths(side, files))
+        .filter((after >= low) & (after < log_version))
+        .drop(AFTER_LOG_VERSION)
+    )
+
+
+def record_retracted_keys(
+    paths: TablePaths, keys: DataFrame, after_log_version: int, applied: int | None
+) -> None:
+    """Add the keys an un-apply is about to take events from, before it commits the removal
+    (a crash in between only costs a recomputation). Files whose keys the history table has
+    caught up with (the table reflects a version past theirs) are dropped in the same commit."""
+    from pyspark.sql import functions as F
+
+    side = paths.retracted_keys
+    rows = keys.distinct().withColumn(AFTER_LOG_VERSION, F.lit(after_log_version).cast("long"))
+    dt = delta.ensure_table(
+        side, delta.arrow_schema_of(rows), description="cdc_platform keys an un-apply recomputes"
+    )
+    done = [
+        f
+        for f in delta.snapshot_files(dt)
+        if applied is not None and f.max_values.get(AFTER_LOG_VERSION, applied) < applied
+    ]
+    adds = delta.write_files(rows.coalesce(1), side)
+    try:
+        delta.commit(dt, adds, delta.removes_for(done), delta.table_arrow_schema(dt))
     except BaseException:
         delta.discard(side, adds)
         raise

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cdc_platform.lib import changelog, delta, quarantine
+from cdc_platform.lib import changelog, delta, quarantine, revoked_files
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key
@@ -56,6 +56,8 @@ class MaterializationOutcome:
     # Landing files (relative to the landing root) read by Spark's own Parquet reader, with no
     # Python decoding; every other file applied was decoded in Python tasks.
     read_natively: tuple[str, ...] = ()
+    # Landing files (relative to the landing root) not read because a user un-applied them.
+    revoked: tuple[str, ...] = ()
 
 
 def materialize(
@@ -78,14 +80,22 @@ def materialize(
             f" (or mount the landing volume); table {table.name!r} was not materialized"
         )
     started = time.monotonic()
-    synced_at = _to_ms(synced_at or datetime.now(UTC))
+    synced_at = to_ms(synced_at or datetime.now(UTC))
     paths = TablePaths.of(warehouse_root, table.name)
     reader = LandingReader(table, landing_root, keyring)
 
+    def revoked_now() -> set[str]:
+        return revoked_files.revoked_names(paths.revoked_files)
+
+    revoked = revoked_now()
+    skipped: list[str] = []
     partition_of: dict[str, str] = {}
     not_read: dict[str, str] = {}  # symlinks, files in sub-folders: never opened
     for hour in hours:
         for f in files_in_hour(landing_root, table.name, hour):
+            if reader.relative(f.path) in revoked:
+                skipped.append(reader.relative(f.path))
+                continue
             partition_of[f.path] = hour_to_partition_key(hour)
             if f.set_aside is not None:
                 not_read[f.path] = f.set_aside
@@ -125,7 +135,14 @@ def materialize(
             max(r.seq_max for r in with_rows if r.seq_max is not None),
         )
         appended = changelog.append(
-            spark, paths.changelog, events, table.primary_key, seq_range, events_read, synced_at
+            spark,
+            paths.changelog,
+            events,
+            table.primary_key,
+            seq_range,
+            events_read,
+            synced_at,
+            revoked=revoked_now,
         )
         new_events = appended.new_events
     quarantine.record(
@@ -148,9 +165,11 @@ def materialize(
         synced_at=synced_at,
         history_version_before=version_before,
         read_natively=tuple(sorted(reader.relative(p) for p in native)),
+        revoked=tuple(sorted(skipped)),
     )
 
 
-def _to_ms(ts: datetime) -> datetime:
+def to_ms(ts: datetime) -> datetime:
+    """A time truncated to the millisecond, in UTC (the precision of the history table)."""
     ts = ts.astimezone(UTC)
     return ts.replace(microsecond=(ts.microsecond // 1000) * 1000)

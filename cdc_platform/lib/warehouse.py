@@ -3,8 +3,10 @@
 ``<warehouse_root>/<table>`` is the history table users query. Beside it, under
 ``<warehouse_root>/_cdc/<table>/``, the platform keeps what it needs to stay correct:
 ``changelog`` (every valid event ever landed, so late events can be placed and any key
-recomputed), ``quarantine`` (files set aside, with the reason) and ``delete_only_keys``
-(keys whose every event so far is a delete: they have no row in the history table).
+recomputed), ``quarantine`` (files set aside, with the reason), ``delete_only_keys``
+(keys whose every event so far is a delete: they have no row in the history table),
+``revoked_files`` (landing files a user un-applied: never applied again unless re-admitted)
+and ``retracted_keys`` (keys whose events an un-apply removed, until the merge recomputed them).
 The warehouse root may be a local folder or an object store (``lib.storage``).
 
 ``<warehouse_root>/<table>_current`` is the table's optional current table (``current_table:
@@ -26,6 +28,8 @@ class TablePaths:
     changelog: Location
     quarantine: Location
     delete_only_keys: Location
+    revoked_files: Location
+    retracted_keys: Location
     current: Location
 
     @classmethod
@@ -37,6 +41,8 @@ class TablePaths:
             changelog=system / "changelog",
             quarantine=system / "quarantine",
             delete_only_keys=system / "delete_only_keys",
+            revoked_files=system / "revoked_files",
+            retracted_keys=system / "retracted_keys",
             current=root / current_table_name(table),
         )
 

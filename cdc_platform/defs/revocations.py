@@ -1,0 +1,186 @@
+"""``unapply_files`` and ``readmit_files``: taking a bad delivery back out of a table, and
+putting it back, from the Launchpad.
+
+Each run names the table, the files (paths or globs relative to the landing root or to the
+table's folder) and, to un-apply, a reason. The work is ``lib.revocation``'s; here it is
+reported as materializations of the hour partitions the files are in (so the UI shows the
+table changed, and ``<table>_current`` refreshes), and checked: the invariants run over the
+keys the run recomputed, and a failing invariant fails the run (the run-failure alert fires).
+"""
+
+from datetime import UTC, datetime
+from typing import Any
+
+import dagster as dg
+from pydantic import Field
+
+from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.lib import delta, invariants
+from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.landing import hour_to_partition_key
+from cdc_platform.lib.revocation import NoMatchingFileError, readmit, unapply
+from cdc_platform.lib.warehouse import TablePaths
+
+UNAPPLY_JOB = "unapply_files"
+READMIT_JOB = "readmit_files"
+
+
+class UnapplyConfig(dg.Config):
+    table: str = Field(description="The table, as named in the config.")
+    files: list[str] = Field(
+        description="Landing files to un-apply: paths or globs relative to the landing root "
+        "(orders/year=2024/month=01/day=01/hour=05/bad.parquet) or to the table's folder."
+    )
+    reason: str = Field(description="Why: recorded with the files.")
+
+
+class ReadmitConfig(dg.Config):
+    table: str = Field(description="The table, as named in the config.")
+    files: list[str] = Field(description="Revoked files to apply again: paths or globs.")
+
+
+def _table(platform: PlatformConfig, name: str) -> TableConfig:
+    try:
+        return platform.table(name)
+    except KeyError:
+        known = ", ".join(t.name for t in platform.tables)
+        raise dg.Failure(f"no table {name!r} in the config (tables: {known})") from None
+
+
+def _check(
+    context: dg.OpExecutionContext,
+    spark: SparkResource,
+    platform: PlatformConfig,
+    table: TableConfig,
+    version_before: int | None,
+) -> dict[str, Any]:
+    """The invariants over the keys this run recomputed; raises if one fails."""
+    paths = TablePaths.of(platform.warehouse_root, table.name)
+    session = spark.spark_session
+    scope = invariants.touched_keys(session, paths, table.primary_key, version_before)
+    outcomes = invariants.run_checks(session, paths, table.primary_key, scope)
+    failed = [o for o in outcomes if not o.passed and o.name != invariants.NO_QUARANTINE]
+    for o in failed:
+        context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s) {o.sample}")
+    if failed:
+        raise dg.Failure(
+            f"{table.name}: invariants failed after the run: {', '.join(o.name for o in failed)}",
+            metadata={o.name: o.failing for o in failed},
+        )
+    return {"checks_passed": [o.name for o in outcomes if o.passed]}
+
+
+def _report(
+    context: dg.OpExecutionContext,
+    table: TableConfig,
+    hours: tuple[datetime, ...],
+    meta: dict[str, Any],
+) -> None:
+    hours = tuple(h for h in hours if h >= table.start)  # a partition of the asset
+    for hour in hours:
+        context.log_event(
+            dg.AssetMaterialization(
+                asset_key=dg.AssetKey(table.name),
+                partition=hour_to_partition_key(hour),
+                metadata=meta,
+            )
+        )
+    if not hours:
+        context.log_event(dg.AssetObservation(asset_key=dg.AssetKey(table.name), metadata=meta))
+
+
+def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
+    @dg.op(name="unapply")
+    def unapply_op(
+        context: dg.OpExecutionContext, config: UnapplyConfig, spark: SparkResource
+    ) -> None:
+        table = _table(platform, config.table)
+        paths = TablePaths.of(platform.warehouse_root, table.name)
+        before = delta.version_or_none(paths.history)
+        try:
+            r = unapply(
+                spark.spark_session,
+                table,
+                platform.landing_root,
+                platform.warehouse_root,
+                config.files,
+                config.reason,
+                context.run.run_id,
+                datetime.now(UTC),
+            )
+        except (NoMatchingFileError, ValueError) as exc:
+            raise dg.Failure(str(exc)) from None
+        context.log.info(
+            f"{table.name}: revoked {len(r.files)} file(s) ({len(r.newly_revoked)} newly), "
+            f"removed {r.events_removed} event(s) of {r.keys_retracted} key(s), "
+            f"history version {r.merge.history_version}"
+        )
+        meta = {
+            "operation": "unapply_files",
+            "reason": config.reason,
+            "files": dg.MetadataValue.json(list(r.files)),
+            "newly_revoked": len(r.newly_revoked),
+            "events_removed": r.events_removed,
+            "keys_retracted": r.keys_retracted,
+            "changelog_files_rewritten": r.changelog_files_rewritten,
+            "keys_affected": r.merge.keys_affected,
+            "versions_closed": r.merge.versions_closed,
+            "files_removed": r.merge.files_removed,
+            "files_added": r.merge.files_added,
+            "delta_version": r.merge.history_version,
+        }
+        meta |= _check(context, spark, platform, table, before)
+        _report(context, table, r.hours, meta)
+
+    @dg.op(name="readmit")
+    def readmit_op(
+        context: dg.OpExecutionContext,
+        config: ReadmitConfig,
+        spark: SparkResource,
+        keyring: KeyringResource,
+    ) -> None:
+        table = _table(platform, config.table)
+        paths = TablePaths.of(platform.warehouse_root, table.name)
+        before = delta.version_or_none(paths.history)
+        try:
+            r = readmit(
+                spark.spark_session,
+                table,
+                platform.landing_root,
+                platform.warehouse_root,
+                config.files,
+                keyring.load() if table.encryption != "none" else None,
+            )
+        except NoMatchingFileError as exc:
+            raise dg.Failure(str(exc)) from None
+        o = r.outcome
+        context.log.info(
+            f"{table.name}: re-admitted {len(r.files)} file(s); "
+            f"{o.events_new if o else 0} event(s) logged again over {len(r.hours)} hour(s)"
+        )
+        meta: dict[str, Any] = {
+            "operation": "readmit_files",
+            "files": dg.MetadataValue.json(list(r.files)),
+            "events_new": o.events_new if o else 0,
+            "keys_affected": o.merge.keys_affected if o else 0,
+            "delta_version": o.merge.history_version if o else before,
+        }
+        meta |= _check(context, spark, platform, table, before)
+        _report(context, table, r.hours, meta)
+
+    @dg.job(
+        name=UNAPPLY_JOB,
+        description="Un-apply landing files: remove their events, recompute the keys they "
+        "touched, never apply them again unless re-admitted.",
+    )
+    def unapply_files() -> None:
+        unapply_op()
+
+    @dg.job(
+        name=READMIT_JOB,
+        description="Re-admit un-applied landing files and apply them again.",
+    )
+    def readmit_files() -> None:
+        readmit_op()
+
+    return [unapply_files, readmit_files]

@@ -1,0 +1,262 @@
+"""Un-applying a delivery, and re-admitting it: a bad landing file taken back out of a table.
+
+``unapply`` records the files as revoked (``lib.revoked_files``), removes their events from the
+change log and recomputes the keys they touched, committing the history table once: afterwards
+the table is what it would be had the files never landed. It runs in three commits, each safe
+to crash after:
+
+1. the files are recorded as revoked: from then on no materialization reads them and no change
+   log append takes their events (an append racing this re-reads the list on every attempt);
+2. the keys whose events go are recorded (``merge.record_retracted_keys``), then the change-log
+   files holding those events are rewritten without them, in one strict commit (so that it
+   lands exactly at the version after the one the keys were recorded for);
+3. the merge recomputes every retracted key from what the change log still holds, whatever run
+   comes first: this one, or the next materialization after a crash.
+
+Running it again changes nothing. An event that another file also delivered (the same key and
+``cdc_change_seq``) was logged once, from the file read first: un-applying that file removes it.
+Materialize the other file's hour again to log it from there.
+
+``readmit`` deletes the files' revocation and materializes the hours they are in, so their
+events are logged and merged again: un-apply then re-admit gives back the same table
+(``_fivetran_synced`` aside).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cdc_platform.lib import changelog, delta, revoked_files
+from cdc_platform.lib.columns import SOURCE_FILE, col, cols
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.keyring import Keyring
+from cdc_platform.lib.landing import is_data_file
+from cdc_platform.lib.merge import APP_ID, MergeResult, apply_pending, record_retracted_keys
+from cdc_platform.lib.merge import table_relative as _table_relative
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, to_ms
+from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+_HOUR_PARTS = re.compile(r"/year=(\d+)/month=(\d+)/day=(\d+)/hour=(\d+)/[^/]+$")
+
+
+class NoMatchingFileError(LookupError):
+    """A file name or glob given to un-apply or re-admit matches no file of the table."""
+
+
+@dataclass(frozen=True)
+class UnapplyResult:
+    files: tuple[str, ...]  # every file the request names, now revoked
+    newly_revoked: tuple[str, ...]  # those this call recorded (a replay records none)
+    events_removed: int
+    keys_retracted: int
+    changelog_files_rewritten: int
+    merge: MergeResult
+    hours: tuple[datetime, ...]  # the hour folders the files are in
+
+
+@dataclass(frozen=True)
+class ReadmitResult:
+    files: tuple[str, ...]
+    hours: tuple[datetime, ...]
+    outcome: MaterializationOutcome | None  # None when no file is in an hour folder
+
+
+def hour_of(file: str) -> datetime | None:
+    """The hour folder a landing-relative file is in (None if it is not in one)."""
+    m = _HOUR_PARTS.search("/" + file.replace(os.sep, "/"))
+    if m is None:
+        return None
+    try:
+        return datetime(*(int(g) for g in m.groups()), tzinfo=UTC)  # type: ignore[misc]
+    except ValueError:
+        return None
+
+
+def match(
+    patterns: Sequence[str], candidates: set[str], table: str, landing_root: Path
+) -> list[str]:
+    """The candidates each pattern names: a path or glob relative to the landing root
+    (``orders/year=2024/*/*/*/bad-*.parquet``), to the table's folder (``year=2024/...``), or
+    absolute under the landing root. ``*`` also matches ``/``. Raises if one matches nothing."""
+    if not patterns:
+        raise NoMatchingFileError(f"no file given for table {table!r}")
+    root = os.path.abspath(landing_root)
+    out: set[str] = set()
+    for raw in patterns:
+        p = raw.strip()
+        if os.path.isabs(p):
+            p = os.path.relpath(os.path.abspath(p), root)
+        p = p.removeprefix("./")
+        forms = {p, f"{table}/{p}"}
+        hit = {c for c in candidates if any(fnmatch.fnmatchcase(c, f) for f in forms)}
+        if not hit:
+            raise NoMatchingFileError(
+                f"{raw!r} matches no landing file of table {table!r} (paths are relative to the "
+                f"landing root {root} or to its {table}/ folder)"
+            )
+        out |= hit
+    return sorted(out)
+
+
+def _landing_files(landing_root: Path, table: str) -> set[str]:
+    """Every data file under the table's landing folder, relative to the landing root."""
+    found: set[str] = set()
+    for folder, _, files in os.walk(Path(landing_root) / table):
+        for name in files:
+            if is_data_file(name):
+                found.add(os.path.relpath(os.path.join(folder, name), landing_root))
+    return found
+
+
+def _logged_files(spark: SparkSession, paths: TablePaths) -> set[str]:
+    """Every landing file with an event in the change log."""
+    if not delta.exists(paths.changelog):
+        return set()
+    dt = delta.open_table(paths.changelog)
+    files = delta.snapshot_files(dt)
+    if not files:
+        return set()
+    events = changelog.read_files(
+        spark, paths.changelog, changelog.spark_schema(delta.table_arrow_schema(dt)), files
+    )
+    return {r[0] for r in events.select(SOURCE_FILE).distinct().collect() if r[0] is not None}
+
+
+def unapply(
+    spark: SparkSession,
+    table: TableConfig,
+    landing_root: Path,
+    warehouse_root: Where,
+    patterns: Sequence[str],
+    reason: str,
+    run_id: str,
+    now: datetime | None = None,
+) -> UnapplyResult:
+    """Take the named landing files' events out of the table (see the module docstring)."""
+    if not reason.strip():
+        raise ValueError("un-applying files needs a reason (it is recorded with them)")
+    paths = TablePaths.of(warehouse_root, table.name)
+    now = to_ms(now or datetime.now(UTC))
+    candidates = (
+        _logged_files(spark, paths)
+        | _landing_files(landing_root, table.name)
+        | revoked_files.revoked_names(paths.revoked_files)
+    )
+    files = match(patterns, candidates, table.name, landing_root)
+    newly = revoked_files.add(paths.revoked_files, files, reason.strip(), run_id, now)
+    (removed, keys, rewritten), _ = delta.with_commit_retries(
+        lambda: _remove_events(
+            spark, paths, table.primary_key, revoked_files.revoked_names(paths.revoked_files)
+        ),
+        f"change log rewrite of {paths.changelog}",
+    )
+    merge = apply_pending(spark, paths, table.primary_key, now)
+    hours = sorted({h for f in files if (h := hour_of(f)) is not None})
+    return UnapplyResult(tuple(files), tuple(newly), removed, keys, rewritten, merge, tuple(hours))
+
+
+def _remove_events(
+    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], names: set[str]
+) -> tuple[int, int, int]:
+    """One attempt: record the keys, rewrite the change-log files holding events of ``names``
+    without them, commit strictly. Returns (events removed, keys, files rewritten)."""
+    from pyspark.sql import functions as F
+
+    if not names or not delta.exists(paths.changelog):
+        return 0, 0, 0
+    pk = list(primary_key)
+    dt = delta.open_table(paths.changelog)
+    version = dt.version()
+    arrow_schema = delta.table_arrow_schema(dt)
+    files = [f for f in delta.snapshot_files(dt) if _may_hold(f, names)]
+    if not files:
+        return 0, 0, 0
+    file_col = "_cdc_tmp_log_file"
+    events = changelog.read_files(
+        spark, paths.changelog, changelog.spark_schema(arrow_schema), files
+    ).withColumn(file_col, _table_relative(F.input_file_name(), Location.of(paths.changelog)))
+    gone = col(SOURCE_FILE).isin(sorted(names))
+    row = (
+        events.filter(gone)
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.collect_set(file_col).alias("files"),
+            F.count_distinct(*cols(pk)).alias("keys"),
+        )
+        .collect()[0]
+    )
+    removed = int(row["n"])
+    if not removed:
+        return 0, 0, 0
+    holding = set(row["files"])
+    rewritten = [f for f in files if f.path in holding]
+    history = delta.open_table(paths.history) if delta.exists(paths.history) else None
+    applied = history.transaction_version(APP_ID) if history is not None else None
+    record_retracted_keys(paths, events.filter(gone).select(*cols(pk)), version, applied)
+    kept_rows = sum(f.num_records or 0 for f in rewritten) - removed
+    kept = changelog.read_files(
+        spark, paths.changelog, changelog.spark_schema(arrow_schema), rewritten
+    ).filter(~gone | col(SOURCE_FILE).isNull())
+    adds = delta.write_files(kept.coalesce(delta.file_count_for(kept_rows)), paths.changelog)
+    try:
+        delta.commit(
+            dt,
+            adds,
+            delta.removes_for(rewritten),
+            arrow_schema,
+            metadata={"cdc_platform.unapplied_events": removed},
+            strict=True,
+        )
+    except BaseException:
+        delta.discard(paths.changelog, adds)
+        raise
+    return removed, int(row["keys"]), len(rewritten)
+
+
+def _may_hold(f: delta.DataFile, names: set[str]) -> bool:
+    """Whether a change-log file may hold an event of ``names``, by its statistics."""
+    lo, hi = f.min_values.get(SOURCE_FILE), f.max_values.get(SOURCE_FILE)
+    if not isinstance(lo, str) or not isinstance(hi, str):
+        return True
+    return any(lo <= n <= hi for n in names)
+
+
+def readmit(
+    spark: SparkSession,
+    table: TableConfig,
+    landing_root: Path,
+    warehouse_root: Where,
+    patterns: Sequence[str],
+    keyring: Keyring | None = None,
+    synced_at: datetime | None = None,
+) -> ReadmitResult:
+    """Lift the named files' revocation and materialize the hours they are in.
+
+    Naming a file that is no longer revoked (a re-run after a crash) is not an error: its
+    hour is materialized again, which applies whatever is not applied yet.
+    """
+    paths = TablePaths.of(warehouse_root, table.name)
+    revoked = revoked_files.revoked_names(paths.revoked_files)
+    try:
+        files = match(patterns, revoked, table.name, landing_root)
+    except NoMatchingFileError:
+        files = match(patterns, _landing_files(landing_root, table.name), table.name, landing_root)
+    revoked_files.remove(paths.revoked_files, files)
+    hours = sorted({h for f in files if (h := hour_of(f)) is not None})
+    outcome = (
+        materialize(spark, table, landing_root, warehouse_root, hours, keyring, synced_at)
+        if hours
+        else None
+    )
+    return ReadmitResult(tuple(files), tuple(hours), outcome)

@@ -1,0 +1,79 @@
+"""The landing files a user un-applied, with the reason, when and by which run.
+
+One row per revoked file (relative to the landing root, as ``_cdc_source_file`` names it), in
+``<warehouse_root>/_cdc/<table>/revoked_files``. Materializations never read a revoked file and
+the change log never takes its events again, until the user re-admits it, which deletes its row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import pyarrow as pa
+from deltalake import write_deltalake
+
+from cdc_platform.lib import delta
+from cdc_platform.lib.storage import Location, Where
+
+SCHEMA = pa.schema(
+    [
+        pa.field("file", pa.string()),
+        pa.field("reason", pa.string()),
+        pa.field("run_id", pa.string()),
+        pa.field("revoked_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class RevokedFile:
+    file: str
+    reason: str
+    run_id: str
+    revoked_at: datetime
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def revoked(path: Where) -> list[RevokedFile]:
+    """Every revoked file, by name; empty when none ever was."""
+    if not delta.exists(path):
+        return []
+    rows = delta.read_arrow(path).to_pylist()
+    return sorted((RevokedFile(**r) for r in rows), key=lambda r: r.file)
+
+
+def revoked_names(path: Where) -> set[str]:
+    return {r.file for r in revoked(path)}
+
+
+def add(path: Where, files: Sequence[str], reason: str, run_id: str, at: datetime) -> list[str]:
+    """Record ``files`` as revoked; those already revoked keep their first record (a replay
+    changes nothing). Returns the files newly recorded."""
+    new = sorted(set(files) - revoked_names(path))
+    if not new:
+        return []
+    rows = [{"file": f, "reason": reason, "run_id": run_id, "revoked_at": at} for f in new]
+    loc = Location.of(path)
+    if loc.is_local:
+        loc.path.mkdir(parents=True, exist_ok=True)
+    write_deltalake(
+        loc.uri,
+        pa.Table.from_pylist(rows, schema=SCHEMA),
+        mode="append",
+        storage_options=loc.storage_options,
+    )
+    return new
+
+
+def remove(path: Where, files: Sequence[str]) -> list[str]:
+    """Re-admit ``files``: their rows go, in one commit. Returns those that were revoked."""
+    gone = sorted(set(files) & revoked_names(path))
+    if not gone:
+        return []
+    delta.open_table(path).delete(f"file IN ({', '.join(_quote(f) for f in gone)})")
+    return gone
