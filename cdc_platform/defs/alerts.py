@@ -272,12 +272,17 @@ def check_failed_payload(
     )
 
 
-def _deliver(
+def deliver(
     context: dg.SensorEvaluationContext,
     alert_webhook: AlertWebhookResource,
     pending: list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], int]:
-    """Try every pending alert once; return (still pending, number delivered)."""
+    """Try every pending alert once; return (still pending, number delivered).
+
+    ``pending`` holds ``{"payload": ..., "attempts": n}`` items, as a sensor cursor keeps them.
+    A delivery error never raises: the alert stays pending (logged, URL redacted) until it has
+    been tried ``MAX_DELIVERY_ATTEMPTS`` times; at most ``MAX_PENDING_ALERTS`` are kept.
+    """
     left: list[dict[str, Any]] = []
     delivered = 0
     for item in pending:
@@ -352,7 +357,7 @@ def build_check_failure_alert_sensor(
             if len(ids) >= CHECK_HISTORY_WINDOW:
                 low = max(low, min(ids) - 1)
             state.checks[name] = {"low": low, "seen": sorted(i for i in seen if i > low)}
-        state.pending, delivered = _deliver(context, alert_webhook, state.pending)
+        state.pending, delivered = deliver(context, alert_webhook, state.pending)
         summary = (
             f"{found} new failed check(s), {delivered} alert(s) sent, {len(state.pending)} pending"
         )

@@ -7,6 +7,10 @@ Spark after every materialization on the keys it touched, and over everything on
 With ``current_table: true`` a table also gets ``<table>_current``: an unpartitioned asset
 downstream of the history asset holding its active rows (SCD1), which the
 ``cdc_current_tables`` automation sensor refreshes after each history materialization.
+
+With a ``discover:`` template in the config, every unlisted plain-Parquet table folder of the
+landing zone gets the same definitions (``lib.discovery``, read when the code location loads);
+the ``cdc_new_tables`` sensor reports every unlisted folder (``defs.discovery``).
 """
 
 from collections.abc import Iterable
@@ -23,6 +27,7 @@ from cdc_platform.defs.alerts import (
     build_run_failure_alert_sensor,
     metadata_int,
 )
+from cdc_platform.defs.discovery import build_new_tables_sensor
 from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
@@ -30,6 +35,7 @@ from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.defs.sensors import build_landing_sensor
 from cdc_platform.lib import applied_files, current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.discovery import with_discovered_tables
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key, hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths, current_table_name
@@ -272,12 +278,22 @@ def _jsonable(value: Any) -> Any:
 
 
 def build_definitions(platform: PlatformConfig) -> dg.Definitions:
-    """Everything the code location serves, for every table in the config."""
+    """Everything the code location serves, for every table in the config, plus (with a
+    ``discover:`` template) every unlisted plain-Parquet table folder of the landing zone."""
+    listed = platform
+    platform = with_discovered_tables(listed)
+    discovered = [t.name for t in platform.tables[len(listed.tables) :]]
     tables = [build_table_definitions(platform, t) for t in platform.tables]
-    check_job = dg.define_asset_job(
-        "cdc_full_table_checks",
-        selection=dg.AssetSelection.checks(*[t.checks for t in tables]),
-        description="Every invariant over every history table (not just the keys a run touched).",
+    # No table at all (a discover: config over an empty landing zone): no check job and no
+    # schedule, which would launch a run with nothing in it every day.
+    check_job = (
+        dg.define_asset_job(
+            "cdc_full_table_checks",
+            selection=dg.AssetSelection.checks(*[t.checks for t in tables]),
+            description="Every invariant over every history table (not just the keys a run touched).",
+        )
+        if tables
+        else None
     )
     maintenance_jobs = [build_maintenance_job(platform, t, pool_name(t)) for t in platform.tables]
     plan_jobs = [build_plan_job(platform, t) for t in platform.tables]
@@ -305,18 +321,30 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             *current_sensor,
             build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
             build_run_failure_alert_sensor(),
+            build_new_tables_sensor(listed, discovered),
         ],
-        jobs=[check_job, *maintenance_jobs, *plan_jobs, *build_revocation_jobs(platform)],
+        jobs=[
+            *([check_job] if check_job else []),
+            *maintenance_jobs,
+            *plan_jobs,
+            *build_revocation_jobs(platform),
+        ],
         # One process per run: the asset step and its checks share one Spark session (one JVM)
         # instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.
         executor=dg.in_process_executor,
         schedules=[
-            dg.ScheduleDefinition(
-                name="cdc_full_table_checks_schedule",
-                job=check_job,
-                cron_schedule=platform.check_schedule,
-                execution_timezone="UTC",
-                default_status=dg.DefaultScheduleStatus.RUNNING,
+            *(
+                [
+                    dg.ScheduleDefinition(
+                        name="cdc_full_table_checks_schedule",
+                        job=check_job,
+                        cron_schedule=platform.check_schedule,
+                        execution_timezone="UTC",
+                        default_status=dg.DefaultScheduleStatus.RUNNING,
+                    )
+                ]
+                if check_job
+                else []
             ),
             *(
                 dg.ScheduleDefinition(

@@ -18,10 +18,14 @@ from email.message import Message
 from typing import IO, Any, Literal
 
 AlertKind = Literal["check_failed", "run_failed"]
-KINDS: tuple[str, ...] = ("check_failed", "run_failed")
+KINDS: tuple[str, ...] = ("check_failed", "run_failed")  # build_alert's; new_table_alert's own:
+NEW_TABLE_KIND = "new_table"
 
 MAX_DETAIL_CHARS = 500
 MAX_SAMPLE_KEYS = 10
+MAX_COLUMNS = 500  # columns listed in a new_table alert (a wider table says how many more)
+MAX_SNIPPET_CHARS = 20_000
+_COLUMNS_IN_TEXT = 12
 _MAX_BODY_CHARS = 200
 
 
@@ -98,6 +102,50 @@ def build_alert(
         "run_url": run_url,
         "detail": short_detail,
         "sample_keys": _json_safe(samples[:MAX_SAMPLE_KEYS]),
+    }
+
+
+def new_table_alert(
+    table: str,
+    columns: list[tuple[str, str]],
+    primary_key: list[str],
+    first_hour: str,
+    sample_file: str,
+    snippet: str,
+    status: str,
+    notes: list[str] | None = None,
+) -> dict[str, Any]:
+    """A ``new_table`` payload: a table folder the config does not list.
+
+    ``status`` says what happens next (an asset was created from ``discover:``, or the entry is
+    to be pasted); ``snippet`` is the ``tables:`` entry to paste. Only names from the landing
+    zone and the file's schema: no URL, key or cell value.
+    """
+    listed = ", ".join(f"{c} {t}" for c, t in columns[:_COLUMNS_IN_TEXT])
+    if len(columns) > _COLUMNS_IN_TEXT:
+        listed += f", … ({len(columns) - _COLUMNS_IN_TEXT} more)"
+    shape = f"{len(columns)} column(s): {listed}" if columns else "columns unknown"
+    head = (
+        f":new: cdc_platform: new table folder `{table}` in the landing zone, not in the config"
+        f" (first hour {first_hour}; {shape})"
+    )
+    short_status = _one_line(status, MAX_DETAIL_CHARS).rstrip(". ")
+    snippet = snippet if len(snippet) <= MAX_SNIPPET_CHARS else snippet[:MAX_SNIPPET_CHARS] + "…\n"
+    text = (
+        f"{_slack_escape(head)}: {_slack_escape(short_status)}.\n```\n{_slack_escape(snippet)}```"
+    )
+    return {
+        "text": text,
+        "kind": NEW_TABLE_KIND,
+        "table": table,
+        "columns": [{"name": c, "type": t} for c, t in columns[:MAX_COLUMNS]],
+        "column_count": len(columns),
+        "primary_key_guess": list(primary_key),
+        "first_hour": first_hour,
+        "sample_file": sample_file,
+        "config_snippet": snippet,
+        "detail": short_status,
+        "notes": [_one_line(n, MAX_DETAIL_CHARS) for n in notes or []],
     }
 
 

@@ -31,6 +31,8 @@ __all__ = [
     "decode_file",
     "encode_file_bytes",
     "encrypt_bytes",
+    "looks_like_text",
+    "looks_like_zstd",
     "open_decoded_stream",
 ]
 
@@ -204,14 +206,16 @@ def _padding_ok(last_block: bytes) -> bool:
     return 1 <= n <= BLOCK and last_block[-n:] == bytes([n]) * n
 
 
-def _looks_like_zstd(head: bytes) -> bool:
+def looks_like_zstd(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes) starts a ZSTD frame (or a skippable frame)."""
     if head[:4] == ZSTD_MAGIC:
         return True
     # a skippable frame: magic 0x184D2A5? little-endian
     return len(head) >= 4 and head[1:4] == b"\x2a\x4d\x18" and head[0] & 0xF0 == 0x50
 
 
-def _looks_like_text(head: bytes) -> bool:
+def looks_like_text(head: bytes) -> bool:
+    """Whether ``head`` is UTF-8 text (a cut multi-byte character at its end is fine)."""
     try:
         _text_codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
     except UnicodeDecodeError:
@@ -222,12 +226,12 @@ def _looks_like_text(head: bytes) -> bool:
 def _plausible(head: bytes, compression: str, file_format: str | None) -> bool:
     """Whether the decrypted start of a file looks like what the file should hold."""
     if compression == "zstd":
-        return _looks_like_zstd(head)
+        return looks_like_zstd(head)
     if file_format == "parquet":
         return head[:4] == PARQUET_MAGIC
     if file_format == "csv":
-        return _looks_like_text(head)
-    return head[:4] == PARQUET_MAGIC or _looks_like_text(head)
+        return looks_like_text(head)
+    return head[:4] == PARQUET_MAGIC or looks_like_text(head)
 
 
 def _candidate_keys(

@@ -8,12 +8,17 @@ an error naming the table and the field, so a typo never silently changes behavi
 ``warehouse_storage_options`` for delta-rs (``lib.storage``); a secret among them must be an
 environment reference, ``{env: NAME}``, so it is never in the file. ``landing_root`` is a local or
 mounted folder: the sensors and readers list and open landing files on a file system.
+
+An optional ``discover:`` template (``{primary_key: [...], start: ...}``) gives every table
+folder of the landing zone that ``tables:`` does not list an asset of its own (see
+``lib.discovery``); with it, ``tables:`` may be empty or absent.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -87,6 +92,18 @@ class TableConfig:
 
 
 @dataclass(frozen=True)
+class DiscoverTemplate:
+    """``discover:``: what an unlisted table folder gets (everything else is the default)."""
+
+    primary_key: tuple[str, ...]
+    start: datetime
+
+    @property
+    def start_partition_key(self) -> str:
+        return self.start.strftime(PARTITION_FORMAT)
+
+
+@dataclass(frozen=True)
 class PlatformConfig:
     """The whole config file, with paths already resolved against the file's folder."""
 
@@ -96,6 +113,9 @@ class PlatformConfig:
     check_schedule: str = "0 3 * * *"
     maintenance_schedule: str = "30 4 * * *"
     source: Path | None = None
+    # Unlisted table folders get assets from this template (``lib.discovery``); None: they are
+    # only reported by the ``cdc_new_tables`` sensor.
+    discover: DiscoverTemplate | None = None
 
     def table(self, name: str) -> TableConfig:
         for table in self.tables:
@@ -126,7 +146,9 @@ _TOP_FIELDS = {
     "tables",
     "check_schedule",
     "maintenance_schedule",
+    "discover",
 }
+_DISCOVER_FIELDS = {"primary_key", "start"}
 
 
 def config_path() -> Path:
@@ -150,12 +172,20 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
     unknown = sorted(set(raw) - _TOP_FIELDS)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_TOP_FIELDS)}")
-    for key in ("landing_root", "warehouse_root", "tables"):
+    discover = _parse_discover(raw["discover"], where) if "discover" in raw else None
+    # With a discover: template, tables: may be left out.
+    for key in ("landing_root", "warehouse_root", *(("tables",) if discover is None else ())):
         if key not in raw:
             raise ConfigError(f"{where}: missing required key '{key}'")
-    tables_raw = raw["tables"]
-    if not isinstance(tables_raw, list) or not tables_raw:
-        raise ConfigError(f"{where}: 'tables' must be a non-empty list")
+    tables_raw = raw.get("tables")
+    if discover is not None and tables_raw is None:
+        tables_raw = []  # `tables:` absent or empty: every table is discovered
+    if not isinstance(tables_raw, list) or (not tables_raw and discover is None):
+        raise ConfigError(
+            f"{where}: 'tables' must be a non-empty list (or give a 'discover' template)"
+            if discover is None
+            else f"{where}: 'tables' must be a list"
+        )
     tables = tuple(_parse_table(t, i, where) for i, t in enumerate(tables_raw))
     names = [t.name.lower() for t in tables]
     dupes = sorted({t.name for t in tables if names.count(t.name.lower()) > 1})
@@ -188,6 +218,27 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
         check_schedule=schedule,
         maintenance_schedule=maintenance,
         source=source,
+        discover=discover,
+    )
+
+
+def _parse_discover(raw: Any, where: str) -> DiscoverTemplate:
+    """The ``discover:`` template: a primary key and a start, validated as a table's are."""
+
+    def fail(field_name: str, why: str) -> ConfigError:
+        return ConfigError(f"{where}: discover, field '{field_name}': {why}")
+
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{where}: field 'discover' must be a mapping such as "
+            '{primary_key: [id], start: "2024-01-01-00:00"}'
+        )
+    unknown = sorted(set(raw) - _DISCOVER_FIELDS)
+    if unknown:
+        raise fail(unknown[0], f"unknown key(s) {unknown}; allowed: {sorted(_DISCOVER_FIELDS)}")
+    return DiscoverTemplate(
+        primary_key=tuple(_primary_key(raw.get("primary_key"), fail)),
+        start=_start(raw.get("start"), fail),
     )
 
 
@@ -322,31 +373,8 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         # '_cdc' holds every table's change log and quarantine, and readers skip '_' folders
         raise fail("name", "must not start with '_' (reserved for the platform's own folders)")
 
-    pk = raw.get("primary_key")
-    if isinstance(pk, str):
-        pk = [pk]
-    if not pk or not isinstance(pk, list) or not all(isinstance(c, str) and c for c in pk):
-        raise fail("primary_key", "required; a non-empty list of column names")
-    # Any other name works, dots and backticks included: every Spark reference is quoted.
-    if len({c.lower() for c in pk}) != len(pk):
-        raise fail("primary_key", "lists a column twice (names are case-insensitive in Delta)")
-    bad_pk = [c for c in pk if c.lower() in CDC_COLUMNS or c.lower().startswith("cdc_")]
-    bad_pk += [c for c in pk if is_reserved(c)]
-    if bad_pk:
-        raise fail("primary_key", f"system column(s) {bad_pk} cannot be part of the key")
-    unprintable = [c for c in pk if not c.isprintable()]
-    if unprintable:
-        raise fail("primary_key", f"column name(s) {unprintable} contain control characters")
-
-    start_raw = raw.get("start")
-    if start_raw is None:
-        raise fail("start", "required; the first hourly partition as 'YYYY-MM-DD-HH:MM'")
-    try:
-        start = datetime.strptime(str(start_raw), PARTITION_FORMAT).replace(tzinfo=UTC)
-    except ValueError:
-        raise fail("start", f"{start_raw!r} is not a date of the form 'YYYY-MM-DD-HH:00'") from None
-    if start.minute != 0:
-        raise fail("start", f"{start_raw!r} must be on the hour")
+    pk = _primary_key(raw.get("primary_key"), fail)
+    start = _start(raw.get("start"), fail)
 
     def choice(key: str, allowed: tuple[str, ...]) -> str:
         value = str(raw.get(key, allowed[0])).lower()
@@ -413,3 +441,35 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         sensor_interval_seconds=positive_int("sensor_interval_seconds", 60),
         current_table=boolean("current_table"),
     )
+
+
+def _primary_key(pk: Any, fail: Callable[[str, str], ConfigError]) -> list[str]:
+    """A table's (or the discover template's) primary key: a non-empty list of column names."""
+    if isinstance(pk, str):
+        pk = [pk]
+    if not pk or not isinstance(pk, list) or not all(isinstance(c, str) and c for c in pk):
+        raise fail("primary_key", "required; a non-empty list of column names")
+    # Any other name works, dots and backticks included: every Spark reference is quoted.
+    if len({c.lower() for c in pk}) != len(pk):
+        raise fail("primary_key", "lists a column twice (names are case-insensitive in Delta)")
+    bad_pk = [c for c in pk if c.lower() in CDC_COLUMNS or c.lower().startswith("cdc_")]
+    bad_pk += [c for c in pk if is_reserved(c)]
+    if bad_pk:
+        raise fail("primary_key", f"system column(s) {bad_pk} cannot be part of the key")
+    unprintable = [c for c in pk if not c.isprintable()]
+    if unprintable:
+        raise fail("primary_key", f"column name(s) {unprintable} contain control characters")
+    return pk
+
+
+def _start(start_raw: Any, fail: Callable[[str, str], ConfigError]) -> datetime:
+    """The first hourly partition, ``YYYY-MM-DD-HH:00`` (UTC)."""
+    if start_raw is None:
+        raise fail("start", "required; the first hourly partition as 'YYYY-MM-DD-HH:MM'")
+    try:
+        start = datetime.strptime(str(start_raw), PARTITION_FORMAT).replace(tzinfo=UTC)
+    except ValueError:
+        raise fail("start", f"{start_raw!r} is not a date of the form 'YYYY-MM-DD-HH:00'") from None
+    if start.minute != 0:
+        raise fail("start", f"{start_raw!r} must be on the hour")
+    return start
