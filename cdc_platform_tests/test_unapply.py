@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from cdc_platform.defs.factory import build_definitions
 from cdc_platform.lib import changelog, delta, invariants, revoked_files
+from cdc_platform.lib.columns import STATE_COLUMNS
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.revocation import NoMatchingFileError, _remove_events, readmit, unapply
@@ -166,17 +167,48 @@ def test_a_crash_after_the_change_log_rewrite_is_finished_by_the_next_run(spark,
 
 
 def test_an_append_racing_an_unapply_never_logs_a_revoked_files_events(spark, lake):
+    """The append asks for the revoked files on each attempt; they go before duplicates are
+    resolved (so a kept file's copy of a shared event is logged) and before the dedupe against
+    the change log (which holds an overlapping seq range here)."""
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
-    events = spark.createDataFrame(
-        [(1, "a", "INSERT", 1, at(H0, 1), BAD, 1), (2, "b", "INSERT", 2, at(H0, 2), "ok", 1)],
+    schema = (
         "id long, status string, cdc_operation_type string, cdc_change_seq long, "
-        "cdc_commit_timestamp timestamp, _cdc_source_file string, _cdc_source_row long",
+        "cdc_commit_timestamp timestamp, _cdc_source_file string, _cdc_source_row long"
+    )
+    first = spark.createDataFrame([(9, "z", "INSERT", 2, at(H0, 0), "early", 1)], schema)
+    changelog.append(spark, paths.changelog, first, ["id"], (2, 2), 1, at(H0, 0))
+    events = spark.createDataFrame(
+        [
+            (1, "a", "INSERT", 1, at(H0, 1), BAD, 1),
+            (2, "b", "INSERT", 2, at(H0, 2), BAD, 2),  # also delivered by "zz_ok" (sorts after)
+            (2, "b", "INSERT", 2, at(H0, 2), "zz_ok", 1),
+        ],
+        schema,
     )
     changelog.append(
-        spark, paths.changelog, events, ["id"], (1, 2), 2, at(H0, 3), revoked=lambda: {BAD}
+        spark, paths.changelog, events, ["id"], (1, 2), 3, at(H0, 3), revoked=lambda: {BAD}
     )
-    logged = delta.read_arrow(paths.changelog, columns=["id"]).column("id").to_pylist()
-    assert logged == [2]
+    logged = delta.read_arrow(paths.changelog, columns=["id", "_cdc_source_file"]).to_pylist()
+    assert sorted((r["id"], r["_cdc_source_file"]) for r in logged) == [(2, "zz_ok"), (9, "early")]
+
+
+def test_revoking_a_file_not_applied_yet_fences_off_racing_appends(spark, lake):
+    """Nothing of the file is logged: the change log still gets one empty commit, so an append
+    that read the revoked list before loses its strict commit and reads it again. A replay
+    adds none."""
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    land(landing, deliveries(), skip=frozenset({"bad.parquet"}))
+    materialize(spark, TABLE, landing, warehouse, [H0, H2])
+    land(landing, {k: v for k, v in deliveries().items() if k[1] == "bad.parquet"})
+    paths = TablePaths.of(warehouse, TABLE.name)
+    log_before = delta.version_or_none(paths.changelog)
+    assert log_before is not None
+    r = unapply(spark, TABLE, landing, warehouse, [BAD], "never apply", "r1")
+    assert (r.events_removed, delta.version_or_none(paths.changelog)) == (0, log_before + 1)
+    unapply(spark, TABLE, landing, warehouse, [BAD], "never apply", "r2")
+    assert delta.version_or_none(paths.changelog) == log_before + 1
+    out = materialize(spark, TABLE, landing, warehouse, [H1])
+    assert (out.revoked, out.events_new) == ((BAD,), 0)
 
 
 def test_names_that_match_nothing_are_refused(spark, lake):
@@ -263,12 +295,15 @@ def test_unapply_equals_a_fresh_build_without_the_files(spark, tmp_path_factory,
         materialize(spark, table, landing, warehouse, hours)
         return landing, warehouse
 
-    def rows(warehouse: Path, columns: list[str] | None = None) -> list:
+    every = ["id", "name", "amount", "extra", *COLUMNS[2:], *STATE_COLUMNS]
+
+    def rows(warehouse: Path, columns: list[str] = every) -> list:
+        """A column only revoked files carried stays, all null (Delta never drops a column);
+        a fresh build never had it: both read as null here."""
         path = TablePaths.of(warehouse, table.name).history
         if not path.path.exists():
             return []
-        got = history_rows(path, drop=("_fivetran_synced",))
-        return normalize(got, columns or sorted({c for r in got for c in r}))
+        return normalize(history_rows(path, drop=("_fivetran_synced",)), columns)
 
     landing, warehouse = build("applied", keys)
     _, fresh = build("fresh", [k for k in keys if k not in revoke])

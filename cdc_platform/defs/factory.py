@@ -110,6 +110,8 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
         )
         for q in result.quarantined:
             context.log.warning(f"{table.name}: set aside {q.file}: {q.reason}")
+        for f in result.revoked:
+            context.log.warning(f"{table.name}: not read, un-applied (readmit_files): {f}")
         applied_files.record(
             applied_files.ledger_path(platform.warehouse_root, table.name),
             platform.landing_root,
@@ -250,6 +252,7 @@ def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
         "commit_attempts": m.attempts,
         "seconds": result.seconds,
         "files_read_natively": len(result.read_natively),
+        "files_revoked_skipped": dg.MetadataValue.json(list(result.revoked)),
         "synced_at": result.synced_at.isoformat(),
     }
 

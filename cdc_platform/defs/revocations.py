@@ -8,7 +8,7 @@ table changed, and ``<table>_current`` refreshes), and checked: the invariants r
 keys the run recomputed, and a failing invariant fails the run (the run-failure alert fires).
 """
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import dagster as dg
@@ -47,14 +47,18 @@ def _table(platform: PlatformConfig, name: str) -> TableConfig:
         raise dg.Failure(f"no table {name!r} in the config (tables: {known})") from None
 
 
-def _check(
+def _check_and_report(
     context: dg.OpExecutionContext,
     spark: SparkResource,
     platform: PlatformConfig,
     table: TableConfig,
     version_before: int | None,
-) -> dict[str, Any]:
-    """The invariants over the keys this run recomputed; raises if one fails."""
+    hours: tuple[datetime, ...],
+    meta: dict[str, Any],
+) -> None:
+    """Run the invariants over the keys this run recomputed, report the change (with the
+    checks' results) and then fail the run if an invariant failed: the commit happened, so
+    the UI shows it either way."""
     paths = TablePaths.of(platform.warehouse_root, table.name)
     session = spark.spark_session
     scope = invariants.touched_keys(session, paths, table.primary_key, version_before)
@@ -62,12 +66,17 @@ def _check(
     failed = [o for o in outcomes if not o.passed and o.name != invariants.NO_QUARANTINE]
     for o in failed:
         context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s) {o.sample}")
+    meta = {
+        **meta,
+        "checks_passed": [o.name for o in outcomes if o.passed],
+        "checks_failed": [o.name for o in failed],
+    }
+    _report(context, table, hours, meta)
     if failed:
         raise dg.Failure(
             f"{table.name}: invariants failed after the run: {', '.join(o.name for o in failed)}",
             metadata={o.name: o.failing for o in failed},
         )
-    return {"checks_passed": [o.name for o in outcomes if o.passed]}
 
 
 def _report(
@@ -76,7 +85,9 @@ def _report(
     hours: tuple[datetime, ...],
     meta: dict[str, Any],
 ) -> None:
-    hours = tuple(h for h in hours if h >= table.start)  # a partition of the asset
+    # Partitions of the asset only: from the table's start to the last closed hour.
+    last = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    hours = tuple(h for h in hours if table.start <= h <= last)
     for hour in hours:
         context.log_event(
             dg.AssetMaterialization(
@@ -129,8 +140,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
             "files_added": r.merge.files_added,
             "delta_version": r.merge.history_version,
         }
-        meta |= _check(context, spark, platform, table, before)
-        _report(context, table, r.hours, meta)
+        _check_and_report(context, spark, platform, table, before, r.hours, meta)
 
     @dg.op(name="readmit")
     def readmit_op(
@@ -165,8 +175,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
             "keys_affected": o.merge.keys_affected if o else 0,
             "delta_version": o.merge.history_version if o else before,
         }
-        meta |= _check(context, spark, platform, table, before)
-        _report(context, table, r.hours, meta)
+        _check_and_report(context, spark, platform, table, before, r.hours, meta)
 
     @dg.job(
         name=UNAPPLY_JOB,

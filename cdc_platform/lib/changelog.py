@@ -107,13 +107,17 @@ def append(
 
     pk = list(primary_key)
     w = Window.partitionBy(*cols(pk), col(SEQ)).orderBy(col(SOURCE_FILE), col(SOURCE_ROW))
-    batch = events.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
-    batch = batch.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
-    schema = delta.arrow_schema_of(batch)
+    events = events.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
+    schema = delta.arrow_schema_of(events)
     lo, hi = seq_range
 
     def attempt() -> AppendResult:
         dt = delta.ensure_table(path, schema, description="cdc_platform change log")
+        # Revoked files go before the duplicates are resolved, so that a kept file's copy of
+        # an event a revoked file also delivered is the one logged.
+        gone = revoked() if revoked is not None else set()
+        kept = events.filter(~col(SOURCE_FILE).isin(sorted(gone))) if gone else events
+        batch = kept.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
         # Only files whose seq range overlaps this batch can hold a duplicate of its events.
         candidates = [
             f
@@ -122,14 +126,11 @@ def append(
             or not (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
         ]
         new = batch
-        gone = revoked() if revoked is not None else set()
-        if gone:
-            new = new.filter(~col(SOURCE_FILE).isin(sorted(gone)))
         if candidates:
             logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(
                 *cols([*pk, SEQ])
             )
-            new = batch.join(logged, [*pk, SEQ], "left_anti")
+            new = new.join(logged, [*pk, SEQ], "left_anti")
         columns = [f.name for f in delta.table_arrow_schema(dt)]
         new = new.select(*[col(c) if c in new.columns else F.lit(None).alias(c) for c in columns])
         adds = delta.write_files(new.coalesce(delta.file_count_for(expected_rows)), path)

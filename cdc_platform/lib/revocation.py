@@ -45,6 +45,8 @@ from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+    from deltalake import DeltaTable
     from pyspark.sql import SparkSession
 
 _HOUR_PARTS = re.compile(r"/year=(\d+)/month=(\d+)/day=(\d+)/hour=(\d+)/[^/]+$")
@@ -157,7 +159,11 @@ def unapply(
     newly = revoked_files.add(paths.revoked_files, files, reason.strip(), run_id, now)
     (removed, keys, rewritten), _ = delta.with_commit_retries(
         lambda: _remove_events(
-            spark, paths, table.primary_key, revoked_files.revoked_names(paths.revoked_files)
+            spark,
+            paths,
+            table.primary_key,
+            revoked_files.revoked_names(paths.revoked_files),
+            fence=bool(newly),
         ),
         f"change log rewrite of {paths.changelog}",
     )
@@ -167,10 +173,18 @@ def unapply(
 
 
 def _remove_events(
-    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], names: set[str]
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    names: set[str],
+    fence: bool = False,
 ) -> tuple[int, int, int]:
     """One attempt: record the keys, rewrite the change-log files holding events of ``names``
-    without them, commit strictly. Returns (events removed, keys, files rewritten)."""
+    without them, commit strictly. Returns (events removed, keys, files rewritten).
+
+    With ``fence`` (files were just revoked) a change log holding none of their events still
+    gets a commit, an empty one: an append that read the revoked list before the files were
+    revoked then loses its strict commit and re-reads the list, instead of logging them."""
     from pyspark.sql import functions as F
 
     if not names or not delta.exists(paths.changelog):
@@ -179,9 +193,9 @@ def _remove_events(
     dt = delta.open_table(paths.changelog)
     version = dt.version()
     arrow_schema = delta.table_arrow_schema(dt)
-    files = [f for f in delta.snapshot_files(dt) if _may_hold(f, names)]
+    files = [f for f in delta.snapshot_files(dt) if revoked_files.may_hold(f, names)]
     if not files:
-        return 0, 0, 0
+        return _fenced(dt, arrow_schema, fence)
     file_col = "_cdc_tmp_log_file"
     events = changelog.read_files(
         spark, paths.changelog, changelog.spark_schema(arrow_schema), files
@@ -198,7 +212,7 @@ def _remove_events(
     )
     removed = int(row["n"])
     if not removed:
-        return 0, 0, 0
+        return _fenced(dt, arrow_schema, fence)
     holding = set(row["files"])
     rewritten = [f for f in files if f.path in holding]
     history = delta.open_table(paths.history) if delta.exists(paths.history) else None
@@ -224,12 +238,11 @@ def _remove_events(
     return removed, int(row["keys"]), len(rewritten)
 
 
-def _may_hold(f: delta.DataFile, names: set[str]) -> bool:
-    """Whether a change-log file may hold an event of ``names``, by its statistics."""
-    lo, hi = f.min_values.get(SOURCE_FILE), f.max_values.get(SOURCE_FILE)
-    if not isinstance(lo, str) or not isinstance(hi, str):
-        return True
-    return any(lo <= n <= hi for n in names)
+def _fenced(dt: DeltaTable, schema: pa.Schema, fence: bool) -> tuple[int, int, int]:
+    """Nothing to remove: commit an empty version if asked to fence off racing appends."""
+    if fence:
+        delta.commit(dt, [], [], schema, metadata={"cdc_platform.unapplied_events": 0}, strict=True)
+    return 0, 0, 0
 
 
 def readmit(

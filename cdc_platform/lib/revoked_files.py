@@ -15,6 +15,7 @@ import pyarrow as pa
 from deltalake import write_deltalake
 
 from cdc_platform.lib import delta
+from cdc_platform.lib.columns import SOURCE_FILE
 from cdc_platform.lib.storage import Location, Where
 
 SCHEMA = pa.schema(
@@ -45,6 +46,15 @@ def revoked(path: Where) -> list[RevokedFile]:
         return []
     rows = delta.read_arrow(path).to_pylist()
     return sorted((RevokedFile(**r) for r in rows), key=lambda r: r.file)
+
+
+def may_hold(f: delta.DataFile, names: set[str]) -> bool:
+    """Whether a change-log file may hold an event of the files ``names``, by the statistics
+    of its ``_cdc_source_file`` column (no statistics: it may)."""
+    lo, hi = f.min_values.get(SOURCE_FILE), f.max_values.get(SOURCE_FILE)
+    if not isinstance(lo, str) or not isinstance(hi, str):
+        return True
+    return any(lo <= n <= hi for n in names)
 
 
 def revoked_names(path: Where) -> set[str]:
