@@ -285,7 +285,10 @@ def _apply_once(
                         .join(slow_keys, pk, "left_semi")
                         .select(*cols([*columns, _FILE]))
                     )
-                versions = versions.join(keys.select(*cols(pk), _SLOW), pk, "left")
+                # One row per key (``current`` may hold more than one row of a key when file
+                # statistics cannot tell closed files apart, so ``keys`` may repeat a key).
+                slow_of = keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
+                versions = versions.join(slow_of, pk, "left")
                 with _cached(_compare(versions, old, pk, data_columns, synced_at)) as compared:
                     rewritten_names, vanished = _old_rows_changed(compared, old, pk)
                     rewritten = [f for f in files if f.path in rewritten_names]
