@@ -55,10 +55,6 @@ def identity(landing_root: Path, f: LandingFile) -> FileIdentity:
     return (os.path.relpath(f.path, landing_root), f.size, f.mtime_ns)
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def record(
     path: Where,
     landing_root: Path,
@@ -90,7 +86,7 @@ def record(
         return
     if not partitions:
         return
-    predicate = f"partition IN ({', '.join(_quote(p) for p in sorted(set(partitions)))})"
+    predicate = delta.in_predicate("partition", sorted(set(partitions)))
     write_deltalake(
         loc.uri,
         data,

@@ -61,6 +61,12 @@ class DataFile:
     max_values: Mapping[str, Any]
 
 
+def in_predicate(column: str, values: Iterable[str]) -> str:
+    """A delta-rs SQL predicate ``column IN ('a', 'b')``, each value quoted as a SQL string."""
+    quoted = ", ".join("'" + v.replace("'", "''") + "'" for v in values)
+    return f"{column} IN ({quoted})"
+
+
 def exists(table_path: Where) -> bool:
     loc = Location.of(table_path)
     return DeltaTable.is_deltatable(loc.uri, loc.storage_options)

@@ -39,10 +39,6 @@ class QuarantinedFile:
     detected_at: datetime
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def record(
     path: Where,
     files_read: Sequence[str],
@@ -67,7 +63,7 @@ def record(
         return
     files = sorted(set(files_read) | {e.file for e in entries})
     clauses = [
-        f"{column} IN ({', '.join(_quote(v) for v in values)})"
+        delta.in_predicate(column, values)
         for column, values in (("file", files), ("partition", sorted(set(partitions))))
         if values
     ]

@@ -36,10 +36,6 @@ class RevokedFile:
     revoked_at: datetime
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def revoked(path: Where) -> list[RevokedFile]:
     """Every revoked file, by name; empty when none ever was."""
     if not delta.exists(path):
@@ -85,5 +81,5 @@ def remove(path: Where, files: Sequence[str]) -> list[str]:
     gone = sorted(set(files) & revoked_names(path))
     if not gone:
         return []
-    delta.open_table(path).delete(f"file IN ({', '.join(_quote(f) for f in gone)})")
+    delta.open_table(path).delete(delta.in_predicate("file", gone))
     return gone
