@@ -476,7 +476,7 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
         defs_obj = dg.Definitions(
             assets=[defs.asset], asset_checks=[defs.checks], jobs=[checks_job], resources=resources
         )
-        run = defs_obj.get_job_def("inv_checks_only").execute_in_process(
+        run = defs_obj.resolve_job_def("inv_checks_only").execute_in_process(
             instance=instance, raise_on_error=False
         )
         # The checks are blocking with ERROR severity: a failing one fails the step and the run.
@@ -529,7 +529,7 @@ def test_full_table_check_job_selects_every_tables_checks(tmp_path: Path) -> Non
     platform = PlatformConfig(
         tmp_path / "landing", Location.of(tmp_path / "warehouse"), (TABLE, other)
     )
-    job = build_definitions(platform).get_job_def("cdc_full_table_checks")
+    job = build_definitions(platform).resolve_job_def("cdc_full_table_checks")
     selected = job.asset_layer.asset_graph.asset_check_keys
     assert {(k.asset_key.to_user_string(), k.name) for k in selected} == {
         (t, n) for t in (NAME, "inv_other") for n in invariants.CHECK_NAMES

@@ -233,7 +233,7 @@ def test_the_dagster_jobs_unapply_and_readmit(spark, tmp_path):
     instance = dg.DagsterInstance.ephemeral()
 
     def run(job: str, config: dict) -> dg.ExecuteInProcessResult:
-        return defs.get_job_def(job).execute_in_process(
+        return defs.resolve_job_def(job).execute_in_process(
             run_config={"ops": {job.split("_")[0]: {"config": config}}},
             resources=dagster_resources(),
             instance=instance,
