@@ -24,7 +24,7 @@ from deltalake import DeltaTable, write_deltalake
 from cdc_platform.defs.alerts import AlertWebhookResource, build_check_failure_alert_sensor
 from cdc_platform.defs.factory import build_definitions, build_table_definitions
 from cdc_platform.lib import invariants
-from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
@@ -609,3 +609,11 @@ def test_versions_one_millisecond_apart_pass(spark, lake) -> None:
     ]
     outcomes = invariants.run_checks(spark, paths, table.primary_key)
     assert [(o.name, o.sample) for o in outcomes if not o.passed] == []
+
+
+def test_the_contract_lists_every_check() -> None:
+    """docs/HISTORY_MODE.md section 6 is the user's list of checks: none may be missing there."""
+    contract = (REPO_ROOT / "docs" / "HISTORY_MODE.md").read_text()
+    section = contract.split("## 6. Invariants")[1].split("\n## ")[0]
+    listed = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert listed == set(invariants.CHECK_NAMES)
