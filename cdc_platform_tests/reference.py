@@ -7,7 +7,7 @@ correct rather than fast.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -61,7 +61,9 @@ def _op(event: Mapping[str, Any]) -> str:
 
 
 def reference_history(
-    events: Iterable[Mapping[str, Any]], primary_key: Sequence[str]
+    events: Iterable[Mapping[str, Any]],
+    primary_key: Sequence[str],
+    untracked: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """Fold CDC events into history-mode versions (docs/HISTORY_MODE.md section 3).
 
@@ -70,6 +72,10 @@ def reference_history(
     datetime, may have microseconds). A data cell equal to ``UNMODIFIED`` keeps the previous
     image's value. Columns missing from an event are null. Data columns are the union of all
     non-pk, non-``cdc_`` keys. DELETE events' data columns are ignored.
+
+    ``untracked``: data columns without history (selective history): an image that differs
+    from the live version in these columns only opens no version but replaces the live
+    version's image.
 
     Returns one dict per version: pk columns, every data column, ``_fivetran_start``,
     ``_fivetran_end``, ``_fivetran_active``; sorted by (pk, ``_fivetran_start``).
@@ -95,7 +101,7 @@ def reference_history(
 
     out: list[dict[str, Any]] = []
     for key, by_seq in by_key.items():
-        out.extend(_fold_key(key, list(by_seq.values()), primary_key, columns))
+        out.extend(_fold_key(key, list(by_seq.values()), primary_key, columns, untracked))
     out.sort(key=lambda row: (tuple(row[c] for c in primary_key), row["_fivetran_start"]))
     return out
 
@@ -119,8 +125,10 @@ def _fold_key(
     events: list[Mapping[str, Any]],
     primary_key: list[str],
     columns: list[str],
+    untracked: Collection[str] = (),
 ) -> list[dict[str, Any]]:
     """Walk one key's events, one distinct millisecond at a time."""
+    tracked = [c for c in columns if c not in untracked]
     events = sorted(events, key=lambda e: (truncate_to_ms(e[TS_COL]), int(e[SEQ_COL])))
 
     # Group into distinct milliseconds, keeping (ms, seq) order inside each group.
@@ -161,8 +169,10 @@ def _fold_key(
         assert image is not None
         last_image = image
 
-        if live is not None and _same_image(image, live["image"], columns):
+        if live is not None and _same_image(image, live["image"], tracked):
             # Rule 2: no new version. Rule 5 (second half): a trailing delete closes it here.
+            # Untracked cells (selective history) take their new values in place.
+            live["image"] = image
             if last_is_delete:
                 live["end"] = ms
                 live["active"] = False
@@ -194,11 +204,13 @@ def _fold_key(
 
 
 def changed_columns(
-    versions: Iterable[Mapping[str, Any]], primary_key: Sequence[str]
+    versions: Iterable[Mapping[str, Any]],
+    primary_key: Sequence[str],
+    untracked: Collection[str] = (),
 ) -> dict[tuple[Any, ...], list[str] | None]:
     """``_cdc_changed_columns`` as defined, from consecutive versions: per (key, start), the
-    data columns (in the rows' column order) whose value differs, None-safe, from the key's
-    previous version; None for a key's first version."""
+    tracked data columns (in the rows' column order) whose value differs, None-safe, from the
+    key's previous version; None for a key's first version."""
     by_key: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for v in versions:
         by_key.setdefault(tuple(v[k] for k in primary_key), []).append(v)
@@ -206,7 +218,11 @@ def changed_columns(
     for key, rows in by_key.items():
         rows = sorted(rows, key=lambda r: r["_fivetran_start"])
         names = [
-            c for c in rows[0] if c not in primary_key and not c.startswith(("_fivetran_", "_cdc_"))
+            c
+            for c in rows[0]
+            if c not in primary_key
+            and c not in untracked
+            and not c.startswith(("_fivetran_", "_cdc_"))
         ]
         previous: Mapping[str, Any] | None = None
         for r in rows:

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
+from cdc_platform.lib.history import TRACK_ALL, HistoryColumns
 from cdc_platform.lib.storage import OBJECT_STORE_SCHEMES, EnvRef, Location, OptionValue
 from cdc_platform.lib.warehouse import current_table_name
 
@@ -80,6 +81,9 @@ class TableConfig:
     # Also keep `<table>_current`: the active rows only (SCD1), refreshed after each
     # materialization of the history table (an optional second asset).
     current_table: bool = False
+    # Selective history: which data columns open a new version when they change
+    # (``track_history_columns`` / ``ignore_history_columns``); default every column.
+    history_columns: HistoryColumns = TRACK_ALL
 
     @property
     def start_partition_key(self) -> str:
@@ -138,6 +142,8 @@ _TABLE_FIELDS = {
     "full_sweep_minutes",
     "sensor_interval_seconds",
     "current_table",
+    "track_history_columns",
+    "ignore_history_columns",
 }
 _TOP_FIELDS = {
     "landing_root",
@@ -440,7 +446,39 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         full_sweep_minutes=positive_int("full_sweep_minutes", 60),
         sensor_interval_seconds=positive_int("sensor_interval_seconds", 60),
         current_table=boolean("current_table"),
+        history_columns=_history_columns(raw, pk, fail),
     )
+
+
+def _history_columns(
+    raw: dict[str, Any], pk: list[str], fail: Callable[[str, str], ConfigError]
+) -> HistoryColumns:
+    """``track_history_columns`` (only these keep history) or ``ignore_history_columns`` (these
+    do not): a list of data column names, never a key column, never both lists."""
+    lists: dict[str, tuple[str, ...]] = {}
+    for key in ("track_history_columns", "ignore_history_columns"):
+        if key not in raw:
+            continue
+        value = raw[key]
+        if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
+            raise fail(key, "must be a list of column names")
+        if len({c.lower() for c in value}) != len(value):
+            raise fail(key, "lists a column twice (names are case-insensitive in Delta)")
+        in_key = [c for c in value if c.lower() in {k.lower() for k in pk}]
+        if in_key:
+            raise fail(key, f"primary key column(s) {in_key} always identify the version")
+        system = [c for c in value if c.lower() in CDC_COLUMNS or is_reserved(c)]
+        if system:
+            raise fail(key, f"system column(s) {system} are not data columns")
+        lists[key] = tuple(value)
+    if len(lists) == 2:
+        raise fail(
+            "ignore_history_columns",
+            "give track_history_columns or ignore_history_columns, not both",
+        )
+    if "track_history_columns" in lists:
+        return HistoryColumns(track=lists["track_history_columns"])
+    return HistoryColumns(ignore=lists.get("ignore_history_columns", ()))
 
 
 def _primary_key(pk: Any, fail: Callable[[str, str], ConfigError]) -> list[str]:

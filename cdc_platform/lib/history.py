@@ -10,11 +10,17 @@ one step, which is what lets this run as window functions instead of a Python lo
 * a step opens a version unless it has no non-delete or its image equals the live image;
 * a version ends at the first later step that opens a version (end = that ms - 1 ms) or ends
   in a delete (end = that ms); a version whose own step ends in a delete has start = end.
+
+With selective history (``HistoryColumns``), only the tracked columns decide whether a step
+opens a version; a step that changes untracked columns only is folded into the live version,
+which takes the image of its last step (its values are updated in place).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import reduce
 from typing import TYPE_CHECKING
 
@@ -39,6 +45,7 @@ from cdc_platform.lib.columns import (
 )
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
     from pyspark.sql import Column, DataFrame
 
 __all__ = [  # the column names are re-exported for existing callers; their home is columns.py
@@ -48,6 +55,7 @@ __all__ = [  # the column names are re-exported for existing callers; their home
     "START",
     "SYNCED",
     "TMAX",
+    "HistoryColumns",
     "build_versions",
     "dedupe_events",
     "tmax_literal",
@@ -66,6 +74,72 @@ _LIVE_BEFORE = internal("live_before")
 _PREV_IMG = internal("prev_img")
 _OPENS = internal("opens")
 _NEXT_CLOSE = internal("next_close")
+_VERSION_NO = internal("version_no")
+
+# The history table's property recording the selective-history setting its versions follow.
+HISTORY_COLUMNS_PROPERTY = "cdc_platform.history_columns"
+
+
+@dataclass(frozen=True)
+class HistoryColumns:
+    """Which data columns keep history (a table's ``track_history_columns`` or
+    ``ignore_history_columns``): a change to a tracked column opens a version; a change to
+    untracked columns only updates the live version in place. The default tracks every column.
+
+    Names match case-insensitively (Delta column names are). Columns that appear later are
+    tracked under an ignore list and untracked under a track list.
+    """
+
+    track: tuple[str, ...] | None = None  # only these; None: every column not ignored
+    ignore: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.track is not None and self.ignore:
+            raise ValueError("give track_history_columns or ignore_history_columns, not both")
+
+    @property
+    def tracks_everything(self) -> bool:
+        return self.track is None and not self.ignore
+
+    def untracked(self, data_columns: Sequence[str]) -> list[str]:
+        """The data columns whose changes open no version, in table order."""
+        if self.track is not None:
+            tracked = {c.lower() for c in self.track}
+            return [c for c in data_columns if c.lower() not in tracked]
+        ignored = {c.lower() for c in self.ignore}
+        return [c for c in data_columns if c.lower() in ignored]
+
+    def tracked(self, data_columns: Sequence[str]) -> list[str]:
+        untracked = set(self.untracked(data_columns))
+        return [c for c in data_columns if c not in untracked]
+
+    def to_json(self) -> str:
+        """The setting as the history table records it (a table property)."""
+        if self.track is not None:
+            return json.dumps({"track": sorted(self.track, key=str.lower)})
+        return json.dumps({"ignore": sorted(self.ignore, key=str.lower)})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> HistoryColumns:
+        """The setting a history table was built with (absent: every column tracked)."""
+        if not text:
+            return cls()
+        raw = json.loads(text)
+        if "track" in raw:
+            return cls(track=tuple(raw["track"]))
+        return cls(ignore=tuple(raw.get("ignore", ())))
+
+    @classmethod
+    def of_table(cls, dt: DeltaTable) -> HistoryColumns:
+        """The setting a history table's versions follow (its table property)."""
+        return cls.from_json(dt.metadata().configuration.get(HISTORY_COLUMNS_PROPERTY))
+
+    def same_as(self, other: HistoryColumns) -> bool:
+        """The same setting, whatever the names' order and case."""
+        return self.to_json().lower() == other.to_json().lower()
+
+
+TRACK_ALL = HistoryColumns()
 
 
 def tmax_literal() -> Column:
@@ -94,16 +168,18 @@ def build_versions(
     primary_key: Sequence[str],
     data_columns: Sequence[str],
     deduplicated: bool = False,
+    history_columns: HistoryColumns = TRACK_ALL,
 ) -> DataFrame:
     """Every version of every key in ``events``: key, data columns, start, end, active, and
-    ``_cdc_changed_columns`` (the data columns whose value differs, ``<=>``, from the key's
-    previous version; null for the first version of a key in ``events``).
+    ``_cdc_changed_columns`` (the tracked data columns whose value differs, ``<=>``, from the
+    key's previous version; null for the first version of a key in ``events``).
 
     ``events`` must hold *all* events of the keys it covers (order does not matter). Column
     names are used verbatim (quoted), and the working columns live under the internal prefix,
     so a source column called ``_seq``, ``a.b`` or ``a`b`` is just data. Images are compared
     with ``<=>``, which every supported column type allows (maps are set aside on reading).
     ``deduplicated`` says each ``(key, cdc_change_seq)`` is there once already.
+    ``history_columns`` says which columns open versions (the others update in place).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -147,8 +223,26 @@ def build_versions(
         _LIVE_BEFORE, F.coalesce(F.lag(live_after).over(w_steps), F.lit(False))
     )
     steps = steps.withColumn(_PREV_IMG, F.lag(col(_IMG)).over(w_steps))
-    same_image = _images_equal(col(_IMG), col(_PREV_IMG), data_columns)
+    tracked = history_columns.tracked(data_columns)
+    untracked = history_columns.untracked(data_columns)
+    same_image = _images_equal(col(_IMG), col(_PREV_IMG), tracked)
     steps = steps.withColumn(_OPENS, col(_HAS_IMAGE) & ~(col(_LIVE_BEFORE) & same_image))
+    if untracked:
+        # A step that opens no version but has an image belongs to the live version: the
+        # version takes the image of its last such step (untracked cells updated in place).
+        steps = steps.withColumn(
+            _VERSION_NO,
+            F.sum(col(_OPENS).cast("int")).over(
+                w_steps.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+            ),
+        )
+        in_version = Window.partitionBy(*pkc, col(_VERSION_NO)).orderBy(col(_MS))
+        steps = steps.withColumn(
+            _IMG,
+            F.last(F.when(col(_HAS_IMAGE), col(_IMG)), ignorenulls=True).over(
+                in_version.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+            ),
+        )
 
     one_ms = F.expr("INTERVAL 1 MILLISECOND")
     closes_previous_at = F.when(col(_OPENS), col(_MS) - one_ms).when(col(_ENDS_DELETED), col(_MS))
@@ -166,8 +260,7 @@ def build_versions(
     # Which columns differ from the key's previous version (null for the first one it folds).
     previous = F.lag(col(_IMG)).over(Window.partitionBy(*pkc).orderBy(col(_MS)))
     differing = [
-        F.when(~col(_IMG).getField(c).eqNullSafe(previous.getField(c)), F.lit(c))
-        for c in data_columns
+        F.when(~col(_IMG).getField(c).eqNullSafe(previous.getField(c)), F.lit(c)) for c in tracked
     ]
     changed = F.when(
         previous.isNotNull(),

@@ -30,7 +30,7 @@ from cdc_platform.lib.columns import (
     cols,
     internal,
 )
-from cdc_platform.lib.history import dedupe_events, tmax_literal
+from cdc_platform.lib.history import HistoryColumns, dedupe_events, tmax_literal
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -167,7 +167,17 @@ def run_checks(
     pairs = _consecutive_pairs(keyed, pk)
     outcomes.append(outcome(NO_OVERLAP, pairs.filter(F.col("_next_start") <= F.col(END))))
     outcomes.append(_contiguity(spark, paths, pk, keyed, pairs, outcome))
-    outcomes.append(_reconciliation(spark, paths, pk, keyed, outcome, whole_table=scope is None))
+    outcomes.append(
+        _reconciliation(
+            spark,
+            paths,
+            pk,
+            keyed,
+            outcome,
+            HistoryColumns.of_table(dt),
+            whole_table=scope is None,
+        )
+    )
     order = {n: i for i, n in enumerate(CHECK_NAMES)}
     return sorted(outcomes, key=lambda o: order[o.name])
 
@@ -215,6 +225,7 @@ def _reconciliation(
     pk: list[str],
     table: DataFrame,
     outcome: Callable[..., CheckOutcome],
+    history_columns: HistoryColumns,
     whole_table: bool = False,
 ) -> CheckOutcome:
     """The table against its change log, without the writer's fold (``history.build_versions``).
@@ -238,6 +249,9 @@ def _reconciliation(
        imply (the next delete at or after its start, else the next version's start - 1 ms,
        else TMAX; active exactly when TMAX).
 
+    With selective history, "image" in 2 and 4 means the tracked columns; a version's untracked
+    columns must hold the image of the last step it covers (they are updated in place).
+
     Shared with the writer, so not caught: counting each (key, cdc_change_seq) once
     (``history.dedupe_events``: which copy of a seq wins) and resolving unmodified cells to the
     key's latest modified value before the event (rule 1). Never compared: _fivetran_synced.
@@ -257,6 +271,8 @@ def _reconciliation(
     missing = [c for c in data_columns if c not in events.columns]
     if missing:
         return outcome(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")
+    tracked = history_columns.tracked(data_columns)
+    untracked = history_columns.untracked(data_columns)
     keys = (events if whole_table else table).select(*cols(pk)).distinct()
     steps = _steps(dedupe_events(events.join(keys, pk, "left_semi"), pk), pk, data_columns)
 
@@ -293,10 +309,13 @@ def _reconciliation(
         F.first(deleted_at, ignorenulls=True).over(from_here).alias("_cdc_tmp_next_delete"),
         F.first(F.col(f"{ver}.start"), ignorenulls=True).over(after).alias("_cdc_tmp_next_start"),
         F.last(deleted_at, ignorenulls=True).over(before).alias("_cdc_tmp_last_delete"),
+        F.first(F.when(F.col(f"{step}.has_image"), F.col(t)), ignorenulls=True)
+        .over(after)
+        .alias("_cdc_tmp_next_image"),
     )
     is_step, is_version = F.col(kind) == 1, F.col(kind) == 0
     cov, prev = F.col("_cdc_tmp_covering"), F.col("_cdc_tmp_previous")
-    same = _same_image(cov.getField("img"), F.col(f"{step}.img"), data_columns)
+    same = _same_image(cov.getField("img"), F.col(f"{step}.img"), tracked)
     live_after = F.col(f"{step}.has_image") & ~F.col(f"{step}.ends_deleted")
     image_then_delete = F.col(f"{step}.has_image") & F.col(f"{step}.ends_deleted")
     not_true = lambda c: ~F.coalesce(c, F.lit(False))  # noqa: E731
@@ -306,6 +325,17 @@ def _reconciliation(
         | (image_then_delete & (cov.isNull() | not_true(cov.getField("end") == F.col(t)) | ~same))
         | (~F.col(f"{step}.has_image") & F.coalesce(cov.getField("end") > F.col(t), F.lit(False)))
     )
+    if untracked:
+        # The last step with an image before the next version: its untracked cells are the
+        # covering version's (every earlier one was overwritten in place).
+        next_image, next_version = F.col("_cdc_tmp_next_image"), F.col("_cdc_tmp_next_start")
+        last_of_version = next_image.isNull() | F.coalesce(next_image >= next_version, F.lit(False))
+        step_fails = step_fails | (
+            is_step
+            & F.col(f"{step}.has_image")
+            & last_of_version
+            & (cov.isNull() | ~_same_image(cov.getField("img"), F.col(f"{step}.img"), untracked))
+        )
     one_ms = F.expr("INTERVAL 1 MILLISECOND")
     next_delete, next_start = F.col("_cdc_tmp_next_delete"), F.col("_cdc_tmp_next_start")
     expected_end = (
@@ -327,7 +357,7 @@ def _reconciliation(
         | (
             handed_over
             & ~deleted_just_before
-            & _same_image(prev.getField("img"), F.col(f"{ver}.img"), data_columns)
+            & _same_image(prev.getField("img"), F.col(f"{ver}.img"), tracked)
         )
         | ~F.col(f"{ver}.end").eqNullSafe(expected_end)
         | ~F.col(f"{ver}.active").eqNullSafe(expected_end == tmax_literal())
@@ -338,7 +368,7 @@ def _reconciliation(
     timeline = timeline.join(image_steps, [*pk, t], "left")
     failing = timeline.filter(step_fails | version_fails).select(*cols(pk))
     if CURRENT in table.columns:
-        failing = failing.unionByName(_state_mismatches(table, events, pk, data_columns))
+        failing = failing.unionByName(_state_mismatches(table, events, pk, tracked))
     return outcome(MATCHES_CHANGELOG, failing)
 
 
@@ -409,12 +439,13 @@ def _same_image(a: Column, b: Column, data_columns: Sequence[str]) -> Column:
 
 
 def _state_mismatches(
-    table: DataFrame, events: DataFrame, pk: list[str], data_columns: Sequence[str]
+    table: DataFrame, events: DataFrame, pk: list[str], tracked_columns: Sequence[str]
 ) -> DataFrame:
     """Keys whose state columns (which the merge's fast path trusts) break their definition:
     a key's latest version, and only it, is current and carries the millisecond of the key's
     last event; every other version has no last-event time; a version's changed columns are
-    the data columns that differ from the key's previous version (null on its first)."""
+    the tracked data columns that differ from the key's previous version (null on its
+    first)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -430,7 +461,8 @@ def _state_mismatches(
         previous = Window.partitionBy(*cols(pk)).orderBy(col(START))
         first = F.lag(col(START)).over(previous).isNull()
         differing = [
-            F.when(~col(c).eqNullSafe(F.lag(col(c)).over(previous)), F.lit(c)) for c in data_columns
+            F.when(~col(c).eqNullSafe(F.lag(col(c)).over(previous)), F.lit(c))
+            for c in tracked_columns
         ]
         names = (
             F.filter(F.array(*differing), lambda n: n.isNotNull())

@@ -61,7 +61,13 @@ from cdc_platform.lib.columns import (
     cols,
     internal,
 )
-from cdc_platform.lib.history import build_versions, dedupe_events
+from cdc_platform.lib.history import (
+    HISTORY_COLUMNS_PROPERTY,
+    TRACK_ALL,
+    HistoryColumns,
+    build_versions,
+    dedupe_events,
+)
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -138,14 +144,35 @@ def is_closed_file(f: delta.DataFile) -> bool:
 
 
 def apply_pending(
-    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], synced_at: datetime
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    synced_at: datetime,
+    history_columns: HistoryColumns = TRACK_ALL,
 ) -> MergeResult:
-    """Recompute the keys with pending change-log events; retry if another writer commits first."""
+    """Recompute the keys with pending change-log events; retry if another writer commits first.
+
+    A table built with another ``history_columns`` setting is recomputed whole, once: its
+    versions were cut by other columns. The setting is then recorded on the table.
+    """
     result, attempts = delta.with_commit_retries(
-        lambda: _apply_once(spark, paths, primary_key, synced_at),
+        lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns),
         f"history commit for {paths.history}",
     )
+    if result.history_version is not None:
+        record_history_columns(paths, history_columns)
     return replace(result, attempts=attempts)
+
+
+def record_history_columns(paths: TablePaths, history_columns: HistoryColumns) -> None:
+    """Record the setting once the versions follow it (a metadata-only commit, after the data
+    commit: a crash in between leaves the old setting, and the next run recomputes again)."""
+    dt = delta.open_table(paths.history)
+    if HistoryColumns.of_table(dt).same_as(history_columns):
+        return
+    dt.alter.set_table_properties(
+        {HISTORY_COLUMNS_PROPERTY: history_columns.to_json()}, raise_if_not_exists=False
+    )
 
 
 @dataclass(frozen=True)
@@ -155,28 +182,35 @@ class _Snapshot:
     changelog: DeltaTable
     history: DeltaTable | None
     applied: int | None  # change-log version the history table reflects
-    rebuild: bool  # the history table predates a state column: recompute every key
+    # The history table predates a state column, or follows another history_columns
+    # setting: recompute every key.
+    rebuild: bool
 
     @classmethod
-    def open(cls, paths: TablePaths) -> _Snapshot | None:
+    def open(cls, paths: TablePaths, history_columns: HistoryColumns) -> _Snapshot | None:
         if not delta.exists(paths.changelog):
             return None
         log = delta.open_table(paths.changelog)
         history = delta.open_table(paths.history) if delta.exists(paths.history) else None
         applied = history.transaction_version(APP_ID) if history is not None else None
-        rebuild = history is not None and not set(STATE_COLUMNS) <= set(
-            delta.table_arrow_schema(history).names
+        rebuild = history is not None and (
+            not set(STATE_COLUMNS) <= set(delta.table_arrow_schema(history).names)
+            or not HistoryColumns.of_table(history).same_as(history_columns)
         )
         return cls(log, history, None if rebuild else applied, rebuild)
 
 
 def _apply_once(
-    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], synced_at: datetime
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    synced_at: datetime,
+    history_columns: HistoryColumns,
 ) -> MergeResult:
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
-    snap = _Snapshot.open(paths)
+    snap = _Snapshot.open(paths, history_columns)
     if snap is None:
         return MergeResult(history_version=delta.version_or_none(paths.history))
     log_version = snap.changelog.version()
@@ -273,7 +307,11 @@ def _apply_once(
                     F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
                 )
                 versions = _with_state(
-                    build_versions(events, pk, data_columns, deduplicated=True), last_events, pk
+                    build_versions(
+                        events, pk, data_columns, deduplicated=True, history_columns=history_columns
+                    ),
+                    last_events,
+                    pk,
                 )
                 old = current.select(*cols([*columns, _FILE]))
                 closed_read = (

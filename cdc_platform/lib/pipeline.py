@@ -154,7 +154,7 @@ def materialize(
     fault_point("after_changelog_commit")
 
     version_before = delta.version_or_none(paths.history)
-    merge = apply_pending(spark, paths, table.primary_key, synced_at)
+    merge = apply_pending(spark, paths, table.primary_key, synced_at, table.history_columns)
     return MaterializationOutcome(
         files_read=len(all_paths),
         events_read=events_read,

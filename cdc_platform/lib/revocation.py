@@ -167,7 +167,7 @@ def unapply(
         ),
         f"change log rewrite of {paths.changelog}",
     )
-    merge = apply_pending(spark, paths, table.primary_key, now)
+    merge = apply_pending(spark, paths, table.primary_key, now, table.history_columns)
     hours = sorted({h for f in files if (h := hour_of(f)) is not None})
     return UnapplyResult(tuple(files), tuple(newly), removed, keys, rewritten, merge, tuple(hours))
 
