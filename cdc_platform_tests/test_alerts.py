@@ -389,7 +389,6 @@ def test_unreachable_webhook_never_loses_check_results(
         assert mat.materialization.metadata["files_quarantined"].value == 1
         passed = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
         assert passed == {name: name != invariants.NO_QUARANTINE for name in invariants.CHECK_NAMES}
-        assert len(passed) == 10
         # Recorded in the instance too, not only in the run's result.
         records = instance.event_log_storage.get_latest_asset_check_execution_by_key(
             list(defs.checks.check_keys)

@@ -18,6 +18,7 @@ from deltalake import DeltaTable
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.lib import invariants
 from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder
@@ -56,9 +57,8 @@ def run_partition(
     )
     assert result.success
     evaluations = result.get_asset_check_evaluations()
-    assert len(evaluations) == 10 and all(e.passed for e in evaluations), [
-        e.check_name for e in evaluations if not e.passed
-    ]
+    assert len(evaluations) == len(invariants.CHECK_NAMES)
+    assert all(e.passed for e in evaluations), [e.check_name for e in evaluations if not e.passed]
     return result
 
 
