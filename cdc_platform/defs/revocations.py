@@ -3,21 +3,20 @@ putting it back, from the Launchpad.
 
 Each run names the table, the files (paths or globs relative to the landing root or to the
 table's folder) and, to un-apply, a reason. The work is ``lib.revocation``'s; here it is
-reported as materializations of the hour partitions the files are in (so the UI shows the
-table changed, and ``<table>_current`` refreshes), and checked: the invariants run over the
-keys the run recomputed, and a failing invariant fails the run (the run-failure alert fires).
+reported and checked as ``defs.operations`` does for every operator job, on the hour
+partitions the files are in.
 """
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
 from pydantic import Field
 
+from cdc_platform.defs.operations import check_and_report, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.lib import delta, invariants
-from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.landing import hour_to_partition_key
+from cdc_platform.lib import delta
+from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.revocation import NoMatchingFileError, readmit, unapply
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -39,73 +38,12 @@ class ReadmitConfig(dg.Config):
     files: list[str] = Field(description="Revoked files to apply again: paths or globs.")
 
 
-def _table(platform: PlatformConfig, name: str) -> TableConfig:
-    try:
-        return platform.table(name)
-    except KeyError:
-        known = ", ".join(t.name for t in platform.tables)
-        raise dg.Failure(f"no table {name!r} in the config (tables: {known})") from None
-
-
-def _check_and_report(
-    context: dg.OpExecutionContext,
-    spark: SparkResource,
-    platform: PlatformConfig,
-    table: TableConfig,
-    version_before: int | None,
-    hours: tuple[datetime, ...],
-    meta: dict[str, Any],
-) -> None:
-    """Run the invariants over the keys this run recomputed, report the change (with the
-    checks' results) and then fail the run if an invariant failed: the commit happened, so
-    the UI shows it either way."""
-    paths = TablePaths.of(platform.warehouse_root, table.name)
-    session = spark.spark_session
-    scope = invariants.touched_keys(session, paths, table.primary_key, version_before)
-    outcomes = invariants.run_checks(session, paths, table.primary_key, scope)
-    failed = [o for o in outcomes if not o.passed and o.name != invariants.NO_QUARANTINE]
-    for o in failed:
-        context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s) {o.sample}")
-    meta = {
-        **meta,
-        "checks_passed": [o.name for o in outcomes if o.passed],
-        "checks_failed": [o.name for o in failed],
-    }
-    _report(context, table, hours, meta)
-    if failed:
-        raise dg.Failure(
-            f"{table.name}: invariants failed after the run: {', '.join(o.name for o in failed)}",
-            metadata={o.name: o.failing for o in failed},
-        )
-
-
-def _report(
-    context: dg.OpExecutionContext,
-    table: TableConfig,
-    hours: tuple[datetime, ...],
-    meta: dict[str, Any],
-) -> None:
-    # Partitions of the asset only: from the table's start to the last closed hour.
-    last = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
-    hours = tuple(h for h in hours if table.start <= h <= last)
-    for hour in hours:
-        context.log_event(
-            dg.AssetMaterialization(
-                asset_key=dg.AssetKey(table.name),
-                partition=hour_to_partition_key(hour),
-                metadata=meta,
-            )
-        )
-    if not hours:
-        context.log_event(dg.AssetObservation(asset_key=dg.AssetKey(table.name), metadata=meta))
-
-
 def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     @dg.op(name="unapply")
     def unapply_op(
         context: dg.OpExecutionContext, config: UnapplyConfig, spark: SparkResource
     ) -> None:
-        table = _table(platform, config.table)
+        table = table_named(platform, config.table)
         paths = TablePaths.of(platform.warehouse_root, table.name)
         before = delta.version_or_none(paths.history)
         try:
@@ -140,7 +78,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
             "files_added": r.merge.files_added,
             "delta_version": r.merge.history_version,
         }
-        _check_and_report(context, spark, platform, table, before, r.hours, meta)
+        check_and_report(context, spark, platform, table, before, r.hours, meta)
 
     @dg.op(name="readmit")
     def readmit_op(
@@ -149,7 +87,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         spark: SparkResource,
         keyring: KeyringResource,
     ) -> None:
-        table = _table(platform, config.table)
+        table = table_named(platform, config.table)
         paths = TablePaths.of(platform.warehouse_root, table.name)
         before = delta.version_or_none(paths.history)
         try:
@@ -175,7 +113,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
             "keys_affected": o.merge.keys_affected if o else 0,
             "delta_version": o.merge.history_version if o else before,
         }
-        _check_and_report(context, spark, platform, table, before, r.hours, meta)
+        check_and_report(context, spark, platform, table, before, r.hours, meta)
 
     @dg.job(
         name=UNAPPLY_JOB,

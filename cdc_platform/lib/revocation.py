@@ -27,14 +27,14 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib import changelog, delta, revoked_files
-from cdc_platform.lib.columns import SOURCE_FILE, col, cols
+from cdc_platform.lib.columns import SOURCE_FILE, col, cols, internal
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import is_data_file
@@ -47,8 +47,10 @@ from cdc_platform.lib.warehouse import TablePaths
 if TYPE_CHECKING:
     import pyarrow as pa
     from deltalake import DeltaTable
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
+# The column ``remove_events``' callers set on each change-log event: true if it goes.
+GONE = internal("gone")
 _HOUR_PARTS = re.compile(r"/year=(\d+)/month=(\d+)/day=(\d+)/hour=(\d+)/[^/]+$")
 
 
@@ -189,20 +191,51 @@ def _remove_events(
 
     if not names or not delta.exists(paths.changelog):
         return 0, 0, 0
-    pk = list(primary_key)
     dt = delta.open_table(paths.changelog)
+    files = [f for f in delta.snapshot_files(dt) if revoked_files.may_hold(f, names)]
+    gone = F.coalesce(col(SOURCE_FILE).isin(sorted(names)), F.lit(False))
+    return remove_events(
+        spark,
+        paths,
+        primary_key,
+        dt,
+        files,
+        lambda events: events.withColumn(GONE, gone),
+        "cdc_platform.unapplied_events",
+        fence,
+    )
+
+
+def remove_events(
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    dt: DeltaTable,
+    files: Sequence[delta.DataFile],
+    mark: Callable[[DataFrame], DataFrame],
+    metadata_key: str,
+    fence: bool = False,
+) -> tuple[int, int, int]:
+    """Take the events ``mark`` flags (its boolean column ``GONE``) out of ``files`` of the
+    change-log snapshot ``dt``: record their keys as retracted, then rewrite the files holding
+    them in one strict commit. Returns (events removed, keys, files rewritten); with ``fence``
+    an empty commit is made even when nothing is removed (see ``_remove_events``)."""
+    from pyspark.sql import functions as F
+
+    pk = list(primary_key)
     version = dt.version()
     arrow_schema = delta.table_arrow_schema(dt)
-    files = [f for f in delta.snapshot_files(dt) if revoked_files.may_hold(f, names)]
     if not files:
-        return _fenced(dt, arrow_schema, fence)
+        return _fenced(dt, arrow_schema, fence, metadata_key)
     file_col = "_cdc_tmp_log_file"
-    events = changelog.read_files(
-        spark, paths.changelog, changelog.spark_schema(arrow_schema), files
-    ).withColumn(file_col, _table_relative(F.input_file_name(), Location.of(paths.changelog)))
-    gone = col(SOURCE_FILE).isin(sorted(names))
+    log_schema = changelog.spark_schema(arrow_schema)
+    events = mark(
+        changelog.read_files(spark, paths.changelog, log_schema, files).withColumn(
+            file_col, _table_relative(F.input_file_name(), Location.of(paths.changelog))
+        )
+    )
     row = (
-        events.filter(gone)
+        events.filter(col(GONE))
         .agg(
             F.count(F.lit(1)).alias("n"),
             F.collect_set(file_col).alias("files"),
@@ -212,16 +245,18 @@ def _remove_events(
     )
     removed = int(row["n"])
     if not removed:
-        return _fenced(dt, arrow_schema, fence)
+        return _fenced(dt, arrow_schema, fence, metadata_key)
     holding = set(row["files"])
     rewritten = [f for f in files if f.path in holding]
     history = delta.open_table(paths.history) if delta.exists(paths.history) else None
     applied = history.transaction_version(APP_ID) if history is not None else None
-    record_retracted_keys(paths, events.filter(gone).select(*cols(pk)), version, applied)
+    record_retracted_keys(paths, events.filter(col(GONE)).select(*cols(pk)), version, applied)
     kept_rows = sum(f.num_records or 0 for f in rewritten) - removed
-    kept = changelog.read_files(
-        spark, paths.changelog, changelog.spark_schema(arrow_schema), rewritten
-    ).filter(~gone | col(SOURCE_FILE).isNull())
+    kept = (
+        mark(changelog.read_files(spark, paths.changelog, log_schema, rewritten))
+        .filter(~col(GONE))
+        .drop(GONE)
+    )
     adds = delta.write_files(kept.coalesce(delta.file_count_for(kept_rows)), paths.changelog)
     try:
         delta.commit(
@@ -229,7 +264,7 @@ def _remove_events(
             adds,
             delta.removes_for(rewritten),
             arrow_schema,
-            metadata={"cdc_platform.unapplied_events": removed},
+            metadata={metadata_key: removed},
             strict=True,
         )
     except BaseException:
@@ -238,10 +273,12 @@ def _remove_events(
     return removed, int(row["keys"]), len(rewritten)
 
 
-def _fenced(dt: DeltaTable, schema: pa.Schema, fence: bool) -> tuple[int, int, int]:
+def _fenced(
+    dt: DeltaTable, schema: pa.Schema, fence: bool, metadata_key: str
+) -> tuple[int, int, int]:
     """Nothing to remove: commit an empty version if asked to fence off racing appends."""
     if fence:
-        delta.commit(dt, [], [], schema, metadata={"cdc_platform.unapplied_events": 0}, strict=True)
+        delta.commit(dt, [], [], schema, metadata={metadata_key: 0}, strict=True)
     return 0, 0, 0
 
 

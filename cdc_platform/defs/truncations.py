@@ -1,0 +1,100 @@
+"""``truncate_table``: Fivetran's Truncate, from the Launchpad.
+
+A run names the table, ``before`` (an ISO-8601 time; the run's start when left out) and
+``soft``. The work is ``lib.truncation``'s; it is reported and checked as ``defs.operations``
+does for every operator job, on the hour partition ``before`` falls in.
+"""
+
+from datetime import UTC, datetime
+
+import dagster as dg
+from pydantic import Field
+
+from cdc_platform.defs.operations import check_and_report, table_named
+from cdc_platform.defs.resources import SparkResource
+from cdc_platform.lib import delta
+from cdc_platform.lib.config import PlatformConfig
+from cdc_platform.lib.truncation import truncate
+from cdc_platform.lib.warehouse import TablePaths
+
+TRUNCATE_JOB = "truncate_table"
+
+
+class TruncateConfig(dg.Config):
+    table: str = Field(description="The table, as named in the config.")
+    before: str | None = Field(
+        default=None,
+        description="Truncate what was written before this time: ISO-8601 with a zone "
+        "(2024-01-02T00:00:00Z). Default: when the run starts.",
+    )
+    soft: bool = Field(
+        default=True,
+        description="Soft: close the live versions at `before` (history kept). Hard: remove "
+        "the keys' rows and events (Delta time travel keeps them).",
+    )
+
+
+def parse_before(text: str | None, default: datetime) -> datetime:
+    """``before`` as given in the run config; a clear failure if it is not a zoned time."""
+    if text is None or not text.strip():
+        return default
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise dg.Failure(
+            f"before {text!r} is not an ISO-8601 time (like 2024-01-02T00:00:00Z)"
+        ) from None
+    if value.tzinfo is None:
+        raise dg.Failure(f"before {text!r} has no time zone: add Z for UTC, or an offset")
+    return value.astimezone(UTC)
+
+
+def build_truncate_job(platform: PlatformConfig) -> dg.JobDefinition:
+    @dg.op(name="truncate")
+    def truncate_op(
+        context: dg.OpExecutionContext, config: TruncateConfig, spark: SparkResource
+    ) -> None:
+        table = table_named(platform, config.table)
+        started = datetime.now(UTC)
+        before = parse_before(config.before, started)
+        paths = TablePaths.of(platform.warehouse_root, table.name)
+        version_before = delta.version_or_none(paths.history)
+        try:
+            r = truncate(
+                spark.spark_session, table, platform.warehouse_root, before, config.soft, started
+            )
+        except ValueError as exc:
+            raise dg.Failure(str(exc)) from None
+        kind = "soft" if r.soft else "hard"
+        if not r.table_existed:
+            context.log.info(f"{table.name}: no table yet, nothing to truncate")
+            return
+        done = "closed" if r.soft else "removed"
+        context.log.info(
+            f"{table.name}: {kind} truncate before {r.before.isoformat()}: {r.keys} key(s) "
+            f"{done}, history version {r.merge.history_version}"
+        )
+        meta = {
+            "operation": TRUNCATE_JOB,
+            "before": r.before.isoformat(),
+            "soft": r.soft,
+            f"keys_{done}": r.keys,
+            "events_logged": r.events_logged,
+            "events_removed": r.events_removed,
+            "versions_closed": r.merge.versions_closed,
+            "files_removed": r.merge.files_removed,
+            "files_added": r.merge.files_added,
+            "delta_version": r.merge.history_version,
+        }
+        hour = r.before.replace(minute=0, second=0, microsecond=0)
+        check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+
+    @dg.job(
+        name=TRUNCATE_JOB,
+        description="Truncate a table before a time: soft closes live versions (history "
+        "kept), hard removes the rows and their events.",
+    )
+    def truncate_table() -> None:
+        truncate_op()
+
+    return truncate_table
