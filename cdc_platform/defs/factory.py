@@ -28,12 +28,12 @@ from cdc_platform.defs.alerts import (
     metadata_int,
 )
 from cdc_platform.defs.discovery import build_new_tables_sensor
+from cdc_platform.defs.lifecycle import build_lifecycle_jobs
 from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
 from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.defs.sensors import build_landing_sensor
-from cdc_platform.defs.truncations import build_truncate_job
 from cdc_platform.lib import applied_files, current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.discovery import with_discovered_tables
@@ -332,7 +332,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             *maintenance_jobs,
             *plan_jobs,
             *build_revocation_jobs(platform),
-            build_truncate_job(platform),
+            *build_lifecycle_jobs(platform),
         ],
         # One process per run: the asset step and its checks share one Spark session (one JVM)
         # instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.

@@ -59,6 +59,7 @@ TMAX = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
 TMAX_SQL = "9999-12-31 23:59:59.999"
 # The earliest instant Spark, Delta and Python's datetime all represent.
 TMIN = datetime(1, 1, 1, tzinfo=UTC)
+TMIN_SQL = "0001-01-01 00:00:00"
 
 # -- reserved name spaces -------------------------------------------------------------------------
 RESERVED_PREFIXES = ("_fivetran_", "_cdc_")

@@ -1,11 +1,14 @@
-"""``truncate_table``: Fivetran's Truncate, from the Launchpad.
+"""The table lifecycle jobs, from the Launchpad: ``truncate_table`` (Fivetran's Truncate) and
+``adopt_table`` (an existing table switched to history mode).
 
-A run names the table, ``before`` (an ISO-8601 time; the run's start when left out) and
-``soft``. The work is ``lib.truncation``'s; it is reported and checked as ``defs.operations``
-does for every operator job, on the hour partition ``before`` falls in.
+``truncate_table`` names the table, ``before`` (an ISO-8601 time; the run's start when left
+out) and ``soft``; ``adopt_table`` names the table and the source to adopt. The work is
+``lib.truncation``'s and ``lib.adoption``'s; each run is reported and checked as
+``defs.operations`` does for every operator job, on the hour partition of the operation's time.
 """
 
 from datetime import UTC, datetime
+from typing import Literal
 
 import dagster as dg
 from pydantic import Field
@@ -13,11 +16,13 @@ from pydantic import Field
 from cdc_platform.defs.operations import check_and_report, table_named
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.lib import delta
+from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.truncation import truncate
 from cdc_platform.lib.warehouse import TablePaths
 
 TRUNCATE_JOB = "truncate_table"
+ADOPT_JOB = "adopt_table"
 
 
 class TruncateConfig(dg.Config):
@@ -31,6 +36,17 @@ class TruncateConfig(dg.Config):
         default=True,
         description="Soft: close the live versions at `before` (history kept). Hard: remove "
         "the keys' rows and events (Delta time travel keeps them).",
+    )
+
+
+class AdoptConfig(dg.Config):
+    table: str = Field(description="The table, as named in the config.")
+    source: str = Field(
+        description="The table to adopt: a Delta table or a folder of Parquet files (a path, "
+        "file:// or object-store URI), in live or soft-delete mode."
+    )
+    format: Literal["auto", "delta", "parquet"] = Field(
+        default="auto", description="auto: Delta if the source has a _delta_log, else Parquet."
     )
 
 
@@ -49,7 +65,7 @@ def parse_before(text: str | None, default: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
-def build_truncate_job(platform: PlatformConfig) -> dg.JobDefinition:
+def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     @dg.op(name="truncate")
     def truncate_op(
         context: dg.OpExecutionContext, config: TruncateConfig, spark: SparkResource
@@ -97,4 +113,43 @@ def build_truncate_job(platform: PlatformConfig) -> dg.JobDefinition:
     def truncate_table() -> None:
         truncate_op()
 
-    return truncate_table
+    @dg.op(name="adopt")
+    def adopt_op(context: dg.OpExecutionContext, config: AdoptConfig, spark: SparkResource) -> None:
+        table = table_named(platform, config.table)
+        paths = TablePaths.of(platform.warehouse_root, table.name)
+        version_before = delta.version_or_none(paths.history)
+        try:
+            r = adopt(
+                spark.spark_session, table, platform.warehouse_root, config.source, config.format
+            )
+        except (AdoptionError, ValueError) as exc:
+            raise dg.Failure(str(exc)) from None
+        context.log.info(
+            f"{table.name}: adopted {r.live_rows} live and {r.deleted_rows} soft-deleted row(s) "
+            f"from {r.source} at {r.adopted_at.isoformat()}; {r.events_new} event(s) new, "
+            f"history version {r.merge.history_version}"
+        )
+        meta = {
+            "operation": ADOPT_JOB,
+            "source": r.source,
+            "format": r.format,
+            "adopted_at": r.adopted_at.isoformat(),
+            "live_rows": r.live_rows,
+            "deleted_rows": r.deleted_rows,
+            "events_new": r.events_new,
+            "dropped_columns": dg.MetadataValue.json(list(r.dropped_columns)),
+            "versions_opened": r.merge.versions_opened,
+            "delta_version": r.merge.history_version,
+        }
+        hour = r.adopted_at.replace(minute=0, second=0, microsecond=0)
+        check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+
+    @dg.job(
+        name=ADOPT_JOB,
+        description="Adopt an existing table (live or soft-delete mode) into history mode: "
+        "live rows start at its latest _fivetran_synced, soft-deleted rows at 0001-01-01.",
+    )
+    def adopt_table() -> None:
+        adopt_op()
+
+    return [truncate_table, adopt_table]

@@ -1,0 +1,267 @@
+"""Adopting an existing table into history mode (Fivetran's "Switching to history mode").
+
+The source is a Delta table or a folder of Parquet files in live mode or soft-delete mode: one
+row per key, optionally with ``_fivetran_synced`` and ``_fivetran_deleted``. As in the seeds:
+
+* a live row (``_fivetran_deleted`` false, null or absent) becomes a version starting at the
+  largest ``_fivetran_synced`` of the source (the adoption's time, ``A``), ending at TMAX,
+  active;
+* a soft-deleted row becomes a version that starts and ends at 0001-01-01T00:00:00, inactive;
+* ``_fivetran_deleted`` and ``_fivetran_synced`` are not kept (nor any other ``_fivetran_``
+  column of the source).
+
+The history table stays the fold of its change log, so the rows are written there as events:
+an ``INSERT`` at ``A`` for a live row; an ``INSERT`` and a ``DELETE`` at 0001-01-01 for a
+soft-deleted one (contract rule 5 gives the version that starts and ends there). Their source
+is ``adopt:<source>`` and their ``cdc_change_seq`` is far below any real seq or a truncate's,
+derived from ``A``: a real event of the same millisecond sorts after them, and adopting the
+same source again logs nothing new. CDC events then apply on top, late ones included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Literal
+
+import pyarrow as pa
+
+from cdc_platform.lib import changelog, delta, revoked_files
+from cdc_platform.lib.columns import (
+    OP,
+    SEQ,
+    SOURCE_FILE,
+    SYNCED,
+    TMIN_SQL,
+    TS,
+    col,
+    cols,
+    internal,
+    is_reserved,
+)
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.merge import MergeResult, apply_pending
+from cdc_platform.lib.pipeline import to_ms
+from cdc_platform.lib.reading import NATIVE_READ_OPTIONS, event_schema, normalize_type
+from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+DELETED = "_fivetran_deleted"
+SOURCE_PREFIX = "adopt:"
+# Adoption seqs: 2 * A in epoch ms (+1 for a soft-deleted row's delete) above this base, far
+# below a truncate's (-T in ms, at least -2.6e14) and any real seq a source gives.
+SEQ_BASE = -(2**62)
+SourceFormat = Literal["auto", "delta", "parquet"]
+_FILE = internal("adopt_file")
+_SAMPLE = 5
+
+
+class AdoptionError(ValueError):
+    """The source cannot be adopted as it is; the message names the source, rows and reason."""
+
+
+@dataclass(frozen=True)
+class AdoptResult:
+    source: str
+    format: str
+    adopted_at: datetime  # A: the start of every live row
+    live_rows: int
+    deleted_rows: int
+    events_new: int  # 0 when the same source was adopted before
+    dropped_columns: tuple[str, ...]  # the source's _fivetran_ columns, not kept
+    merge: MergeResult
+
+
+def source_name(source: Location) -> str:
+    """What ``_cdc_source_file`` says of an adoption's events (un-apply accepts it)."""
+    return SOURCE_PREFIX + source.uri
+
+
+def adoption_seqs(adopted_at: datetime) -> tuple[int, int]:
+    """The seqs of an adoption at ``adopted_at``: its inserts', and its deletes'."""
+    base = SEQ_BASE + 2 * int(to_ms(adopted_at).timestamp() * 1000)
+    return base, base + 1
+
+
+def adopt(
+    spark: SparkSession,
+    table: TableConfig,
+    warehouse_root: Where,
+    source: Where,
+    source_format: SourceFormat = "auto",
+    now: datetime | None = None,
+) -> AdoptResult:
+    """Adopt the table at ``source`` into ``table``'s history (see the module docstring).
+
+    ``now`` is the adoption's time when the source has no ``_fivetran_synced`` value, and the
+    run's ``_fivetran_synced``. Raises AdoptionError, naming the rows, for a source that cannot
+    be adopted: a missing or null primary-key column, a key on two rows, a column whose type
+    contradicts the table's.
+    """
+    from pyspark.sql import functions as F
+
+    now = to_ms(now or datetime.now(UTC))
+    where = Location.of(source)
+    fmt, rows = _read_source(spark, where, source_format)
+    pk = list(table.primary_key)
+    missing = [k for k in pk if k not in rows.columns]
+    if missing:
+        raise AdoptionError(
+            f"{where}: primary-key column(s) {missing} missing (columns: {rows.columns})"
+        )
+    dropped = tuple(c for c in rows.columns if is_reserved(c) and c != _FILE)
+    data = [c for c in rows.columns if not is_reserved(c) and c != _FILE]
+    _check_keys(rows, where, pk)
+    deleted = F.coalesce(col(DELETED), F.lit(False)) if DELETED in rows.columns else F.lit(False)
+    # Epoch microseconds: a collected timestamp would come back in the Python process's zone.
+    synced_max = (
+        rows.agg(F.max(F.unix_micros(col(SYNCED).cast("timestamp")))).collect()[0][0]
+        if SYNCED in rows.columns
+        else None
+    )
+    adopted_at = (
+        to_ms(datetime.fromtimestamp(0, UTC) + timedelta(microseconds=synced_max))
+        if synced_max is not None
+        else now
+    )
+    insert_seq, delete_seq = adoption_seqs(adopted_at)
+
+    typed = _normalized(rows.select(*cols(data), deleted.alias(DELETED)), data)
+    paths = TablePaths.of(warehouse_root, table.name)
+    _check_types(paths, typed.drop(DELETED), where)
+    is_deleted = col(DELETED)
+    # A string literal: Python's year-1 datetime reaches the JVM shifted by the calendar change.
+    tmin = F.lit(TMIN_SQL).cast("timestamp")
+    inserts = typed.select(
+        *cols(data),
+        F.lit("INSERT").alias(OP),
+        F.lit(insert_seq).alias(SEQ),
+        F.when(is_deleted, tmin).otherwise(F.lit(adopted_at).cast("timestamp")).alias(TS),
+    )
+    deletes = typed.filter(is_deleted).select(
+        *cols(pk), F.lit("DELETE").alias(OP), F.lit(delete_seq).alias(SEQ), tmin.alias(TS)
+    )
+    given = inserts.unionByName(deletes, allowMissingColumns=True).withColumn(
+        SOURCE_FILE, F.lit(source_name(where))
+    )
+    shape = changelog.spark_schema(event_schema(delta.arrow_schema_of(typed.drop(DELETED))))
+    events = given.select(
+        *[
+            (col(f.name) if f.name in given.columns else F.lit(None)).cast(f.dataType).alias(f.name)
+            for f in shape.fields
+        ]
+    )
+    counts = typed.agg(
+        F.count(F.lit(1)).alias("n"), F.sum(is_deleted.cast("int")).alias("deleted")
+    ).collect()[0]
+    total, deleted_rows = int(counts["n"]), int(counts["deleted"] or 0)
+    new_events = 0
+    if total:
+        new_events = changelog.append(
+            spark,
+            paths.changelog,
+            events,
+            pk,
+            (insert_seq, delete_seq),
+            total + deleted_rows,
+            now,
+            revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
+        ).new_events
+    merge = apply_pending(spark, paths, pk, now, table.history_columns)
+    return AdoptResult(
+        source=where.uri,
+        format=fmt,
+        adopted_at=adopted_at,
+        live_rows=total - deleted_rows,
+        deleted_rows=deleted_rows,
+        events_new=new_events,
+        dropped_columns=dropped,
+        merge=merge,
+    )
+
+
+def _read_source(
+    spark: SparkSession, where: Location, source_format: SourceFormat
+) -> tuple[str, DataFrame]:
+    """The source's rows, with the file each came from in ``_FILE`` (for error messages)."""
+    from deltalake import DeltaTable
+    from pyspark.sql import functions as F
+
+    fmt = source_format
+    if fmt == "auto":
+        fmt = "delta" if delta.exists(where) else "parquet"
+    if fmt == "delta":
+        if not delta.exists(where):
+            raise AdoptionError(f"{where}: no Delta table there")
+        dt = DeltaTable(where.uri, storage_options=where.storage_options)
+        features = set(dt.protocol().reader_features or [])
+        if features - {"timestampNtz"}:
+            raise AdoptionError(
+                f"{where}: the Delta table uses reader features {sorted(features)}; "
+                "rewrite it without them (or export it to Parquet) to adopt it"
+            )
+        files = dt.file_uris()
+        if not files:
+            raise AdoptionError(f"{where}: the Delta table has no rows to adopt")
+        schema = changelog.spark_schema(delta.table_arrow_schema(dt))
+        reader = spark.read.schema(schema)
+    else:
+        if where.is_local and not where.path.exists():
+            raise AdoptionError(f"{where}: no such file or folder")
+        files = [where.uri]
+        reader = spark.read
+    rows = reader.options(**NATIVE_READ_OPTIONS).parquet(*files)
+    return fmt, rows.withColumn(_FILE, F.input_file_name())
+
+
+def _check_keys(rows: DataFrame, where: Location, pk: Sequence[str]) -> None:
+    """Every row has its whole key, and no key is on two rows: else an error naming them."""
+    from pyspark.sql import functions as F
+
+    null_key = F.lit(False)
+    for k in pk:
+        null_key = null_key | col(k).isNull()
+    bad = rows.filter(null_key).select(_FILE, *cols(list(pk))).limit(_SAMPLE).collect()
+    if bad:
+        sample = "; ".join(f"{r[_FILE]}: {dict(zip(pk, r[1:], strict=True))}" for r in bad)
+        raise AdoptionError(f"{where}: rows with a null primary key ({', '.join(pk)}): {sample}")
+    twice = (
+        rows.groupBy(*cols(list(pk)))
+        .agg(F.count(F.lit(1)).alias("n"))
+        .filter(col("n") > 1)
+        .limit(_SAMPLE)
+        .collect()
+    )
+    if twice:
+        sample = "; ".join(
+            f"{dict(zip(pk, r[: len(pk)], strict=True))} on {r['n']} rows" for r in twice
+        )
+        raise AdoptionError(f"{where}: a key may be on one row only: {sample}")
+
+
+def _normalized(rows: DataFrame, data: Sequence[str]) -> DataFrame:
+    """Each data column cast to the one type the change log uses for it (``normalize_type``)."""
+    arrow = delta.arrow_schema_of(rows.select(*cols(list(data))))
+    target = changelog.spark_schema(pa.schema([pa.field(f.name, f.type) for f in arrow]))
+    return rows.select(
+        *[col(f.name).cast(f.dataType).alias(f.name) for f in target.fields], col(DELETED)
+    )
+
+
+def _check_types(paths: TablePaths, typed: DataFrame, where: Location) -> None:
+    """A column the change log has already must come with the same type."""
+    logged = changelog.key_and_data_fields(paths.changelog)
+    if logged is None:
+        return
+    have = {f.name: f.type for f in logged}
+    for f in delta.arrow_schema_of(typed):
+        t = normalize_type(f.type)
+        if f.name in have and not pa.types.is_null(have[f.name]) and have[f.name] != t:
+            raise AdoptionError(
+                f"{where}: column '{f.name}' has type {t} but {have[f.name]} in table "
+                f"{paths.history}"
+            )
