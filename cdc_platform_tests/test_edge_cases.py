@@ -200,7 +200,7 @@ def test_not_parquet_and_type_clash_are_set_aside(spark, lake):
     (folder / "_SUCCESS").write_text("")  # markers are not data
     run(spark, lake, [H0])
     write_parquet_events(
-        lake["landing"], "t", H0 + timedelta(hours=1), [ev("UPDATE", 2, H0 + MS, 1, v="text")]
+        lake["landing"], "t", H0 + timedelta(hours=1), [ev("UPDATE", 2, H0 + MS, 1, v=True)]
     )
     result = run(spark, lake, [H0 + timedelta(hours=1)])
     reasons = {
@@ -209,7 +209,7 @@ def test_not_parquet_and_type_clash_are_set_aside(spark, lake):
     }
     assert reasons["notes.parquet"].startswith("not a readable Parquet file")
     assert (
-        "column 'v' has type string in this file but int64 in the table"
+        "column 'v' has type bool in this file but int64 in the table, and neither widens"
         in result.quarantined[0].reason
     )
     assert [r["v"] for r in history_rows(table_path(lake))] == [1]

@@ -46,9 +46,10 @@ CSV_TABLE = TableConfig(
     columns={"id": "long", "name": "string", "amount": "long", "extra": "string"},
 )
 PARQUET_TABLE = TableConfig(name="prop_parquet", primary_key=("id",), start=START)
-# Selective history: only `name` opens versions; `amount` and `extra` change in place.
+# Selective history: only `name` opens versions (listed in another case: names match
+# case-insensitively); `amount` and `extra` change in place.
 SELECTIVE_TABLE = dataclasses.replace(
-    CSV_TABLE, name="prop_selective", history_columns=HistoryColumns(track=("name",))
+    CSV_TABLE, name="prop_selective", history_columns=HistoryColumns(track=("NAME",))
 )
 COLUMNS = ["id", "name", "amount", "extra", "_fivetran_start", "_fivetran_end", "_fivetran_active"]
 
@@ -137,7 +138,8 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
     ):
         apply([hour])
 
-    untracked = set(table.history_columns.untracked(["name", "amount", "extra"]))
+    # Written out, not asked of HistoryColumns: a name-matching bug must not hide in both.
+    untracked = {"amount", "extra"} if table is SELECTIVE_TABLE else set()
     expected = reference_history(events, ["id"], untracked)
     path = TablePaths.of(warehouse, table.name).history
     actual = history_rows(path) if path.path.exists() else []

@@ -14,10 +14,12 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.lib import invariants
+from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse_config
 from cdc_platform.lib.history import TMAX, HistoryColumns
+from cdc_platform.lib.merge import HistoryColumnsError, record_history_columns
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.provenance import EVENTS, version_sources
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
@@ -234,6 +236,7 @@ def test_matches_change_log_catches_a_wrong_in_place_fold(spark, lake, corruptio
         ({"ignore_history_columns": "updated_at"}, "list of column names"),
         ({"track_history_columns": ["a", "A"]}, "twice"),
         ({"ignore_history_columns": ["_fivetran_synced"]}, "system column"),
+        ({"track_history_columns": []}, "at least one column"),
     ],
 )
 def test_config_rejects_bad_lists(tmp_path, fields, why):
@@ -245,3 +248,64 @@ def test_config_rejects_bad_lists(tmp_path, fields, why):
     with pytest.raises(ConfigError, match=why) as err:
         parse_config(raw, tmp_path)
     assert "table 's'" in str(err.value)
+
+
+def test_a_setting_naming_a_column_the_table_lacks_merges_nothing(spark, lake):
+    """A typo in a track list would untrack every column: the run fails instead, naming it,
+    and the events it logged are merged once the config is fixed."""
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    paths = TablePaths.of(warehouse, "s")
+    typo = TableConfig(
+        name="s", primary_key=("id",), start=H0, history_columns=HistoryColumns(track=("stauts",))
+    )
+    write_parquet_events(landing, "s", H0, EVENTS_H0)
+    with pytest.raises(HistoryColumnsError, match=r"name \['stauts'\], which the table does not"):
+        materialize(spark, typo, landing, warehouse, [H0])
+    assert not delta.exists(paths.history)
+    fixed = dataclasses.replace(typo, history_columns=HistoryColumns(track=("status",)))
+    materialize(spark, fixed, landing, warehouse, [H0])
+    expected = reference_history(EVENTS_H0, ["id"], untracked={"updated_at"})
+    assert rows_of(paths) == normalize(expected, COLUMNS)
+
+
+def test_the_setting_is_not_recorded_over_another_writers_commit(spark, lake):
+    """Recorded strictly right after the data commit it describes; if any commit came in
+    between, the table keeps the old setting, so the next run recomputes it again."""
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    paths = TablePaths.of(warehouse, "s")
+    write_parquet_events(landing, "s", H0, EVENTS_H0)
+    materialize(
+        spark, TableConfig(name="s", primary_key=("id",), start=H0), landing, warehouse, [H0]
+    )
+    dt = DeltaTable(str(paths.history))
+    data_version = dt.version()
+    delta.commit(dt, [], [], delta.table_arrow_schema(dt))  # another writer's commit
+    selective = HistoryColumns(ignore=("updated_at",))
+    assert not record_history_columns(paths, selective, data_version)
+    assert HistoryColumns.of_table(DeltaTable(str(paths.history))).tracks_everything
+    assert record_history_columns(paths, selective, data_version + 1)
+    assert HistoryColumns.of_table(DeltaTable(str(paths.history))).same_as(selective)
+
+
+def test_provenance_of_a_selective_version_lists_every_event_it_covers(spark, lake):
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    table = TableConfig(
+        name="s",
+        primary_key=("id",),
+        start=H0,
+        history_columns=HistoryColumns(ignore=("updated_at",)),
+    )
+    write_parquet_events(landing, "s", H0, EVENTS_H0)
+    materialize(spark, table, landing, warehouse, [H0])
+    paths = TablePaths.of(warehouse, "s")
+    sources = {
+        (r["id"], r["_fivetran_start"]): [e["cdc_change_seq"] for e in r[EVENTS]]
+        for r in version_sources(spark, paths, ["id"]).collect()
+    }
+    # Key 1's first version took updated_at from seqs 2 and 3; key 2's version ends with its
+    # delete.
+    assert sources == {
+        (1, T[1].replace(tzinfo=None)): [1, 2, 3],
+        (1, T[10].replace(tzinfo=None)): [4],
+        (2, T[1].replace(tzinfo=None)): [5, 6, 7],
+    }

@@ -43,7 +43,13 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.merge import MergeResult, apply_pending
 from cdc_platform.lib.pipeline import to_ms
-from cdc_platform.lib.reading import NATIVE_READ_OPTIONS, event_schema, normalize_type
+from cdc_platform.lib.reading import (
+    NATIVE_READ_OPTIONS,
+    WIDENINGS,
+    event_schema,
+    normalize_type,
+    widest,
+)
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -132,7 +138,7 @@ def adopt(
 
     typed = _normalized(rows.select(*cols(data), deleted.alias(DELETED)), data)
     paths = TablePaths.of(warehouse_root, table.name)
-    _check_types(paths, typed.drop(DELETED), where)
+    typed = _widened(paths, typed, where)
     is_deleted = col(DELETED)
     # A string literal: Python's year-1 datetime reaches the JVM shifted by the calendar change.
     tmin = F.lit(TMIN_SQL).cast("timestamp")
@@ -252,16 +258,29 @@ def _normalized(rows: DataFrame, data: Sequence[str]) -> DataFrame:
     )
 
 
-def _check_types(paths: TablePaths, typed: DataFrame, where: Location) -> None:
-    """A column the change log has already must come with the same type."""
+def _widened(paths: TablePaths, typed: DataFrame, where: Location) -> DataFrame:
+    """The rows with each column the change log has already in the type both widen to (the
+    log, and then the history table, widen to it as for any landing file); an error naming
+    the column when there is none."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
     logged = changelog.key_and_data_fields(paths.changelog)
     if logged is None:
-        return
+        return typed
     have = {f.name: f.type for f in logged}
-    for f in delta.arrow_schema_of(typed):
+    casts = {}
+    for f in delta.arrow_schema_of(typed.drop(DELETED)):
         t = normalize_type(f.type)
-        if f.name in have and not pa.types.is_null(have[f.name]) and have[f.name] != t:
+        if f.name not in have or pa.types.is_null(have[f.name]):
+            continue
+        wider = widest(have[f.name], t)
+        if wider is None:
             raise AdoptionError(
                 f"{where}: column '{f.name}' has type {t} but {have[f.name]} in table "
-                f"{paths.history}"
+                f"{paths.history}, and neither widens to the other ({WIDENINGS})"
             )
+        if wider != t:
+            casts[f.name] = from_arrow_schema(pa.schema([pa.field(f.name, wider)]))[0].dataType
+    return typed.select(
+        *[col(c).cast(casts[c]).alias(c) if c in casts else col(c) for c in typed.columns]
+    )

@@ -113,6 +113,7 @@ def append(
 
     def attempt() -> AppendResult:
         dt = delta.ensure_table(path, schema, description="cdc_platform change log")
+        dt = delta.widen_table(spark, path, dt, schema)  # a column the batch widened
         # Revoked files go before the duplicates are resolved, so that a kept file's copy of
         # an event a revoked file also delivered is the one logged.
         gone = revoked() if revoked is not None else set()

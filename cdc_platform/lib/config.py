@@ -462,6 +462,8 @@ def _history_columns(
         value = raw[key]
         if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
             raise fail(key, "must be a list of column names")
+        if not value:
+            raise fail(key, "must name at least one column (leave it out to track every column)")
         if len({c.lower() for c in value}) != len(value):
             raise fail(key, "lists a column twice (names are case-insensitive in Delta)")
         in_key = [c for c in value if c.lower() in {k.lower() for k in pk}]

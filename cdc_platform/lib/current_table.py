@@ -75,7 +75,13 @@ def _refresh_once(
     )
     # Columns are only ever added, as in the history table: the table's own, then new ones.
     existing = delta.table_arrow_schema(dt)
-    schema = pa.schema([*existing, *(f for f in user if f.name not in existing.names)])
+    # A column the history table widened takes its wider type (the commit below sets it).
+    schema = pa.schema(
+        [
+            *(user.field(f.name) if f.name in user.names else f for f in existing),
+            *(f for f in user if f.name not in existing.names),
+        ]
+    )
     # The version just opened, not "the latest" again: the commit records what it reflects.
     live = read.current(paths.history, spark=spark, version=history_version)
     types = changelog.spark_schema(schema)

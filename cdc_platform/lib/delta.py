@@ -22,7 +22,7 @@ import math
 import posixpath
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,7 +37,7 @@ from deltalake.transaction import AddAction, RemoveAction
 from cdc_platform.lib.storage import Location, Where
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import DataFrame, SparkSession
 
 T = TypeVar("T")
 
@@ -288,6 +288,73 @@ def commit(
     )
     dt.update_incremental()
     return dt.version()
+
+
+def widen_table(
+    spark: SparkSession, table_path: Where, dt: DeltaTable, target: pa.Schema
+) -> DeltaTable:
+    """Give ``dt``'s columns the (wider) types ``target`` has for them, in one strict commit.
+
+    Every file is rewritten on its own, its rows cast by Arrow (as new files are when they are
+    decoded), so the table keeps its file layout and statistics; the commit replaces them all
+    and sets the new schema (an overwrite, which keeps the table's properties and app
+    transactions). Columns ``target`` lacks, or has with the same type, are left as they are.
+    Returns the table as it is now (``dt`` itself when nothing widens).
+    """
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from cdc_platform.lib.reading import NATIVE_READ_OPTIONS
+
+    current = table_arrow_schema(dt)
+    wanted = {f.name: f.type for f in target}
+    # Only ever wider: a column ``target`` has in a narrower type keeps the table's.
+    widened = pa.schema(
+        [f.with_type(wanted[f.name]) if _widens(f.type, wanted.get(f.name)) else f for f in current]
+    )
+    if widened.types == current.types:
+        return dt
+    changes = {
+        f.name: f"{f.type} -> {widened.field(f.name).type}"
+        for f in current
+        if widened.field(f.name).type != f.type
+    }
+
+    def cast(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            yield pa.RecordBatch.from_arrays(
+                [batch.column(i).cast(widened.field(i).type) for i in range(batch.num_columns)],
+                schema=widened,
+            )
+
+    adds: list[AddAction] = []
+    try:
+        for f in snapshot_files(dt):
+            rows = (
+                spark.read.schema(from_arrow_schema(current))
+                .options(**NATIVE_READ_OPTIONS)
+                .parquet(*absolute_paths(table_path, [f]))
+            )
+            rewritten = rows.mapInArrow(cast, from_arrow_schema(widened))
+            adds += write_files(rewritten.coalesce(1), table_path)
+        commit(
+            dt,
+            adds,
+            [],
+            widened,
+            metadata={"cdc_platform.widened_columns": changes},
+            strict=True,
+            overwrite=True,
+        )
+    except BaseException:
+        discard(table_path, adds)
+        raise
+    return open_table(table_path)
+
+
+def _widens(have: pa.DataType, to: pa.DataType | None) -> bool:
+    from cdc_platform.lib.reading import widest
+
+    return to is not None and to != have and widest(have, to) == to
 
 
 def top_level_leaves(meta: pq.FileMetaData) -> dict[str, int]:

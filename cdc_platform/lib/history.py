@@ -109,6 +109,11 @@ class HistoryColumns:
         ignored = {c.lower() for c in self.ignore}
         return [c for c in data_columns if c.lower() in ignored]
 
+    def unknown(self, data_columns: Sequence[str]) -> list[str]:
+        """Listed names that are no data column (a typo would silently untrack everything)."""
+        have = {c.lower() for c in data_columns}
+        return [c for c in (self.track or self.ignore) if c.lower() not in have]
+
     def tracked(self, data_columns: Sequence[str]) -> list[str]:
         untracked = set(self.untracked(data_columns))
         return [c for c in data_columns if c not in untracked]

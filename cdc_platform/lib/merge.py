@@ -97,6 +97,10 @@ _FORCED = internal("forced")
 AFTER_LOG_VERSION = "_cdc_after_log_version"
 
 
+class HistoryColumnsError(ValueError):
+    """The table's selective-history setting names a column the table does not have."""
+
+
 @dataclass(frozen=True)
 class MergeResult:
     keys_affected: int = 0
@@ -155,24 +159,51 @@ def apply_pending(
     A table built with another ``history_columns`` setting is recomputed whole, once: its
     versions were cut by other columns. The setting is then recorded on the table.
     """
+    widen_to_changelog(spark, paths)
     result, attempts = delta.with_commit_retries(
         lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns),
         f"history commit for {paths.history}",
     )
     if result.history_version is not None:
-        record_history_columns(paths, history_columns)
+        record_history_columns(paths, history_columns, result.history_version)
     return replace(result, attempts=attempts)
 
 
-def record_history_columns(paths: TablePaths, history_columns: HistoryColumns) -> None:
-    """Record the setting once the versions follow it (a metadata-only commit, after the data
-    commit: a crash in between leaves the old setting, and the next run recomputes again)."""
-    dt = delta.open_table(paths.history)
-    if HistoryColumns.of_table(dt).same_as(history_columns):
+def widen_to_changelog(spark: SparkSession, paths: TablePaths) -> None:
+    """Give the history table and its side tables the column types the change log has now
+    (wider, after a file widened a column there), each in one commit before the merge: every
+    version keeps its values, cast, and the merge then runs on the widened table."""
+    if not delta.exists(paths.changelog):
         return
-    dt.alter.set_table_properties(
-        {HISTORY_COLUMNS_PROPERTY: history_columns.to_json()}, raise_if_not_exists=False
-    )
+    logged = changelog.key_and_data_of(delta.table_arrow_schema(delta.open_table(paths.changelog)))
+    for table in (paths.history, paths.delete_only_keys, paths.retracted_keys):
+        if delta.exists(table):
+            delta.widen_table(spark, table, delta.open_table(table), logged)
+
+
+def record_history_columns(
+    paths: TablePaths, history_columns: HistoryColumns, data_version: int
+) -> bool:
+    """Record the setting once the versions follow it: a metadata-only commit right after the
+    data commit ``data_version``, and strict. If any other commit came in between (a run with
+    the old setting may have merged some keys its way), nothing is recorded: the table still
+    says the old setting, so the next run recomputes it whole again. A crash in between has
+    the same effect. Returns whether the setting was recorded now."""
+    from deltalake import CommitProperties
+    from deltalake.exceptions import CommitFailedError
+
+    dt = delta.open_table(paths.history)
+    if HistoryColumns.of_table(dt).same_as(history_columns) or dt.version() != data_version:
+        return False
+    try:
+        dt.alter.set_table_properties(
+            {HISTORY_COLUMNS_PROPERTY: history_columns.to_json()},
+            raise_if_not_exists=False,
+            commit_properties=CommitProperties(max_commit_retries=0),
+        )
+    except CommitFailedError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -230,6 +261,13 @@ def _apply_once(
     log_schema = delta.table_arrow_schema(snap.changelog)
     schema = history_schema(pk, changelog.key_and_data_of(log_schema))
     data_columns = [f.name for f in schema if f.name not in pk and f.name not in SYSTEM_COLUMNS]
+    unknown = history_columns.unknown(data_columns)
+    if unknown:
+        raise HistoryColumnsError(
+            f"{paths.history}: the config's track_history_columns / ignore_history_columns name "
+            f"{unknown}, which the table does not have (its data columns: "
+            f"{', '.join(data_columns)}). Nothing was merged: fix the config and run again."
+        )
     dt = delta.ensure_table(
         paths.history, schema, description="cdc_platform history-mode table", table=snap.history
     )

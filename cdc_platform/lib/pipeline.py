@@ -125,7 +125,17 @@ def materialize(
     native: dict[str, str] = {}
     if events_read:
         with_rows = [r for r in good if r.num_rows]
-        native = {r.path: r.source_uri for r in with_rows if r.native and r.source_uri}
+        # A file whose column is narrower than the table's (the table widened) is cast up by
+        # the Python decoder, as every widening is (Arrow's casts, one engine for all of them).
+        unified = {f.name: f.type for f in fields}
+        native = {
+            r.path: r.source_uri
+            for r in with_rows
+            if r.native
+            and r.source_uri
+            and r.schema is not None
+            and all(unified.get(f.name, f.type) == f.type for f in r.schema)
+        }
         events = read_events(
             spark, reader, [r.path for r in with_rows], event_schema(fields), native
         )

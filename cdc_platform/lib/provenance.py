@@ -10,6 +10,10 @@ its row in that file (1-based, header not counted), its ``cdc_change_seq`` and
 ``_cdc_ingested_at``: the ``_fivetran_synced`` of the run that logged it, which that run's
 materialization in Dagster records as ``synced_at``.
 
+On a table with selective history (``track_history_columns`` / ``ignore_history_columns``) a
+version also takes the untracked cells of the later events it covers, so its events are every
+event from its start to its end, inclusive.
+
 Nothing is stored for this: the change log is the record, so provenance never disagrees with it
 (``matches_change_log`` checks the table against the same log).
 """
@@ -32,7 +36,9 @@ from cdc_platform.lib.columns import (
     TS,
     col,
     cols,
+    internal,
 )
+from cdc_platform.lib.history import HistoryColumns
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -52,7 +58,8 @@ def version_sources(
     keys: DataFrame | None = None,
 ) -> DataFrame:
     """Every version (primary key, ``_fivetran_start``, ``_fivetran_end``,
-    ``_fivetran_active``) with ``_cdc_events``: its opening events in seq order, each a struct
+    ``_fivetran_active``) with ``_cdc_events``: its opening events (on a selective table, every
+    event it covers) in seq order, each a struct
     of ``cdc_change_seq``, ``cdc_operation_type``, ``cdc_commit_timestamp``,
     ``_cdc_source_file``, ``_cdc_source_row`` and ``_cdc_ingested_at``.
 
@@ -83,7 +90,20 @@ def version_sources(
         F.date_trunc("millisecond", col(TS)).alias(START),
         F.struct(*cols(fields)).alias(EVENTS),
     )
-    grouped = by_ms.groupBy(*cols([*pk, START])).agg(
-        F.array_sort(F.collect_list(col(EVENTS))).alias(EVENTS)  # structs sort by seq first
+    if HistoryColumns.of_table(dt).tracks_everything:
+        grouped = by_ms.groupBy(*cols([*pk, START])).agg(
+            F.array_sort(F.collect_list(col(EVENTS))).alias(EVENTS)  # structs sort by seq first
+        )
+        return versions.join(grouped, [*pk, START], "left")
+    # Selective history: untracked cells come from any event the version covers.
+    at = internal("event_ms")
+    covered = by_ms.withColumnRenamed(START, at)
+    on = [versions[k] == covered[k] for k in pk]
+    joined = versions.join(
+        covered,
+        [*on, covered[at] >= versions[START], covered[at] <= versions[END]],
+        "left",
     )
-    return versions.join(grouped, [*pk, START], "left")
+    return joined.groupBy(*[versions[c] for c in [*pk, START, END, ACTIVE]]).agg(
+        F.array_sort(F.collect_list(covered[EVENTS])).alias(EVENTS)
+    )

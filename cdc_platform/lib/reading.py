@@ -67,6 +67,7 @@ __all__ = [
     "unsupported_type",
     "validate_native",
     "validate_rows",
+    "widest",
 ]
 
 INT64_MAX = 2**63 - 1
@@ -781,13 +782,55 @@ def _per_file(spark: SparkSession, paths: list[str], fn: Callable[[str], T]) -> 
     return [by_path[p] for p in paths]
 
 
+WIDENINGS = (
+    "a column widens from a decimal to one with more digits, from date to timestamp, "
+    "and from any number, boolean, date or timestamp to string"
+)
+
+
+def widest(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The type both normalized types widen to, or None when neither widens to the other.
+
+    A column only widens, never narrows, so no value is lost (AlterTable changes types but
+    never drops data): integers and floats are int64 and float64 already (``normalize_type``);
+    a decimal takes the larger scale and the larger number of integer digits (at most 38
+    digits); a date becomes a timestamp (midnight UTC); any number, boolean, date or timestamp
+    becomes a string. Widening is symmetric, so the order files are read in does not matter.
+    """
+    if a == b:
+        return a
+    if pa.types.is_decimal(a) and pa.types.is_decimal(b):
+        scale = max(a.scale, b.scale)
+        digits = max(a.precision - a.scale, b.precision - b.scale) + scale
+        return pa.decimal128(digits, scale) if digits <= 38 else None
+    if {a, b} == {pa.date32(), TS_TYPE}:
+        return TS_TYPE
+    for one, other in ((a, b), (b, a)):
+        if pa.types.is_string(one) and _widens_to_string(other):
+            return pa.string()
+    return None
+
+
+def _widens_to_string(t: pa.DataType) -> bool:
+    return (
+        pa.types.is_boolean(t)
+        or pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_date(t)
+        or pa.types.is_timestamp(t)
+    )
+
+
 def unify_schema(
     established: pa.Schema | None, reports: Sequence[FileReport]
 ) -> tuple[list[pa.Field], dict[str, str]]:
     """The key and data columns after these files, and the files set aside for a type clash.
 
     Columns are only ever added (a column that disappears from the source stays, null from
-    then on). A file whose column type contradicts the table's is set aside, not coerced. A
+    then on). A column's type only widens (``widest``): a file with a wider type widens the
+    column, one with a narrower type is cast up; a file whose column type neither widens nor
+    is widened to the table's is set aside, not coerced. A
     column of Arrow type ``null`` (every value null, no declared type) is no evidence of a
     type: it never clashes, and is only added once some file gives it a real type.
     """
@@ -813,15 +856,26 @@ def unify_schema(
                     f"column '{f.name}' differs only in case from the table's column"
                     f" '{same_but_case}' (Delta column names are case-insensitive)"
                 )
-            elif have is not None and not pa.types.is_null(f.type) and f.type != have:
-                clash = f"column '{f.name}' has type {f.type} in this file but {have} in the table"
+            elif (
+                have is not None
+                and not pa.types.is_null(have)
+                and not pa.types.is_null(f.type)
+                and widest(have, f.type) is None
+            ):
+                clash = (
+                    f"column '{f.name}' has type {f.type} in this file but {have} in the table, "
+                    f"and neither widens to the other ({WIDENINGS})"
+                )
             if clash:
                 break
         if clash:
             rejected[report.path] = clash
             continue
         for f in typed:
-            fields.setdefault(f.name, f.type)
+            have = fields.get(f.name)
+            fields[f.name] = (
+                f.type if have is None or pa.types.is_null(have) else widest(have, f.type) or have
+            )
             by_lower.setdefault(f.name.lower(), f.name)
     return [pa.field(name, t) for name, t in fields.items()], rejected
 
