@@ -1,28 +1,33 @@
-"""The table lifecycle jobs, from the Launchpad: ``truncate_table`` (Fivetran's Truncate) and
-``adopt_table`` (an existing table switched to history mode).
+"""The table lifecycle jobs, from the Launchpad: ``truncate_table`` (Fivetran's Truncate),
+``adopt_table`` (an existing table switched to history mode) and ``resync_table`` (a re-sync
+from a snapshot).
 
 ``truncate_table`` names the table, ``before`` (an ISO-8601 time; the run's start when left
-out) and ``soft``; ``adopt_table`` names the table and the source to adopt. The work is
-``lib.truncation``'s and ``lib.adoption``'s; each run is reported and checked as
-``defs.operations`` does for every operator job, on the hour partition of the operation's time.
+out) and ``soft``; ``adopt_table`` the table and the source to adopt; ``resync_table`` the
+table, the snapshot folder and ``at``. The work is ``lib.truncation``'s, ``lib.adoption``'s
+and ``lib.resync``'s; each run is reported and checked as ``defs.operations`` does for every
+operator job, on the hour partition of the operation's time.
 """
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Literal
 
 import dagster as dg
 from pydantic import Field
 
 from cdc_platform.defs.operations import check_and_report, table_named
-from cdc_platform.defs.resources import SparkResource
+from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib import delta
 from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import PlatformConfig
+from cdc_platform.lib.resync import ResyncError, resync
 from cdc_platform.lib.truncation import truncate
 from cdc_platform.lib.warehouse import TablePaths
 
 TRUNCATE_JOB = "truncate_table"
 ADOPT_JOB = "adopt_table"
+RESYNC_JOB = "resync_table"
 
 
 class TruncateConfig(dg.Config):
@@ -50,18 +55,30 @@ class AdoptConfig(dg.Config):
     )
 
 
-def parse_before(text: str | None, default: datetime) -> datetime:
-    """``before`` as given in the run config; a clear failure if it is not a zoned time."""
+class ResyncConfig(dg.Config):
+    table: str = Field(description="The table, as named in the config.")
+    snapshot: str = Field(
+        description="The folder of snapshot files, in the table's landing format (a local or "
+        "mounted path, outside the table's hour folders)."
+    )
+    at: str | None = Field(
+        default=None,
+        description="The re-sync's time R, ISO-8601 with a zone. Default: when the run starts.",
+    )
+
+
+def parse_before(text: str | None, default: datetime, name: str = "before") -> datetime:
+    """A time as given in the run config; a clear failure if it is not a zoned time."""
     if text is None or not text.strip():
         return default
     try:
         value = datetime.fromisoformat(text.strip())
     except ValueError:
         raise dg.Failure(
-            f"before {text!r} is not an ISO-8601 time (like 2024-01-02T00:00:00Z)"
+            f"{name} {text!r} is not an ISO-8601 time (like 2024-01-02T00:00:00Z)"
         ) from None
     if value.tzinfo is None:
-        raise dg.Failure(f"before {text!r} has no time zone: add Z for UTC, or an offset")
+        raise dg.Failure(f"{name} {text!r} has no time zone: add Z for UTC, or an offset")
     return value.astimezone(UTC)
 
 
@@ -152,4 +169,58 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     def adopt_table() -> None:
         adopt_op()
 
-    return [truncate_table, adopt_table]
+    @dg.op(name="resync")
+    def resync_op(
+        context: dg.OpExecutionContext,
+        config: ResyncConfig,
+        spark: SparkResource,
+        keyring: KeyringResource,
+    ) -> None:
+        table = table_named(platform, config.table)
+        started = datetime.now(UTC)
+        at = parse_before(config.at, started, "at")
+        paths = TablePaths.of(platform.warehouse_root, table.name)
+        version_before = delta.version_or_none(paths.history)
+        try:
+            r = resync(
+                spark.spark_session,
+                table,
+                platform.landing_root,
+                platform.warehouse_root,
+                Path(config.snapshot),
+                at,
+                keyring.load() if table.encryption != "none" else None,
+                started,
+            )
+        except (ResyncError, ValueError) as exc:
+            raise dg.Failure(str(exc)) from None
+        context.log.info(
+            f"{table.name}: re-synced {r.rows} row(s) from {r.files} file(s) at "
+            f"{r.at.isoformat()}: {r.keys_closed} key(s) closed, {r.keys_replaced} replaced, "
+            f"history version {r.merge.history_version}"
+        )
+        meta = {
+            "operation": RESYNC_JOB,
+            "at": r.at.isoformat(),
+            "snapshot": config.snapshot,
+            "files": r.files,
+            "rows": r.rows,
+            "keys_closed": r.keys_closed,
+            "keys_replaced": r.keys_replaced,
+            "events_new": r.events_new,
+            "versions_opened": r.merge.versions_opened,
+            "versions_closed": r.merge.versions_closed,
+            "delta_version": r.merge.history_version,
+        }
+        hour = r.at.replace(minute=0, second=0, microsecond=0)
+        check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+
+    @dg.job(
+        name=RESYNC_JOB,
+        description="Re-sync a table from a snapshot: changed keys get a new version, absent "
+        "keys are closed, unchanged keys keep theirs.",
+    )
+    def resync_table() -> None:
+        resync_op()
+
+    return [truncate_table, adopt_table, resync_table]

@@ -456,10 +456,14 @@ class LandingReader:
         normalized = pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
         return FileReport(path, meta.num_rows, normalized, native=True)
 
+    def reads_footer_first(self) -> bool:
+        """Plain Parquet: pass 1 checks the footer's columns before reading any row."""
+        return not self.table.is_encoded
+
     def inspect(self, path: str) -> FileReport:
         needed = [*self.table.primary_key, *CDC_COLUMNS]
         try:
-            if not self.table.is_encoded:
+            if self.reads_footer_first():
                 schema = _read_parquet_schema(path)
                 self._check_names(schema)
                 missing = [c for c in needed if c not in schema.names]
