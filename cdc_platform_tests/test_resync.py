@@ -154,6 +154,12 @@ def test_a_row_older_than_every_version_replaces_the_keys_history(spark, lake):
         e["cdc_change_seq"] for e in delta.read_arrow(paths.changelog).to_pylist() if e["id"] == "a"
     ] == [resync_seqs(R)[0]]
     checks_pass(spark, paths)
+    # The old hours read again (a late file for b lands in one): a's old events stay away.
+    late = ev("UPDATE", 4, datetime(2020, 1, 3, 3, tzinfo=UTC), "b", counter=6)
+    write_parquet_events(lake["landing"], TABLE.name, D3, [late], name="late.parquet")
+    materialize(spark, TABLE, lake["landing"], lake["warehouse"], [D2, D3])
+    assert [r for r in rows_of(paths) if r[0] == "a"] == [("a", 10, D1, TMAX, True)]
+    checks_pass(spark, paths)
 
 
 @pytest.mark.parametrize(

@@ -172,9 +172,15 @@ def test_hard_truncate_removes_the_keys_written_before_t_and_their_events(spark,
     again = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + 2 * MS)
     assert (again.keys, again.events_removed) == (0, 0) and versions(paths) == seen
 
-    # Materializing the old hour again logs its events again: the rows come back.
-    materialize(spark, TABLE, landing, warehouse, [H0], synced_at=S1 + 3 * MS)
-    assert rows_of(paths) == expected([*HOUR0, *HOUR1])
+    # A late file lands in the old hour, which is read again: its new event is applied, the
+    # removed ones are not logged again (the forgotten-events ledger), so nothing comes back.
+    late = ev("UPDATE", 7, at(H0, 30), 1, status="late")
+    write_parquet_events(landing, TABLE.name, H0, [late], name="late.parquet")
+    out = materialize(spark, TABLE, landing, warehouse, [H0], synced_at=S1 + 3 * MS)
+    assert out.events_new == 1
+    kept = [e for e in [*HOUR0, *HOUR1] if e["id"] == 2]
+    assert rows_of(paths) == expected([*kept, late])
+    checks_pass(spark, paths)
 
 
 def test_a_hard_truncate_with_no_before_empties_the_table(spark, lake):

@@ -96,11 +96,15 @@ def append(
     expected_rows: int,
     ingested_at: datetime,
     revoked: Callable[[], set[str]] | None = None,
+    forgotten: Where | None = None,
 ) -> AppendResult:
     """Add the events not already logged; one Spark job, one Delta commit (or none).
 
     ``revoked`` gives the landing files un-applied so far; it is asked again on every commit
     attempt, so a file revoked while this append raced an un-apply is never logged again.
+    ``forgotten`` is the ledger of events a hard truncate or a re-sync removed (``forget``):
+    a materialization passes it, so those ``(key, seq)`` are never logged again when an hour
+    is read again; an operation a user runs (truncate, adopt, re-sync) logs what it is asked.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -120,18 +124,17 @@ def append(
         kept = events.filter(~col(SOURCE_FILE).isin(sorted(gone))) if gone else events
         batch = kept.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
         # Only files whose seq range overlaps this batch can hold a duplicate of its events.
-        candidates = [
-            f
-            for f in delta.snapshot_files(dt)
-            if f.min_values.get(SEQ) is None
-            or not (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
-        ]
+        candidates = _overlapping(delta.snapshot_files(dt), lo, hi)
         new = batch
         if candidates:
             logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(
                 *cols([*pk, SEQ])
             )
             new = new.join(logged, [*pk, SEQ], "left_anti")
+        gone = _seq_overlapping(forgotten, lo, hi) if forgotten is not None else []
+        if forgotten is not None and gone:
+            ledger = spark.read.parquet(*delta.absolute_paths(forgotten, gone))
+            new = new.join(ledger.select(*cols([*pk, SEQ])), [*pk, SEQ], "left_anti")
         columns = [f.name for f in delta.table_arrow_schema(dt)]
         new = new.select(*[col(c) if c in new.columns else F.lit(None).alias(c) for c in columns])
         adds = delta.write_files(new.coalesce(delta.file_count_for(expected_rows)), path)
@@ -153,6 +156,40 @@ def append(
         return AppendResult(count, version)
 
     return delta.with_commit_retries(attempt, f"change log append to {path}")[0]
+
+
+def _overlapping(files: Sequence[delta.DataFile], lo: int, hi: int) -> list[delta.DataFile]:
+    """The files whose ``cdc_change_seq`` statistics overlap ``[lo, hi]`` (or are unknown)."""
+    return [
+        f
+        for f in files
+        if f.min_values.get(SEQ) is None or not (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
+    ]
+
+
+def _seq_overlapping(ledger: Where, lo: int, hi: int) -> list[delta.DataFile]:
+    if not delta.exists(ledger):
+        return []
+    return _overlapping(delta.snapshot_files(delta.open_table(ledger)), lo, hi)
+
+
+def forget(path: Where, events: DataFrame, primary_key: Sequence[str]) -> None:
+    """Add ``events``' ``(key, cdc_change_seq)`` to the ledger at ``path``: no materialization
+    logs them again (a hard truncate or a re-sync removed them; an hour read again, say for a
+    late file, must not bring them back). One commit; written before the change log loses them, so a crash in between
+    only leaves the ledger ahead."""
+    pk = list(primary_key)
+    rows = events.select(*cols([*pk, SEQ])).distinct()
+    dt = delta.ensure_table(
+        path, delta.arrow_schema_of(rows), description="cdc_platform events removed for good"
+    )
+    dt = delta.widen_table(rows.sparkSession, path, dt, delta.arrow_schema_of(rows))
+    adds = delta.write_files(rows.repartitionByRange(1, col(SEQ)), path)
+    try:
+        delta.commit(dt, adds, [], delta.table_arrow_schema(dt))
+    except BaseException:
+        delta.discard(path, adds)
+        raise
 
 
 def files_since(path: Where, dt: DeltaTable, applied_version: int | None) -> list[delta.DataFile]:

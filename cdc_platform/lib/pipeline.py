@@ -153,6 +153,7 @@ def materialize(
             events_read,
             synced_at,
             revoked=revoked_now,
+            forgotten=paths.forgotten_events,
         )
         new_events = appended.new_events
     quarantine.record(

@@ -293,7 +293,14 @@ def _remove_history_of(
         def attempt() -> tuple[int, int, int]:
             dt = delta.open_table(paths.changelog)
             return remove_events(
-                spark, paths, pk, dt, delta.snapshot_files(dt), mark, "cdc_platform.resync_replaced"
+                spark,
+                paths,
+                pk,
+                dt,
+                delta.snapshot_files(dt),
+                mark,
+                "cdc_platform.resync_replaced",
+                forget=True,
             )
 
         (_, keys_removed, _), _ = delta.with_commit_retries(

@@ -215,11 +215,14 @@ def remove_events(
     mark: Callable[[DataFrame], DataFrame],
     metadata_key: str,
     fence: bool = False,
+    forget: bool = False,
 ) -> tuple[int, int, int]:
     """Take the events ``mark`` flags (its boolean column ``GONE``) out of ``files`` of the
     change-log snapshot ``dt``: record their keys as retracted, then rewrite the files holding
     them in one strict commit. Returns (events removed, keys, files rewritten); with ``fence``
-    an empty commit is made even when nothing is removed (see ``_remove_events``)."""
+    an empty commit is made even when nothing is removed (see ``_remove_events``). With
+    ``forget`` the events are recorded as forgotten first: no append logs them again (an
+    un-apply needs no such record: its files are never read again)."""
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
@@ -250,6 +253,8 @@ def remove_events(
     rewritten = [f for f in files if f.path in holding]
     history = delta.open_table(paths.history) if delta.exists(paths.history) else None
     applied = history.transaction_version(APP_ID) if history is not None else None
+    if forget:
+        changelog.forget(paths.forgotten_events, events.filter(col(GONE)), pk)
     record_retracted_keys(paths, events.filter(col(GONE)).select(*cols(pk)), version, applied)
     kept_rows = sum(f.num_records or 0 for f in rewritten) - removed
     kept = (

@@ -197,6 +197,7 @@ def _remove_keys(
             delta.snapshot_files(dt),
             mark,
             "cdc_platform.truncated_events",
+            forget=True,
         )
 
     (removed, keys, _), _ = delta.with_commit_retries(

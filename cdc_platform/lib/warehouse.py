@@ -5,8 +5,9 @@
 ``changelog`` (every valid event ever landed, so late events can be placed and any key
 recomputed), ``quarantine`` (files set aside, with the reason), ``delete_only_keys``
 (keys whose every event so far is a delete: they have no row in the history table),
-``revoked_files`` (landing files a user un-applied: never applied again unless re-admitted)
-and ``retracted_keys`` (keys whose events an un-apply removed, until the merge recomputed them).
+``revoked_files`` (landing files a user un-applied: never applied again unless re-admitted),
+``retracted_keys`` (keys whose events an un-apply removed, until the merge recomputed them)
+and ``forgotten_events`` (the events a hard truncate or a re-sync removed: never logged again).
 The warehouse root may be a local folder or an object store (``lib.storage``).
 
 ``<warehouse_root>/<table>_current`` is the table's optional current table (``current_table:
@@ -30,6 +31,7 @@ class TablePaths:
     delete_only_keys: Location
     revoked_files: Location
     retracted_keys: Location
+    forgotten_events: Location
     current: Location
 
     @classmethod
@@ -43,6 +45,7 @@ class TablePaths:
             delete_only_keys=system / "delete_only_keys",
             revoked_files=system / "revoked_files",
             retracted_keys=system / "retracted_keys",
+            forgotten_events=system / "forgotten_events",
             current=root / current_table_name(table),
         )
 
