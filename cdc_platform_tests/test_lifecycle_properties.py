@@ -28,7 +28,12 @@ from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import UNMODIFIED, reference_history, truncate_to_ms
-from cdc_platform_tests.strategies import BASE_TIME, assign_to_files, cdc_event_batches
+from cdc_platform_tests.strategies import (
+    BASE_TIME,
+    assign_to_files,
+    cdc_event_batches,
+    hour_floor,
+)
 
 TABLE = TableConfig(name="life", primary_key=("id",), start=BASE_TIME)
 COLUMNS = ["id", "name", "amount", "extra", "_fivetran_start", "_fivetran_end", "_fivetran_active"]
@@ -57,11 +62,14 @@ def test_operations_mixed_into_random_deliveries(spark, tmp_path_factory, data):
     events = data.draw(cdc_event_batches(max_keys=3, max_events=14), label="events")
     events = [{k: (None if v is UNMODIFIED else v) for k, v in e.items()} for e in events]
     op = data.draw(st.sampled_from(["truncate", "resync", "widen"]), label="operation")
-    if op == "widen":  # a file that brings `amount` as a string, anywhere among the others
+    files = assign_to_files(data.draw, events, start_hour=BASE_TIME)
+    if op == "widen":  # a file of its own brings `amount` as a string, in any hour
         t = BASE_TIME + timedelta(minutes=data.draw(st.integers(0, 180), label="widen at"))
         key = data.draw(st.integers(0, 2), label="widen key")
-        events.append(ev("UPDATE", 100_000, t, key, name="w", amount="7"))
-    files = assign_to_files(data.draw, events, start_hour=BASE_TIME)
+        wide = ev("UPDATE", 100_000, t, key, name="w", amount="7")
+        delay = timedelta(hours=data.draw(st.integers(0, 2), label="widen delay"))
+        files[(hour_floor(t) + delay, "widen.parquet")] = [wide]
+        events.append(wide)
     for (hour, name), rows in files.items():
         write_parquet_events(landing, TABLE.name, hour, rows, name=name)
     hours = sorted({h for h, _ in files})
