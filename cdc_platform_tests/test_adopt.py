@@ -102,6 +102,25 @@ def test_a_soft_delete_mode_delta_table_is_adopted_as_the_seeds_say(spark, lake)
     assert (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog)) == seen
 
 
+def test_a_partitioned_delta_table_keeps_its_partition_columns(spark, lake):
+    """A partitioned source's files hold no partition column: the values come from its log,
+    typed (a text value with a space and a slash, a null partition included)."""
+    source = lake["root"] / "source"
+    rows = soft_delete_mode_source().append_column(
+        "region", pa.array(["north east", "a/b", None], pa.string())
+    )
+    write_deltalake(str(source), rows, partition_by=["region", "status"])
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    adopt(spark, TABLE, lake["warehouse"], source, now=NOW)
+    got = normalize(history_rows(paths.history), [*COLUMNS, "region"])
+    assert got == [
+        (1, "new", 1.5, A, TMAX, True, "north east"),
+        (2, "paid", None, A, TMAX, True, "a/b"),
+        (3, "gone", 3.0, TMIN, TMIN, False, None),
+    ]
+    checks_pass(spark, paths)
+
+
 def test_cdc_events_apply_on_top_of_an_adopted_table(spark, lake):
     source = lake["root"] / "source"
     write_deltalake(str(source), soft_delete_mode_source())

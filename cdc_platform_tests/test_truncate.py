@@ -243,3 +243,83 @@ def test_the_dagster_job_truncate_table(spark, tmp_path):
 
     result = run({"table": "orders", "soft": False})  # before: the run's start
     assert result.success and rows_of(paths) == []
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_soft_truncate_with_no_before_closes_what_its_catch_up_merge_writes(
+    spark, lake, monkeypatch
+):
+    """Hour 1 is logged but a crash comes before its merge: the truncate's catch-up merges it
+    (rows written at ``now``), and a truncate with no ``before`` closes those rows too."""
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    write_parquet_events(landing, TABLE.name, H0, HOUR0, name="h0.parquet")
+    write_parquet_events(landing, TABLE.name, H1, HOUR1, name="h1.parquet")
+    materialize(spark, TABLE, landing, warehouse, [H0], synced_at=S0)
+
+    def crash(*args, **kwargs):
+        raise _Crash
+
+    with monkeypatch.context() as m:
+        m.setattr("cdc_platform.lib.pipeline.apply_pending", crash)
+        with pytest.raises(_Crash):
+            materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
+    r = truncate(spark, TABLE, warehouse, soft=True, now=S1 + MS)
+    assert r.before == S1 + 2 * MS and r.keys == 2  # keys 1 and 2, key 2 just merged
+    paths = TablePaths.of(warehouse, TABLE.name)
+    closing = [truncate_delete(k, S1 + 2 * MS) for k in (1, 2)]
+    assert rows_of(paths) == expected([*HOUR0, *HOUR1, *closing])
+    assert not [r for r in rows_of(paths) if r[4]]  # no live row left
+    checks_pass(spark, paths)
+
+
+def test_a_before_in_the_future_is_refused(spark, lake):
+    paths = build(spark, lake["landing"], lake["warehouse"])
+    seen = versions(paths)
+    with pytest.raises(ValueError, match="in the future"):
+        truncate(spark, TABLE, lake["warehouse"], S1 + timedelta(days=1), soft=False, now=S1)
+    assert versions(paths) == seen
+
+
+def test_a_hard_truncate_keeps_delete_only_keys_logged_at_or_after_t(spark, lake):
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    paths = build(spark, landing, warehouse)
+    ghost = ev("DELETE", 20, at(H1, 5), 9)  # key 9: only a delete, logged at S1 > T
+    write_parquet_events(landing, TABLE.name, H1, [ghost], name="ghost.parquet")
+    materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
+    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    assert (r.keys, r.events_removed) == (3, 5)  # keys 1, 3 and 4 (logged at S0) go
+    logged = sorted(e["id"] for e in delta.read_arrow(paths.changelog).to_pylist())
+    assert logged == [2, 2, 9]
+    assert [k["id"] for k in delta.read_arrow(paths.delete_only_keys).to_pylist()] == [9]
+    checks_pass(spark, paths)
+
+
+def test_a_hard_truncate_never_removes_an_event_logged_while_it_ran(spark, lake, monkeypatch):
+    """Another run logs (and merges) a new key while the truncate decides: the truncate's
+    strict commit loses, it starts again, and the new key, written after T, stays."""
+    from cdc_platform.lib import truncation
+
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    paths = build(spark, landing, warehouse)
+    H2 = H0 + timedelta(hours=2)
+    newcomer = ev("INSERT", 30, at(H2, 1), 7, status="new")
+    write_parquet_events(landing, TABLE.name, H2, [newcomer], name="h2.parquet")
+    real = truncation._latest_rows
+    calls = []
+
+    def racing(spark_, paths_):
+        latest = real(spark_, paths_)
+        if not calls:  # the first attempt has decided what to keep: another run commits now
+            materialize(spark, TABLE, landing, warehouse, [H2], synced_at=S1 + 2 * MS)
+        calls.append(1)
+        return latest
+
+    monkeypatch.setattr(truncation, "_latest_rows", racing)
+    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    assert len(calls) == 2 and r.keys == 3
+    assert rows_of(paths) == expected([e for e in [*HOUR0, *HOUR1, newcomer] if e["id"] in (2, 7)])
+    assert sorted(e["id"] for e in delta.read_arrow(paths.changelog).to_pylist()) == [2, 2, 7]
+    checks_pass(spark, paths)

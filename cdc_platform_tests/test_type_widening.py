@@ -183,3 +183,51 @@ def test_a_primary_key_column_widens_too(spark, lake):
     ]
     outcomes = invariants.run_checks(spark, paths, TABLE.primary_key)
     assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
+
+
+def test_an_append_narrower_than_the_change_log_is_cast_up(spark, lake):
+    """A batch read before another run widened the log (a race) is appended with the log's
+    types, cast by Arrow as the widening cast the rows already there: no file of the old type
+    lands in the widened table."""
+    import pyarrow.parquet as pq
+
+    from cdc_platform.lib import changelog
+
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    paths = TablePaths.of(warehouse, TABLE.name)
+    narrow = pa.schema([pa.field("id", pa.int64()), pa.field("code", pa.int64()), *CDC])
+    wide = pa.schema([pa.field("id", pa.int64()), pa.field("code", pa.string()), *CDC])
+    write_parquet_events(
+        landing, TABLE.name, H0, [ev("INSERT", 1, at(H0, 1), 1, code="x")], schema=wide
+    )
+    materialize(spark, TABLE, landing, warehouse, [H0])
+    batch = pa.table(
+        {
+            "id": [2],
+            "code": pa.array([7], pa.int64()),
+            "cdc_operation_type": ["INSERT"],
+            "cdc_change_seq": [2],
+            "cdc_commit_timestamp": pa.array([at(H0, 2)], TS_TYPE),
+            "_cdc_source_file": ["w/raced.parquet"],
+            "_cdc_source_row": [0],
+        },
+        schema=pa.schema(
+            [
+                *narrow,
+                pa.field("_cdc_source_file", pa.string()),
+                pa.field("_cdc_source_row", pa.int64()),
+            ]
+        ),
+    )
+    out = changelog.append(
+        spark, paths.changelog, spark.createDataFrame(batch), ["id"], (2, 2), 1, H1
+    )
+    assert out.new_events == 1
+    files = delta.absolute_paths(
+        paths.changelog, delta.snapshot_files(delta.open_table(paths.changelog))
+    )
+    assert {pq.read_schema(f).field("code").type for f in files} == {pa.string()}
+    assert sorted((r["id"], r["code"]) for r in delta.read_arrow(paths.changelog).to_pylist()) == [
+        (1, "x"),
+        (2, "7"),
+    ]

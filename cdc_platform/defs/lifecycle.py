@@ -2,8 +2,8 @@
 ``adopt_table`` (an existing table switched to history mode) and ``resync_table`` (a re-sync
 from a snapshot).
 
-``truncate_table`` names the table, ``before`` (an ISO-8601 time; the run's start when left
-out) and ``soft``; ``adopt_table`` the table and the source to adopt; ``resync_table`` the
+``truncate_table`` names the table, ``before`` (an ISO-8601 time; when left out, everything
+written up to the run, its catch-up merge included) and ``soft``; ``adopt_table`` the table and the source to adopt; ``resync_table`` the
 table, the snapshot folder and ``at``. The work is ``lib.truncation``'s, ``lib.adoption``'s
 and ``lib.resync``'s; each run is reported and checked as ``defs.operations`` does for every
 operator job, on the hour partition of the operation's time.
@@ -35,7 +35,8 @@ class TruncateConfig(dg.Config):
     before: str | None = Field(
         default=None,
         description="Truncate what was written before this time: ISO-8601 with a zone "
-        "(2024-01-02T00:00:00Z). Default: when the run starts.",
+        "(2024-01-02T00:00:00Z), not in the future. Default: everything written up to this "
+        "run (its catch-up merge included).",
     )
     soft: bool = Field(
         default=True,
@@ -89,7 +90,8 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     ) -> None:
         table = table_named(platform, config.table)
         started = datetime.now(UTC)
-        before = parse_before(config.before, started)
+        # None: the millisecond after the catch-up merge (what it writes is truncated too).
+        before = parse_before(config.before, started) if config.before else None
         paths = TablePaths.of(platform.warehouse_root, table.name)
         version_before = delta.version_or_none(paths.history)
         try:

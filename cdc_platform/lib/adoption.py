@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 
@@ -54,7 +54,9 @@ from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 DELETED = "_fivetran_deleted"
 SOURCE_PREFIX = "adopt:"
@@ -214,6 +216,8 @@ def _read_source(
         if not files:
             raise AdoptionError(f"{where}: the Delta table has no rows to adopt")
         schema = changelog.spark_schema(delta.table_arrow_schema(dt))
+        if dt.metadata().partition_columns:
+            return fmt, _partitioned_rows(spark, where, dt, schema)
         reader = spark.read.schema(schema)
     else:
         if where.is_local and not where.path.exists():
@@ -222,6 +226,40 @@ def _read_source(
         reader = spark.read
     rows = reader.options(**NATIVE_READ_OPTIONS).parquet(*files)
     return fmt, rows.withColumn(_FILE, F.input_file_name())
+
+
+def _partitioned_rows(
+    spark: SparkSession, where: Location, dt: DeltaTable, schema: StructType
+) -> DataFrame:
+    """A partitioned Delta table's rows: its files hold no partition column, so each group of
+    files is read with its partition values (from the Delta log, typed) as literal columns."""
+    from urllib.parse import unquote
+
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType
+
+    parts = list(dt.metadata().partition_columns)
+    data_schema = StructType([f for f in schema.fields if f.name not in parts])
+    actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for a in actions:
+        values = tuple(a.get(f"partition.{c}") for c in parts)
+        # The log's path is URI-encoded: the file on disk has the decoded name.
+        groups.setdefault(values, []).append(unquote(a["path"]))
+    frames = []
+    for values, paths in groups.items():
+        rows = (
+            spark.read.schema(data_schema)
+            .options(**NATIVE_READ_OPTIONS)
+            .parquet(*delta.absolute_paths(where, paths))
+        )
+        for c, v in zip(parts, values, strict=True):
+            rows = rows.withColumn(c, F.lit(v).cast(schema[c].dataType))
+        frames.append(rows.withColumn(_FILE, F.input_file_name()))
+    out = frames[0]
+    for frame in frames[1:]:
+        out = out.unionByName(frame)
+    return out.select(*[col(f.name) for f in schema.fields], col(_FILE))
 
 
 def _check_keys(rows: DataFrame, where: Location, pk: Sequence[str]) -> None:

@@ -135,8 +135,19 @@ def append(
         if forgotten is not None and gone:
             ledger = spark.read.parquet(*delta.absolute_paths(forgotten, gone))
             new = new.join(ledger.select(*cols([*pk, SEQ])), [*pk, SEQ], "left_anti")
-        columns = [f.name for f in delta.table_arrow_schema(dt)]
-        new = new.select(*[col(c) if c in new.columns else F.lit(None).alias(c) for c in columns])
+        # The table's columns and types: a column the table widened after this batch was read
+        # (a concurrent append) is cast up, as the widening cast the rows already there.
+        table_schema = delta.table_arrow_schema(dt)
+        known = set(new.columns)
+        new = delta.arrow_cast(
+            new.select(
+                *[
+                    col(f.name) if f.name in known else F.lit(None).cast(f.dataType).alias(f.name)
+                    for f in spark_schema(table_schema).fields
+                ]
+            ),
+            table_schema,
+        )
         adds = delta.write_files(new.coalesce(delta.file_count_for(expected_rows)), path)
         if not adds:
             return AppendResult(0, dt.version())

@@ -34,6 +34,7 @@ from deltalake import CommitProperties, DeltaTable, Field, Schema, Transaction
 from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
+from cdc_platform.lib.columns import col
 from cdc_platform.lib.storage import Location, Where
 
 if TYPE_CHECKING:
@@ -290,6 +291,28 @@ def commit(
     return dt.version()
 
 
+def arrow_cast(df: DataFrame, schema: pa.Schema) -> DataFrame:
+    """``df``'s rows as ``schema``'s columns (by name, in its order), each cast by Arrow: the one
+    engine every widening uses (a file decoded in Python, a table rewritten wider, a batch
+    appended to a table that widened meanwhile), so a value widened twice reads the same.
+    ``df`` is returned as it is when its columns already have those types."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    if arrow_schema_of(df).equals(schema):
+        return df
+    names = schema.names
+    frame = df.select(*[col(n) for n in names])
+
+    def cast(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            yield pa.RecordBatch.from_arrays(
+                [batch.column(i).cast(schema.field(i).type) for i in range(batch.num_columns)],
+                schema=schema,
+            )
+
+    return frame.mapInArrow(cast, from_arrow_schema(schema))
+
+
 def widen_table(
     spark: SparkSession, table_path: Where, dt: DeltaTable, target: pa.Schema
 ) -> DeltaTable:
@@ -319,13 +342,6 @@ def widen_table(
         if widened.field(f.name).type != f.type
     }
 
-    def cast(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            yield pa.RecordBatch.from_arrays(
-                [batch.column(i).cast(widened.field(i).type) for i in range(batch.num_columns)],
-                schema=widened,
-            )
-
     adds: list[AddAction] = []
     try:
         for f in snapshot_files(dt):
@@ -334,8 +350,7 @@ def widen_table(
                 .options(**NATIVE_READ_OPTIONS)
                 .parquet(*absolute_paths(table_path, [f]))
             )
-            rewritten = rows.mapInArrow(cast, from_arrow_schema(widened))
-            adds += write_files(rewritten.coalesce(1), table_path)
+            adds += write_files(arrow_cast(rows, widened).coalesce(1), table_path)
         commit(
             dt,
             adds,

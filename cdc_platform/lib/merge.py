@@ -159,7 +159,6 @@ def apply_pending(
     A table built with another ``history_columns`` setting is recomputed whole, once: its
     versions were cut by other columns. The setting is then recorded on the table.
     """
-    widen_to_changelog(spark, paths)
     result, attempts = delta.with_commit_retries(
         lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns),
         f"history commit for {paths.history}",
@@ -169,16 +168,19 @@ def apply_pending(
     return replace(result, attempts=attempts)
 
 
-def widen_to_changelog(spark: SparkSession, paths: TablePaths) -> None:
-    """Give the history table and its side tables the column types the change log has now
-    (wider, after a file widened a column there), each in one commit before the merge: every
-    version keeps its values, cast, and the merge then runs on the widened table."""
-    if not delta.exists(paths.changelog):
-        return
-    logged = changelog.key_and_data_of(delta.table_arrow_schema(delta.open_table(paths.changelog)))
+def widen_to_changelog(spark: SparkSession, paths: TablePaths, log: DeltaTable) -> bool:
+    """Give the history table and its side tables the column types the change-log snapshot
+    ``log`` has (wider, after a file widened a column there), each in one strict commit before
+    the merge: every version keeps its values, cast, and the merge then runs on the widened
+    table. Part of each merge attempt: a widening that loses a race is retried with the rest.
+    Returns whether a table was widened."""
+    logged = changelog.key_and_data_of(delta.table_arrow_schema(log))
+    widened = False
     for table in (paths.history, paths.delete_only_keys, paths.retracted_keys):
         if delta.exists(table):
-            delta.widen_table(spark, table, delta.open_table(table), logged)
+            dt = delta.open_table(table)
+            widened |= delta.widen_table(spark, table, dt, logged) is not dt
+    return widened
 
 
 def record_history_columns(
@@ -244,6 +246,9 @@ def _apply_once(
     snap = _Snapshot.open(paths, history_columns)
     if snap is None:
         return MergeResult(history_version=delta.version_or_none(paths.history))
+    while widen_to_changelog(spark, paths, snap.changelog):  # types only widen: it ends
+        snap = _Snapshot.open(paths, history_columns)
+        assert snap is not None
     log_version = snap.changelog.version()
     pending = changelog.files_since(paths.changelog, snap.changelog, snap.applied)
     retracted = _pending_retractions(spark, paths, snap.applied, log_version)
@@ -730,7 +735,16 @@ def _read_delete_only_keys(
         return spark.read.schema(keys_schema).parquet(*delta.absolute_paths(side, files))
     # Stale, or missing while the history table has applied events: recompute.
     logged = delta.open_table(paths.changelog, version=history_applied)
-    events = changelog.read_files(spark, paths.changelog, log_schema, delta.snapshot_files(logged))
+    # That version's files have that version's types (a widening since rewrote the log): read
+    # them so, then cast the key up as the widening did.
+    old_schema = delta.table_arrow_schema(logged)
+    key_types = delta.table_arrow_schema(snap.changelog)
+    events = delta.arrow_cast(
+        changelog.read_files(
+            spark, paths.changelog, changelog.spark_schema(old_schema), delta.snapshot_files(logged)
+        ).select(*cols([*pk, TS])),
+        pa.schema([key_types.field(c) for c in [*pk, TS]]),
+    )
     assert snap.history is not None
     versioned = _read_history(
         spark,

@@ -22,15 +22,16 @@ truncate again) finishes the work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib import changelog, delta, revoked_files
 from cdc_platform.lib.columns import (
     ACTIVE,
     CURRENT,
+    INGESTED_AT,
     OP,
     SEQ,
     SOURCE_FILE,
@@ -38,9 +39,11 @@ from cdc_platform.lib.columns import (
     TS,
     col,
     cols,
+    internal,
 )
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.merge import MergeResult, apply_pending, is_closed_file
+from cdc_platform.lib.history import HistoryColumns
+from cdc_platform.lib.merge import APP_ID, MergeResult, apply_pending, is_closed_file
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.revocation import GONE, remove_events
 from cdc_platform.lib.storage import Where
@@ -50,6 +53,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 SOURCE_PREFIX = "truncate:before="
+_OLD = internal("written_before")
 
 
 @dataclass(frozen=True)
@@ -77,31 +81,43 @@ def truncate(
     spark: SparkSession,
     table: TableConfig,
     warehouse_root: Where,
-    before: datetime,
+    before: datetime | None = None,
     soft: bool = True,
     now: datetime | None = None,
 ) -> TruncateResult:
-    """Truncate ``table`` before ``before`` (see the module docstring)."""
+    """Truncate ``table`` before ``before`` (see the module docstring).
+
+    Without ``before``, T is the millisecond after the catch-up merge: every row written so far
+    counts as written before it, the ones that merge just wrote included. A ``before`` later
+    than ``now`` is refused: it would close or remove what events logged later still write.
+    """
+    now = to_ms(now or datetime.now(UTC))
+    if before is None:
+        before = now + timedelta(milliseconds=1)
     if before.tzinfo is None:
         raise ValueError(f"truncate before {before.isoformat()}: give a time zone (or Z for UTC)")
     if before.year < 1971:
         raise ValueError(f"truncate before {before.isoformat()}: a time after 1970 is expected")
     before = to_ms(before)
-    now = to_ms(now or datetime.now(UTC))
+    if before > now + timedelta(milliseconds=1):
+        raise ValueError(
+            f"truncate before {before.isoformat()}: that is in the future (now is "
+            f"{now.isoformat()}); give a time that has passed, or none for now"
+        )
     paths = TablePaths.of(warehouse_root, table.name)
     pk = list(table.primary_key)
     if not delta.exists(paths.changelog):
         return TruncateResult(before, soft, 0, 0, 0, MergeResult(), table_existed=False)
-    # Catch up first: a crash may have left events logged but not merged.
-    apply_pending(spark, paths, pk, now, table.history_columns)
     if soft:
+        # Catch up first: a crash may have left events logged but not merged.
+        apply_pending(spark, paths, pk, now, table.history_columns)
         latest = _latest_rows(spark, paths)
         closing = None if latest is None else latest.filter(col(ACTIVE) & (col(SYNCED) < before))
         keys, logged = _log_deletes(spark, paths, pk, closing, before, now)
         removed = 0
     else:
         logged = 0
-        removed, keys = _remove_keys(spark, paths, pk, before)
+        removed, keys = _remove_keys(spark, paths, pk, before, now, table.history_columns)
     merge = apply_pending(spark, paths, pk, now, table.history_columns)
     return TruncateResult(before, soft, keys, logged, removed, merge, table_existed=True)
 
@@ -165,37 +181,54 @@ def _log_deletes(
 
 
 def _remove_keys(
-    spark: SparkSession, paths: TablePaths, pk: Sequence[str], before: datetime
+    spark: SparkSession,
+    paths: TablePaths,
+    pk: Sequence[str],
+    before: datetime,
+    now: datetime,
+    history_columns: HistoryColumns,
 ) -> tuple[int, int]:
-    """Take out of the change log every event of the keys a hard truncate removes: each logged
-    key but those whose latest version was written at or after ``before``. Returns (events
-    removed, keys)."""
+    """Take out of the change log every event of the keys a hard truncate removes: those whose
+    latest version was written before ``before``, and delete-only keys (no version) whose events
+    were all logged before it. Returns (events removed, keys).
+
+    Each attempt decides on a change log the history table has caught up with, and commits
+    strictly on it: an event logged meanwhile (a key this attempt never saw) makes the commit
+    fail and the attempt start again, so it is never removed (nor forgotten) unseen."""
+    from deltalake.exceptions import CommitFailedError
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    latest = _latest_rows(spark, paths)
-    kept = (
-        None
-        if latest is None
-        else latest.filter(col(SYNCED) >= before).select(*cols(list(pk))).distinct()
-    )
+    def mark_with(latest: DataFrame | None) -> Callable[[DataFrame], DataFrame]:
+        def mark(events: DataFrame) -> DataFrame:
+            logged_before = F.max(col(INGESTED_AT)).over(Window.partitionBy(*cols(list(pk))))
+            # A key with no version: its events were all logged before T (null: an old log).
+            unversioned_gone = F.coalesce(logged_before < F.lit(before), F.lit(True))
+            if latest is None:
+                return events.withColumn(GONE, unversioned_gone)
+            versioned = latest.select(*cols(list(pk)), (col(SYNCED) < before).alias(_OLD))
+            joined = events.join(versioned, list(pk), "left")
+            return joined.select(
+                *cols(events.columns),
+                F.when(col(_OLD).isNull(), unversioned_gone).otherwise(col(_OLD)).alias(GONE),
+            )
 
-    def mark(events: DataFrame) -> DataFrame:
-        if kept is None:  # no version at all: every logged key goes
-            return events.withColumn(GONE, F.lit(True))
-        flagged = kept.withColumn(GONE, F.lit(False))
-        return events.join(flagged, list(pk), "left").select(
-            *cols(events.columns), F.coalesce(col(GONE), F.lit(True)).alias(GONE)
-        )
+        return mark
 
     def attempt() -> tuple[int, int, int]:
+        apply_pending(spark, paths, pk, now, history_columns)
         dt = delta.open_table(paths.changelog)
+        history = delta.open_table(paths.history) if delta.exists(paths.history) else None
+        applied = history.transaction_version(APP_ID) if history is not None else None
+        if changelog.files_since(paths.changelog, dt, applied):
+            raise CommitFailedError(f"{paths.changelog}: events were logged during the catch-up")
         return remove_events(
             spark,
             paths,
             pk,
             dt,
             delta.snapshot_files(dt),
-            mark,
+            mark_with(_latest_rows(spark, paths)),
             "cdc_platform.truncated_events",
             forget=True,
         )
