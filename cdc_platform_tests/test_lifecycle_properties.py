@@ -89,7 +89,7 @@ def test_operations_mixed_into_random_deliveries(spark, tmp_path_factory, data):
 
     if op == "truncate":
         t = datetime.now(UTC) + timedelta(seconds=1)  # after every run's _fivetran_synced
-        truncate(spark, TABLE, warehouse, t, soft=True)
+        truncate(spark, TABLE, warehouse, t, soft=True, now=t)  # the truncate runs at t
         logged += [ev("DELETE", truncate_seq(t), truncate_to_ms(t), k) for k in live_keys(applied)]
     elif op == "resync":
         at = BASE_TIME + timedelta(minutes=data.draw(st.integers(0, 240), label="resync at"))
