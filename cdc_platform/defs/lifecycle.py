@@ -3,8 +3,8 @@
 from a snapshot).
 
 ``truncate_table`` names the table, ``before`` (an ISO-8601 time; when left out, everything
-written up to the run, its catch-up merge included) and ``soft``; ``adopt_table`` the table and the source to adopt; ``resync_table`` the
-table, the snapshot folder and ``at``. The work is ``lib.truncation``'s, ``lib.adoption``'s
+written up to the run, its catch-up merge included) and ``soft``; ``adopt_table`` the table and
+the source to adopt; ``resync_table`` the table, the snapshot folder and ``at``. The work is ``lib.truncation``'s, ``lib.adoption``'s
 and ``lib.resync``'s; each run is reported and checked as ``defs.operations`` does for every
 operator job, on the hour partition of the operation's time.
 """

@@ -724,7 +724,8 @@ def _read_delete_only_keys(
     """
     from pyspark.sql import functions as F
 
-    log_schema = changelog.spark_schema(delta.table_arrow_schema(snap.changelog))
+    log_arrow = delta.table_arrow_schema(snap.changelog)
+    log_schema = changelog.spark_schema(log_arrow)
     keys_schema = _delete_only_schema(log_schema, pk)
     history_applied = snap.applied
     side = paths.delete_only_keys
@@ -738,12 +739,11 @@ def _read_delete_only_keys(
     # That version's files have that version's types (a widening since rewrote the log): read
     # them so, then cast the key up as the widening did.
     old_schema = delta.table_arrow_schema(logged)
-    key_types = delta.table_arrow_schema(snap.changelog)
     events = delta.arrow_cast(
         changelog.read_files(
             spark, paths.changelog, changelog.spark_schema(old_schema), delta.snapshot_files(logged)
         ).select(*cols([*pk, TS])),
-        pa.schema([key_types.field(c) for c in [*pk, TS]]),
+        pa.schema([log_arrow.field(c) for c in [*pk, TS]]),
     )
     assert snap.history is not None
     versioned = _read_history(
