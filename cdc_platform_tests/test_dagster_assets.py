@@ -182,7 +182,7 @@ def test_range_backfill_is_one_run_and_equals_hourly_runs(spark, tmp_path):
             "v": i,
             "cdc_operation_type": "UPDATE",
             "cdc_change_seq": i,
-            "cdc_commit_timestamp": h0 + timedelta(minutes=37 * i),
+            "cdc_commit_timestamp": h0 + timedelta(minutes=13 * i),
         }
         for i in range(12)
     ]
@@ -199,7 +199,7 @@ def test_range_backfill_is_one_run_and_equals_hourly_runs(spark, tmp_path):
         defs = build_table_definitions(platform, platform.table("r"))
         if mode == "range":
             result = run_partition(
-                defs, tags={RANGE_START_TAG: "2024-01-01-00:00", RANGE_END_TAG: "2024-01-01-08:00"}
+                defs, tags={RANGE_START_TAG: "2024-01-01-00:00", RANGE_END_TAG: "2024-01-01-03:00"}
             )
             meta = metadata(result)
             assert (
@@ -208,9 +208,9 @@ def test_range_backfill_is_one_run_and_equals_hourly_runs(spark, tmp_path):
                 and meta["commit_attempts"] == 1
             )
             assert meta["delta_version"] == 1  # one commit for the whole range
-            assert meta["partitions_recorded"] == 9
+            assert meta["partitions_recorded"] == 4
         else:
-            for hour in range(9):
+            for hour in range(4):
                 run_partition(defs, f"2024-01-01-{hour:02d}:00")
         tables[mode] = history_rows(TablePaths.of(platform.warehouse_root, "r").history)
     assert tables["range"] == tables["hourly"]
@@ -293,7 +293,15 @@ print("finished")
 """
 
 
-@pytest.mark.parametrize("point", ["after_changelog_commit", "before_history_commit"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        # Each point starts three fresh processes (cold Spark): CI runs the later point, where
+        # the change log is committed and the history table is not; --run-slow runs both.
+        pytest.param("after_changelog_commit", marks=pytest.mark.slow),
+        "before_history_commit",
+    ],
+)
 def test_killed_materialization_leaves_previous_version_and_rerun_converges(spark, tmp_path, point):
     config = write_config(tmp_path, '- name: k\n  primary_key: [id]\n  start: "2024-01-01-00:00"\n')
     platform = load_config(config)

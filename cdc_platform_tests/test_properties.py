@@ -154,7 +154,7 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
 
 
 PROFILE = settings(
-    max_examples=5,
+    max_examples=3,  # per table in CI (three tables); --run-slow runs 60 more below
     deadline=None,
     suppress_health_check=[
         HealthCheck.function_scoped_fixture,

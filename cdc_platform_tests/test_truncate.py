@@ -3,6 +3,7 @@ tables, against the reference fold, replayed, un-applied, and on a table that do
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from cdc_platform.lib import changelog, delta, invariants
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.revocation import unapply
-from cdc_platform.lib.storage import Where
+from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.truncation import source_name, truncate, truncate_seq
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
@@ -52,11 +53,23 @@ HOUR0 = [
 HOUR1 = [ev("UPDATE", 10, at(H1, 1), 2, status="shipped")]
 
 
-def build(spark, landing: Path, warehouse: Where) -> TablePaths:
+@pytest.fixture(scope="module")
+def built(spark, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Hours 0 and 1 landed and applied (at S0 and S1), once for the module."""
+    root = tmp_path_factory.mktemp("truncate_built")
+    landing, warehouse = root / "landing", root / "warehouse"
     write_parquet_events(landing, TABLE.name, H0, HOUR0, name="h0.parquet")
     write_parquet_events(landing, TABLE.name, H1, HOUR1, name="h1.parquet")
     materialize(spark, TABLE, landing, warehouse, [H0], synced_at=S0)
     materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
+    return root
+
+
+def build(built: Path, landing: Path, warehouse: Where) -> TablePaths:
+    """A copy of the built landing zone and warehouse (Delta logs hold table-relative paths,
+    so the copy is the same table), for a test to change."""
+    shutil.copytree(built / "landing", landing, dirs_exist_ok=True)
+    shutil.copytree(built / "warehouse", Location.of(warehouse).path, dirs_exist_ok=True)
     return TablePaths.of(warehouse, TABLE.name)
 
 
@@ -81,8 +94,8 @@ def versions(paths: TablePaths) -> tuple[int | None, int | None]:
     return delta.version_or_none(paths.history), delta.version_or_none(paths.changelog)
 
 
-def test_soft_truncate_closes_the_live_versions_written_before_t(spark, lake):
-    paths = build(spark, lake["landing"], lake["warehouse"])
+def test_soft_truncate_closes_the_live_versions_written_before_t(spark, built, lake):
+    paths = build(built, lake["landing"], lake["warehouse"])
     r = truncate(spark, TABLE, lake["warehouse"], T, soft=True, now=S1 + MS)
 
     # Key 1 (written at S0) closes at T; key 2 (rewritten at S1) stays; key 3 was deleted.
@@ -113,11 +126,11 @@ def test_soft_truncate_closes_the_live_versions_written_before_t(spark, lake):
     assert (again.keys, again.events_logged) == (0, 0) and versions(paths) == seen
 
 
-def test_events_after_a_soft_truncate_are_placed_around_it(spark, lake):
+def test_events_after_a_soft_truncate_are_placed_around_it(spark, built, lake):
     """A later event re-opens the key, a late one older than T lands before the delete, and an
     event in T's own millisecond sorts after the truncate (its seq is lower than any real one)."""
     landing, warehouse = lake["landing"], lake["warehouse"]
-    paths = build(spark, landing, warehouse)
+    paths = build(built, landing, warehouse)
     truncate(spark, TABLE, warehouse, T, soft=True, now=S1 + MS)
     late = [
         ev("UPDATE", 20, at(H0, 30), 1, status="late"),  # before T: closed at T
@@ -135,9 +148,9 @@ def test_events_after_a_soft_truncate_are_placed_around_it(spark, lake):
     checks_pass(spark, paths)
 
 
-def test_a_soft_truncate_is_undone_by_unapplying_it(spark, lake):
+def test_a_soft_truncate_is_undone_by_unapplying_it(spark, built, lake):
     landing, warehouse = lake["landing"], lake["warehouse"]
-    paths = build(spark, landing, warehouse)
+    paths = build(built, landing, warehouse)
     before = rows_of(paths)
     truncate(spark, TABLE, warehouse, T, soft=True, now=S1 + MS)
     assert rows_of(paths) != before
@@ -148,9 +161,9 @@ def test_a_soft_truncate_is_undone_by_unapplying_it(spark, lake):
     checks_pass(spark, paths)
 
 
-def test_hard_truncate_removes_the_keys_written_before_t_and_their_events(spark, lake):
+def test_hard_truncate_removes_the_keys_written_before_t_and_their_events(spark, built, lake):
     landing, warehouse = lake["landing"], lake["warehouse"]
-    paths = build(spark, landing, warehouse)
+    paths = build(built, landing, warehouse)
     version = delta.version_or_none(paths.history)
     assert version is not None
     r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
@@ -183,8 +196,8 @@ def test_hard_truncate_removes_the_keys_written_before_t_and_their_events(spark,
     checks_pass(spark, paths)
 
 
-def test_a_hard_truncate_with_no_before_empties_the_table(spark, lake):
-    paths = build(spark, lake["landing"], lake["warehouse"])
+def test_a_hard_truncate_with_no_before_empties_the_table(spark, built, lake):
+    paths = build(built, lake["landing"], lake["warehouse"])
     r = truncate(spark, TABLE, lake["warehouse"], datetime.now(UTC), soft=False)
     assert r.keys == 4 and rows_of(paths) == []
     assert delta.read_arrow(paths.changelog).num_rows == 0
@@ -203,13 +216,13 @@ def test_a_time_without_a_zone_is_refused(spark, lake):
         truncate(spark, TABLE, lake["warehouse"], datetime(2024, 1, 2), soft=True)
 
 
-def test_the_dagster_job_truncate_table(spark, tmp_path):
+def test_the_dagster_job_truncate_table(spark, built, tmp_path):
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
         '  - name: orders\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    paths = build(spark, platform.landing_root, platform.warehouse_root)
+    paths = build(built, platform.landing_root, platform.warehouse_root)
     defs = build_definitions(platform)
     instance = dg.DagsterInstance.ephemeral()
 
@@ -275,17 +288,17 @@ def test_a_soft_truncate_with_no_before_closes_what_its_catch_up_merge_writes(
     checks_pass(spark, paths)
 
 
-def test_a_before_in_the_future_is_refused(spark, lake):
-    paths = build(spark, lake["landing"], lake["warehouse"])
+def test_a_before_in_the_future_is_refused(spark, built, lake):
+    paths = build(built, lake["landing"], lake["warehouse"])
     seen = versions(paths)
     with pytest.raises(ValueError, match="in the future"):
         truncate(spark, TABLE, lake["warehouse"], S1 + timedelta(days=1), soft=False, now=S1)
     assert versions(paths) == seen
 
 
-def test_a_hard_truncate_keeps_delete_only_keys_logged_at_or_after_t(spark, lake):
+def test_a_hard_truncate_keeps_delete_only_keys_logged_at_or_after_t(spark, built, lake):
     landing, warehouse = lake["landing"], lake["warehouse"]
-    paths = build(spark, landing, warehouse)
+    paths = build(built, landing, warehouse)
     ghost = ev("DELETE", 20, at(H1, 5), 9)  # key 9: only a delete, logged at S1 > T
     write_parquet_events(landing, TABLE.name, H1, [ghost], name="ghost.parquet")
     materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
@@ -297,13 +310,15 @@ def test_a_hard_truncate_keeps_delete_only_keys_logged_at_or_after_t(spark, lake
     checks_pass(spark, paths)
 
 
-def test_a_hard_truncate_never_removes_an_event_logged_while_it_ran(spark, lake, monkeypatch):
+def test_a_hard_truncate_never_removes_an_event_logged_while_it_ran(
+    spark, built, lake, monkeypatch
+):
     """Another run logs (and merges) a new key while the truncate decides: the truncate's
     strict commit loses, it starts again, and the new key, written after T, stays."""
     from cdc_platform.lib import truncation
 
     landing, warehouse = lake["landing"], lake["warehouse"]
-    paths = build(spark, landing, warehouse)
+    paths = build(built, landing, warehouse)
     H2 = H0 + timedelta(hours=2)
     newcomer = ev("INSERT", 30, at(H2, 1), 7, status="new")
     write_parquet_events(landing, TABLE.name, H2, [newcomer], name="h2.parquet")
