@@ -21,7 +21,7 @@ from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.lib import delta
 from cdc_platform.lib.columns import CHANGED, CURRENT, LAST_EVENT_AT
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.merge import APP_ID, is_closed_file
+from cdc_platform.lib.merge import APP_ID, is_closed_file, unchanged_before
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
@@ -115,6 +115,66 @@ def test_late_event_takes_the_slow_path_for_its_key_only(spark, lake):
     assert (result.merge.fast_keys, result.merge.slow_keys) == (1, 2)
     expected = reference_history([*events, late, same_ms, in_order], ["id"])
     assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
+
+
+def test_late_events_leave_closed_files_that_ended_before_them_alone(spark, lake):
+    """Versions ending before a late event cannot change: closed files that ended earlier are
+    neither read nor rewritten, whatever keys they hold; and a late key is refolded from its
+    version holding the late event, so change-log files logged before that are not read."""
+    events = _deep_history(spark, lake, hours=6)
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    before = {f.path: f for f in delta.snapshot_files(delta.open_table(paths.history))}
+    log_before = delta.snapshot_files(delta.open_table(paths.changelog))
+    closed_before = {p: f for p, f in before.items() if is_closed_file(f)}
+    late_at = H0 + timedelta(hours=3, minutes=30)
+    ended_before = {p for p, f in closed_before.items() if f.max_values["_fivetran_end"] < late_at}
+    assert len(ended_before) >= 2  # the closed files of the first hours
+
+    hour = H0 + timedelta(hours=6)
+    late = [
+        ev("UPDATE", 3000, late_at, 5, v=-5),
+        ev("UPDATE", 3001, late_at + timedelta(minutes=10), 9, v=-9),
+    ]
+    write_parquet_events(lake["landing"], TABLE.name, hour, late)
+    result = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [hour])
+
+    m = result.merge
+    assert (m.fast_keys, m.slow_keys) == (0, 2)
+    assert m.history_version is not None
+    _, removes = _commit_actions(paths.history, m.history_version)
+    assert set(removes) & set(closed_before)  # the closed file holding the split versions
+    assert not set(removes) & ended_before
+    # Bytes read: the current files and the closed files that may hold a changing version,
+    # plus the rewritten files once more (their unchanged rows are carried over).
+    unread = sum(closed_before[p].size for p in ended_before)
+    rewritten = sum(before[p].size for p in removes)
+    assert m.history_bytes_read - rewritten <= sum(f.size for f in before.values()) - unread
+    # Key 5 is refolded from its version started at 03:06, key 9 from 03:10: the change-log
+    # files of hours 0-2 hold only earlier events and are skipped.
+    early = [
+        f for f in log_before if f.max_values["cdc_commit_timestamp"] < H0 + timedelta(hours=3)
+    ]
+    assert len(early) >= 3
+    log_now = delta.snapshot_files(delta.open_table(paths.changelog))
+    pending = sum(f.size for f in log_now if f.path not in {g.path for g in log_before})
+    log_total = sum(f.size for f in log_now)
+    assert m.changelog_bytes_read - pending <= log_total - sum(f.size for f in early)
+    expected = reference_history([*events, *late], ["id"])
+    assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
+
+
+def test_the_cut_is_one_millisecond_before_the_earliest_late_event():
+    """Computed from microseconds since the epoch (a collected timestamp would be in the Python
+    process's zone); a late event at the dawn of time (an adopted soft delete) gives no cut."""
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+
+    def micros(t: datetime) -> int:
+        return (t - epoch) // timedelta(microseconds=1)
+
+    late = datetime(2024, 1, 1, 0, 0, 0, 5000, tzinfo=UTC)
+    assert unchanged_before(micros(late)) == late - timedelta(milliseconds=1)
+    assert unchanged_before(micros(datetime(1, 1, 1, tzinfo=UTC))) is None
+    assert unchanged_before(None) is None
 
 
 def test_delete_only_keys_are_remembered(spark, lake):

@@ -17,6 +17,7 @@ from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse_config
 from cdc_platform.lib.history import TMAX, HistoryColumns
+from cdc_platform.lib.landing import hour_folder
 from cdc_platform.lib.merge import HistoryColumnsError, record_history_columns
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.provenance import EVENTS, version_sources
@@ -28,7 +29,7 @@ from cdc_platform_tests.helpers import (
     write_parquet_events,
 )
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.reference import changed_columns, reference_history
+from cdc_platform_tests.reference import UNMODIFIED, changed_columns, reference_history
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = H0 + timedelta(hours=1)
@@ -309,3 +310,48 @@ def test_provenance_of_a_selective_version_lists_every_event_it_covers(spark, la
         (1, T[10].replace(tzinfo=None)): [4],
         (2, T[1].replace(tzinfo=None)): [5, 6, 7],
     }
+
+
+def test_a_late_event_before_an_in_place_change_keeps_the_earlier_untracked_value(spark, lake):
+    """A late partial update inside a version whose untracked value changed in place later:
+    its unmodified untracked cell takes the value it had at the late event's time, not the
+    version's last (the stored row holds the last step's values, so it cannot stand for the
+    version's first step when the key is refolded)."""
+    table = TableConfig(
+        name="u",
+        primary_key=("id",),
+        start=H0,
+        format="csv",
+        null_string="<null>",
+        unmodified_string="<unmodified>",
+        columns={"id": "long", "t": "long", "u": "string"},
+        history_columns=HistoryColumns(track=("t",)),
+    )
+    unmod = UNMODIFIED
+    applied = [
+        ev("INSERT", 1, T[1], 1, t=1, u="a"),
+        ev("UPDATE", 2, T[10], 1, t=2, u=unmod),
+        ev("UPDATE", 3, T[30], 1, t=unmod, u="b"),
+    ]
+    late = [ev("UPDATE", 4, T[20], 1, t=3, u=unmod)]
+
+    def write(hour: datetime, rows: list[dict]) -> None:
+        folder = hour_folder(lake["landing"], "u", hour)
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = ["id,t,u,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp"]
+        for r in rows:
+            cells = [r["id"], r["t"], r["u"], r["cdc_operation_type"], r["cdc_change_seq"]]
+            text = ["<unmodified>" if c is unmod else str(c) for c in cells]
+            lines.append(",".join([*text, r["cdc_commit_timestamp"].isoformat()]))
+        (folder / "events.csv").write_text("\n".join(lines) + "\n")
+
+    write(H0, applied)
+    materialize(spark, table, lake["landing"], lake["warehouse"], [H0])
+    write(H1, late)
+    run = materialize(spark, table, lake["landing"], lake["warehouse"], [H1])
+    assert run.merge.slow_keys == 1
+    columns = ["id", "t", "u", "_fivetran_start", "_fivetran_end", "_fivetran_active"]
+    got = normalize(history_rows(TablePaths.of(lake["warehouse"], "u").history), columns)
+    expected = reference_history([*applied, *late], ["id"], untracked={"u"})
+    assert got == normalize(expected, columns)
+    assert ("a" in {r[2] for r in got}) and len(got) == 3  # [10, 20) kept u = "a"

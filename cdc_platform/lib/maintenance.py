@@ -3,9 +3,9 @@
 Compaction (``compact``) keeps file counts bounded after months of hourly runs:
 
 - History table: the small files of each segment (closed, live, deleted; see ``merge``) are
-  bin-packed into key-sorted files of that segment, so the live part stays one file or a few
-  and the closed part clusters by key (its key statistics then let a late event's key skip
-  most closed files). Rows are not changed.
+  bin-packed into files of that segment, so the live part stays one file or a few (split by
+  key) and the closed part clusters by the time its versions ended (their statistics then let
+  a late event skip every closed file that ended before it). Rows are not changed.
 - Change log: once the history table has applied everything, its small files are bin-packed
   into key-sorted ones; the history table's watermark (and the delete-only keys' stamp) is then
   moved to the compacted version, so the rewritten files are not mistaken for new events. A
@@ -87,7 +87,9 @@ def compact(
 ) -> list[Compaction]:
     """Compact the history table and the change log of one table (see the module docstring)."""
     return [
-        _compact_history(spark, paths, list(primary_key), small_rows),
+        _compact_history(
+            spark, paths, list(primary_key), min(small_rows, merge.HISTORY_ROWS_PER_FILE // 2)
+        ),
         _compact_changelog(spark, paths, list(primary_key), small_rows),
     ]
 

@@ -15,8 +15,12 @@ events touch, not what the table holds:
   stands in for the key's whole past (its image, whether it is live, and when it last changed).
   Such a key never reads the change log nor a closed file.
 * **Slow path.** A key with a pending event at or before its last event (a late event, even in
-  the same millisecond) is recomputed from every event the change log holds for it, and the
-  closed files holding its versions are rewritten.
+  the same millisecond) is refolded from the change log. Only its versions ending at or after
+  the earliest late event can change (``unchanged_before``): closed files are clustered by the
+  time their versions ended, so those that ended earlier are neither read nor rewritten, and
+  an hour's late events rewrite the recent closed files only. The refold starts from the
+  key's earliest version read, replayed (``_slow_events``), so the change-log files logged
+  before it are skipped too.
 * **Keys with no version.** A key whose every event is a delete has no row in the table, yet
   its deletes matter if an older insert lands later. Such keys, with their last event time,
   are kept in a small side table (``delete_only_keys``) so that a new key can be told from one.
@@ -38,7 +42,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -78,6 +82,8 @@ if TYPE_CHECKING:
     from pyspark.sql.types import StructType
 
 APP_ID = "cdc_platform/changelog"
+# History files are smaller than the change log's: a late event rewrites whole closed files.
+HISTORY_ROWS_PER_FILE = delta.ROWS_PER_FILE // 4
 COMMIT_ATTEMPTS = delta.COMMIT_ATTEMPTS
 FAULT_ENV = "CDC_PLATFORM_FAULT"
 SYSTEM_COLUMNS = (*HISTORY_SYSTEM_COLUMNS, *STATE_COLUMNS)
@@ -92,6 +98,9 @@ _OLD_SYNCED = internal("old_synced")
 _OLD_ACTIVE = internal("old_active")
 _DELETE_ONLY = internal("delete_only")
 _FORCED = internal("forced")
+_CHECKPOINT = internal("checkpoint")
+# The seq of a replayed version (``_slow_events``): below any logged event of its millisecond.
+REPLAY_SEQ = -(2**63)
 
 # Column of the retracted-keys side table: the change-log version its removal commit followed.
 AFTER_LOG_VERSION = "_cdc_after_log_version"
@@ -312,9 +321,18 @@ def _apply_once(
                     F.count(F.lit(1)).alias("n"),
                     F.sum(col(_SLOW).cast("int")).alias("slow"),
                     F.sum(col(_DELETE_ONLY).cast("int")).alias("delete_only"),
+                    F.min(F.when(col(_SLOW), F.unix_micros(col(_MIN_MS)))).alias("earliest_late"),
+                    F.max((col(_SLOW) & (col(_FORCED) | col(_MIN_MS).isNull())).cast("int")).alias(
+                        "unbounded"
+                    ),
                 ).collect()[0]  # a global aggregate: exactly one row
                 keys_affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
                 delete_only_touched = int(counts["delete_only"] or 0)
+                cut = (
+                    None
+                    if snap.rebuild or counts["unbounded"]
+                    else unchanged_before(counts["earliest_late"])
+                )
                 slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
                 fast_keys = keys.filter(~col(_SLOW)).select(*cols(pk))
 
@@ -329,23 +347,41 @@ def _apply_once(
                         allowMissingColumns=True,
                     )
                 )
-                # Files whose key statistics rule out every slow key are not read (compacted
-                # files are key-sorted, so a few late keys read a few files).
                 slow_values = _few_key_values(slow_keys, pk, slow_count)
-                log_read = _files_maybe_holding(log_files, pk, slow_values) if slow_count else []
-                slow_events = (
-                    dedupe_events(
-                        changelog.read_files(spark, paths.changelog, log_spark_schema, log_read),
+                old = current.select(*cols([*columns, _FILE]))
+                closed_read = (
+                    [
+                        f
+                        for f in _files_maybe_holding(closed_files, pk, slow_values)
+                        if _may_end_at_or_after(f, cut)
+                    ]
+                    if slow_count
+                    else []
+                )
+                if closed_read:
+                    old = old.unionByName(
+                        _read_history(spark, paths.history, hist_schema, closed_read)
+                        .join(slow_keys, pk, "left_semi")
+                        .select(*cols([*columns, _FILE]))
+                    )
+                log_read: list[delta.DataFile] = []
+                checkpoints = None
+                events = fast_events
+                if slow_count:
+                    slow_events, log_read, checkpoints = _slow_events(
+                        spark,
+                        paths,
+                        log_spark_schema,
+                        log_files,
+                        keys,
+                        old,
                         pk,
-                    ).join(slow_keys, pk, "left_semi")
-                    if log_read
-                    else None
-                )
-                events = (
-                    fast_events
-                    if slow_events is None
-                    else fast_events.unionByName(slow_events, allowMissingColumns=True)
-                )
+                        data_columns,
+                        slow_values,
+                        cut,
+                        untracked=bool(history_columns.untracked(data_columns)),
+                    )
+                    events = events.unionByName(slow_events, allowMissingColumns=True)
                 last_events = events.groupBy(*cols(pk)).agg(
                     F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
                 )
@@ -356,21 +392,16 @@ def _apply_once(
                     last_events,
                     pk,
                 )
-                old = current.select(*cols([*columns, _FILE]))
-                closed_read = (
-                    _files_maybe_holding(closed_files, pk, slow_values) if slow_count else []
-                )
-                if closed_read:
-                    old = old.unionByName(
-                        _read_history(spark, paths.history, hist_schema, closed_read)
-                        .join(slow_keys, pk, "left_semi")
-                        .select(*cols([*columns, _FILE]))
-                    )
                 # One row per key (``current`` may hold more than one row of a key when file
                 # statistics cannot tell closed files apart, so ``keys`` may repeat a key).
                 slow_of = keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
+                if checkpoints is not None:
+                    slow_of = slow_of.join(checkpoints, pk, "left")
+                else:
+                    slow_of = slow_of.withColumn(_CHECKPOINT, F.lit(None).cast("timestamp"))
                 versions = versions.join(slow_of, pk, "left")
-                with _cached(_compare(versions, old, pk, data_columns, synced_at)) as compared:
+                compared = _compare(versions, old, pk, data_columns, synced_at, cut)
+                with _cached(compared) as compared:
                     rewritten_names, vanished = _old_rows_changed(compared, old, pk)
                     rewritten = [f for f in files if f.path in rewritten_names]
                     opened, closed, versioned_keys = _count_new_versions(compared, pk)
@@ -441,6 +472,136 @@ def _apply_once(
         history_version=version,
         changelog_version=log_version,
     )
+
+
+def _slow_events(
+    spark: SparkSession,
+    paths: TablePaths,
+    log_schema: StructType,
+    log_files: Sequence[delta.DataFile],
+    keys: DataFrame,
+    old: DataFrame,
+    pk: list[str],
+    data_columns: list[str],
+    slow_values: list[Any] | None,
+    cut: datetime | None,
+    untracked: bool,
+) -> tuple[DataFrame, list[delta.DataFile], DataFrame]:
+    """The events the slow keys are refolded from, the change-log files read for them, and
+    each slow key's ``_CHECKPOINT`` (null: refolded from its first event).
+
+    A slow key is refolded from its earliest version this run read (``old``: the current row
+    and the closed rows ending at or after ``cut``) if that version started before the key's
+    earliest pending event: the versions before it cannot change (``unchanged_before``), and
+    the version itself, replayed as an insert sorting before every event of its millisecond,
+    stands for the key's past; the events logged from its start on do the rest (the start's
+    own events are folded again, they give the same image). So a late key reads the change
+    log back to its checkpoint, not to its first event, and change-log files whose events all
+    came earlier are skipped. Retracted keys, a table recomputed whole, keys without such
+    a version and tables with untracked columns (a version's stored image is that of its last
+    step, so it cannot stand for its first) are refolded from all their events.
+    """
+    from pyspark.sql import functions as F
+
+    slow = (
+        keys.filter(col(_SLOW))
+        .groupBy(*cols(pk))
+        .agg(F.min(col(_MIN_MS)).alias(_MIN_MS), F.max(col(_FORCED)).alias(_FORCED))
+    )
+    since: datetime | None = None
+    if cut is None:
+        checkpoints = slow.select(*cols(pk), F.lit(None).cast("timestamp").alias(_CHECKPOINT))
+    else:
+        first_read = (
+            old.join(slow.select(*cols(pk)), pk, "left_semi")
+            .groupBy(*cols(pk))
+            .agg(F.min(col(START)).alias(_CHECKPOINT))
+        )
+        usable = ~col(_FORCED) & (col(_CHECKPOINT) < col(_MIN_MS))
+        if untracked:  # the stored image is the version's last step's, not its first's
+            usable = F.lit(False)
+        checkpoints = slow.join(first_read, pk, "left").select(
+            *cols(pk), F.when(usable, col(_CHECKPOINT)).alias(_CHECKPOINT)
+        )
+        bounds = checkpoints.agg(
+            F.min(F.unix_micros(col(_CHECKPOINT))).alias("since"),
+            F.max(col(_CHECKPOINT).isNull().cast("int")).alias("from_first"),
+        ).collect()[0]
+        if not bounds["from_first"] and bounds["since"] > _EARLIEST_CUT_US:
+            since = _from_micros(bounds["since"])
+    # Key statistics skip files holding no slow key (compacted files are key-sorted), time
+    # statistics those logged entirely before every checkpoint.
+    log_read = [
+        f
+        for f in _files_maybe_holding(log_files, pk, slow_values)
+        if _may_hold_events_since(f, since)
+    ]
+    logged = (
+        dedupe_events(changelog.read_files(spark, paths.changelog, log_schema, log_read), pk)
+        .join(checkpoints, pk, "inner")
+        .filter(
+            col(_CHECKPOINT).isNull() | (F.date_trunc("millisecond", col(TS)) >= col(_CHECKPOINT))
+        )
+        .drop(_CHECKPOINT)
+    )
+    replayed = (
+        old.join(checkpoints, pk, "inner")
+        .filter(col(START) == col(_CHECKPOINT))
+        .select(
+            *cols([*pk, *data_columns]),
+            F.lit("INSERT").alias(OP),
+            F.lit(REPLAY_SEQ).cast("long").alias(SEQ),
+            col(START).alias(TS),
+        )
+    )
+    return logged.unionByName(replayed, allowMissingColumns=True), log_read, checkpoints
+
+
+def _as_utc(t: datetime) -> datetime:
+    """A Delta statistic as an aware time (delta-rs gives UTC, naive or not)."""
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t
+
+
+def _from_micros(us: int) -> datetime:
+    """A time collected from Spark as ``unix_micros``: a collected timestamp would come back
+    naive in the Python process's local zone, whatever the session's."""
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)
+
+
+# Below this (one second after 0001-01-01) no time bound is used: subtracting from it overflows.
+_EARLIEST_CUT_US = int(
+    (datetime(1, 1, 1, 0, 0, 1, tzinfo=UTC) - datetime(1970, 1, 1, tzinfo=UTC))
+    / timedelta(microseconds=1)
+)
+
+
+def _may_hold_events_since(f: delta.DataFile, since: datetime | None) -> bool:
+    """Whether a change-log file may hold an event at or after ``since`` (its statistics)."""
+    last = f.max_values.get(TS)
+    if since is None or not isinstance(last, datetime):
+        return True
+    return _as_utc(last) >= since - timedelta(milliseconds=1)  # statistics may be truncated
+
+
+def unchanged_before(earliest_late: int | None) -> datetime | None:
+    """The time before which no version of a recomputed key can change.
+
+    A late event at millisecond m refolds steps from m on; a version ending before m - 1 ms was
+    closed by a step before m (a new version at its end + 1 ms, or a delete at its end) and
+    every step inside it is earlier too, so it comes out as it was. Versions ending at or after
+    the cut are read and compared; the closed files that end before it are not opened.
+    """
+    if earliest_late is None or earliest_late <= _EARLIEST_CUT_US:
+        return None  # at the dawn of time (an adopted soft delete): no cut
+    return _from_micros(earliest_late) - timedelta(milliseconds=1)
+
+
+def _may_end_at_or_after(f: delta.DataFile, cut: datetime | None) -> bool:
+    """Whether a closed file may hold a version ending at or after ``cut`` (its statistics)."""
+    last_end = f.max_values.get(END)
+    if cut is None or not isinstance(last_end, datetime):
+        return True  # no cut, or no usable statistic: it may hold anything
+    return _as_utc(last_end) >= cut - timedelta(milliseconds=1)  # statistics may be truncated
 
 
 # Up to this many slow keys are collected to the driver to prune files by key statistics.
@@ -528,14 +689,18 @@ def _classify(
     from pyspark.sql import functions as F
 
     if slow_everything:
-        return touched.select(*cols(pk), F.lit(True).alias(_SLOW), F.lit(False).alias(_DELETE_ONLY))
+        return touched.select(
+            *cols([*pk, _MIN_MS, _FORCED]),
+            F.lit(True).alias(_SLOW),
+            F.lit(False).alias(_DELETE_ONLY),
+        )
     last = current.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("last")))
     ghost_last = unversioned.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("ghost_last")))
     joined = touched.join(last, pk, "left").join(ghost_last, pk, "left")
     # A key with no current row and no delete-only record never had an event: fast.
     slow = col(_MIN_MS) <= F.coalesce(col(internal("last")), col(internal("ghost_last")))
     return joined.select(
-        *cols(pk),
+        *cols([*pk, _MIN_MS, _FORCED]),
         (col(_FORCED) | F.coalesce(slow, F.lit(False))).alias(_SLOW),
         col(internal("ghost_last")).isNotNull().alias(_DELETE_ONLY),
     )
@@ -598,11 +763,19 @@ def _with_state(versions: DataFrame, last_events: DataFrame, pk: list[str]) -> D
 
 
 def _compare(
-    versions: DataFrame, old: DataFrame, pk: list[str], data_columns: list[str], synced_at: datetime
+    versions: DataFrame,
+    old: DataFrame,
+    pk: list[str],
+    data_columns: list[str],
+    synced_at: datetime,
+    cut: datetime | None = None,
 ) -> DataFrame:
     """The new versions, each with the old row at the same ``(key, start)`` if it is identical.
 
-    ``versions`` carries ``_SLOW`` (was its key recomputed from all its events?); it is dropped.
+    ``versions`` carries ``_SLOW`` (was its key recomputed from its events?) and
+    ``_CHECKPOINT`` (from which version on, see ``_slow_events``); both are dropped.
+    A recomputed version ending before ``cut`` (see ``unchanged_before``) is the old one, in a
+    file this run did not read unless ``old`` has it: it is left out, not written again.
 
     A version whose image, end and active flag are as before keeps its ``_fivetran_synced``
     (only its state columns may have moved, say after a no-op update); any other gets this
@@ -621,15 +794,21 @@ def _compare(
         col(_FILE).alias(internal("prior_file")),
     )
     joined = versions.join(prior, [*pk, START], "left")
+    existed = col(internal("prior_file")).isNotNull()
+    if cut is not None:
+        slow = F.coalesce(col(_SLOW), F.lit(False))
+        joined = joined.filter(~slow | existed | (col(END) >= F.lit(cut)))
     # The fold gives no changed columns to the first version it folds of a key (it saw no
     # predecessor). For a fast key that is the replayed current row: its changed columns are
     # the stored ones. For a slow key (``_SLOW``) it is the key's first version: null, even
     # where that version was not the first before (an un-apply removed the earlier ones).
+    # A slow key refolded from a checkpoint (``_slow_events``) has the same gap at the
+    # checkpoint's version: that version is unchanged, its stored changed columns stand.
+    from_first = col(_SLOW) & ~F.coalesce(col(START) == col(_CHECKPOINT), F.lit(False))
     joined = joined.withColumn(
         CHANGED,
-        F.when(col(_SLOW), col(CHANGED)).otherwise(F.coalesce(col(CHANGED), col(renamed[CHANGED]))),
-    ).drop(_SLOW)
-    existed = col(internal("prior_file")).isNotNull()
+        F.when(from_first, col(CHANGED)).otherwise(F.coalesce(col(CHANGED), col(renamed[CHANGED]))),
+    ).drop(_SLOW, _CHECKPOINT)
     same_version: Column = existed
     for c in [*data_columns, END, ACTIVE]:
         same_version = same_version & col(c).eqNullSafe(col(renamed[c]))
@@ -685,7 +864,12 @@ def write_segments(
     expected_rows: int,
     data_change: bool = True,
 ) -> list[AddAction]:
-    """Write rows so that each file holds one segment (live, deleted or closed), sorted by key."""
+    """Write rows so that each file holds one segment (live, deleted or closed), sorted by key.
+
+    Live and deleted files split the key range. Closed files split the time range of their
+    versions' ends: a late event only changes versions ending after it (``unchanged_before``),
+    so it rewrites the closed files of the recent past, not one in every key range of all time.
+    """
     from pyspark.sql import functions as F
 
     segment = (
@@ -693,9 +877,14 @@ def write_segments(
         .when(col(CURRENT), F.lit("deleted"))
         .otherwise(F.lit("closed"))
     )
-    n = delta.file_count_for(expected_rows)
+    n = delta.file_count_for(expected_rows, HISTORY_ROWS_PER_FILE)
     shaped = out.withColumn(_SEGMENT, segment)
-    shaped = shaped.repartitionByRange(n, *cols(pk)) if n > 1 else shaped.coalesce(1)
+    closed_end = F.when(col(_SEGMENT) == "closed", col(END))
+    shaped = (
+        shaped.repartitionByRange(n, col(_SEGMENT), closed_end, *cols(pk))
+        if n > 1
+        else shaped.coalesce(1)
+    )
     return delta.write_files(
         shaped.sortWithinPartitions(*cols([*pk, START])),
         table_path,
