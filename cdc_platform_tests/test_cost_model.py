@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,34 @@ def test_late_events_leave_closed_files_that_ended_before_them_alone(spark, lake
     log_total = sum(f.size for f in log_now)
     assert m.changelog_bytes_read - pending <= log_total - sum(f.size for f in early)
     expected = reference_history([*events, *late], ["id"])
+    assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
+
+
+def test_a_big_change_log_append_is_split_by_time(spark, lake, monkeypatch):
+    """A backfill's events go to change-log files of consecutive time ranges (so a late key's
+    refold skips the older ones by their statistics), each holding every event once."""
+    from cdc_platform.lib import changelog
+
+    monkeypatch.setattr(changelog, "LOG_ROWS_PER_FILE", KEYS)
+    hours = [H0 + timedelta(hours=h) for h in range(4)]
+    events = []
+    for h, hour in enumerate(hours):
+        batch = [
+            ev("INSERT" if h == 0 else "UPDATE", 100 * h + k, hour + timedelta(minutes=k), k, v=h)
+            for k in range(KEYS)
+        ]
+        write_parquet_events(lake["landing"], TABLE.name, hour, batch)
+        events += batch
+    materialize(spark, TABLE, lake["landing"], lake["warehouse"], hours)
+    paths = TablePaths.of(lake["warehouse"], TABLE.name)
+    files = delta.snapshot_files(delta.open_table(paths.changelog))
+    assert len(files) >= 3
+    ranges = sorted(
+        (f.min_values["cdc_commit_timestamp"], f.max_values["cdc_commit_timestamp"]) for f in files
+    )
+    assert all(a[1] <= b[0] for a, b in pairwise(ranges))
+    assert sum(f.num_records or 0 for f in files) == len(events)
+    expected = reference_history(events, ["id"])
     assert normalize(history_rows(paths.history), COLUMNS) == normalize(expected, COLUMNS)
 
 

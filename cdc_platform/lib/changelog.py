@@ -23,6 +23,7 @@ from cdc_platform.lib.columns import (
     SEQ,
     SOURCE_FILE,
     SOURCE_ROW,
+    TS,
     col,
     cols,
     internal,
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     from pyspark.sql.types import StructType
 
 SYSTEM = set(CHANGELOG_SYSTEM_COLUMNS)
+# Events per change-log file of a big append (a backfill): a quarter of a full-size file, so a
+# late key's refold reads the recent files only.
+LOG_ROWS_PER_FILE = delta.ROWS_PER_FILE // 4
 _RN = internal("rn")
 
 
@@ -148,7 +152,11 @@ def append(
             ),
             table_schema,
         )
-        adds = delta.write_files(new.coalesce(delta.file_count_for(expected_rows)), path)
+        # A big append (a backfill) is split by commit time, so that a late key, refolded from
+        # its recent past (``merge._slow_events``), skips the files of earlier times.
+        n = delta.file_count_for(expected_rows, LOG_ROWS_PER_FILE)
+        shaped = new.repartitionByRange(n, col(TS), *cols(pk)) if n > 1 else new.coalesce(1)
+        adds = delta.write_files(shaped, path)
         if not adds:
             return AppendResult(0, dt.version())
         count = sum(delta.num_records(a) for a in adds)
