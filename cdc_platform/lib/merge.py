@@ -19,8 +19,8 @@ events touch, not what the table holds:
   the earliest late event can change (``unchanged_before``): closed files are clustered by the
   time their versions ended, so those that ended earlier are neither read nor rewritten, and
   an hour's late events rewrite the recent closed files only. The refold starts from the
-  key's earliest version read, replayed (``_slow_events``), so the change-log files logged
-  before it are skipped too.
+  key's latest version read that started before its late event, replayed (``_slow_events``),
+  so the change-log files logged before it are skipped too.
 * **Keys with no version.** A key whose every event is a delete has no row in the table, yet
   its deletes matter if an older insert lands later. Such keys, with their last event time,
   are kept in a small side table (``delete_only_keys``) so that a new key can be told from one.
@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -316,7 +316,7 @@ def _apply_once(
             side_stale = _delete_only_keys_stale(paths, snap.applied)
             unversioned = _read_delete_only_keys(spark, paths, pk, snap)
             keys = _classify(touched, current, unversioned, pk, slow_everything=snap.rebuild)
-            with _cached(keys) as keys:
+            with _cached(keys) as keys, ExitStack() as cached:
                 counts = keys.agg(
                     F.count(F.lit(1)).alias("n"),
                     F.sum(col(_SLOW).cast("int")).alias("slow"),
@@ -358,17 +358,21 @@ def _apply_once(
                     if slow_count
                     else []
                 )
-                if closed_read:
-                    old = old.unionByName(
-                        _read_history(spark, paths.history, hist_schema, closed_read)
-                        .join(slow_keys, pk, "left_semi")
-                        .select(*cols([*columns, _FILE]))
+                if closed_read:  # read once: checkpoints, comparison and carried rows use it
+                    old = cached.enter_context(
+                        _cached(
+                            old.unionByName(
+                                _read_history(spark, paths.history, hist_schema, closed_read)
+                                .join(slow_keys, pk, "left_semi")
+                                .select(*cols([*columns, _FILE]))
+                            )
+                        )
                     )
                 log_read: list[delta.DataFile] = []
                 checkpoints = None
                 events = fast_events
                 if slow_count:
-                    slow_events, log_read, checkpoints = _slow_events(
+                    slow_events, log_read, checkpoints, old = _slow_events(
                         spark,
                         paths,
                         log_spark_schema,
@@ -486,18 +490,20 @@ def _slow_events(
     slow_values: list[Any] | None,
     cut: datetime | None,
     untracked: bool,
-) -> tuple[DataFrame, list[delta.DataFile], DataFrame]:
-    """The events the slow keys are refolded from, the change-log files read for them, and
-    each slow key's ``_CHECKPOINT`` (null: refolded from its first event).
+) -> tuple[DataFrame, list[delta.DataFile], DataFrame, DataFrame]:
+    """The events the slow keys are refolded from, the change-log files read for them, each
+    slow key's ``_CHECKPOINT`` (null: refolded from its first event) and ``old`` without the
+    versions before the checkpoints.
 
-    A slow key is refolded from its earliest version this run read (``old``: the current row
-    and the closed rows ending at or after ``cut``) if that version started before the key's
-    earliest pending event: the versions before it cannot change (``unchanged_before``), and
-    the version itself, replayed as an insert sorting before every event of its millisecond,
-    stands for the key's past; the events logged from its start on do the rest (the start's
-    own events are folded again, they give the same image). So a late key reads the change
-    log back to its checkpoint, not to its first event, and change-log files whose events all
-    came earlier are skipped. Retracted keys, a table recomputed whole, keys without such
+    A slow key is refolded from its checkpoint: the latest version this run read (``old``:
+    the current row and the closed rows ending at or after ``cut``) that started before the
+    key's earliest pending event (the version that event falls in, or the deleted version
+    before it). The versions before it cannot change (``unchanged_before``); the version itself,
+    replayed as an insert sorting before every event of its millisecond, stands for the key's
+    past; the events logged from its start on do the rest (the start's own events are folded
+    again, they give the same image). So a late key reads the change log back to its
+    checkpoint, not to its first event, and change-log files whose events all came earlier
+    are skipped. Retracted keys, a table recomputed whole, keys without such
     a version and tables with untracked columns (a version's stored image is that of its last
     step, so it cannot stand for its first) are refolded from all their events.
     """
@@ -512,15 +518,15 @@ def _slow_events(
     if cut is None:
         checkpoints = slow.select(*cols(pk), F.lit(None).cast("timestamp").alias(_CHECKPOINT))
     else:
-        first_read = (
-            old.join(slow.select(*cols(pk)), pk, "left_semi")
+        last_before = (
+            old.join(slow.select(*cols([*pk, _MIN_MS])), pk, "inner")
             .groupBy(*cols(pk))
-            .agg(F.min(col(START)).alias(_CHECKPOINT))
+            .agg(F.max(F.when(col(START) < col(_MIN_MS), col(START))).alias(_CHECKPOINT))
         )
-        usable = ~col(_FORCED) & (col(_CHECKPOINT) < col(_MIN_MS))
+        usable = ~col(_FORCED)
         if untracked:  # the stored image is the version's last step's, not its first's
             usable = F.lit(False)
-        checkpoints = slow.join(first_read, pk, "left").select(
+        checkpoints = slow.join(last_before, pk, "left").select(
             *cols(pk), F.when(usable, col(_CHECKPOINT)).alias(_CHECKPOINT)
         )
         bounds = checkpoints.agg(
@@ -554,7 +560,14 @@ def _slow_events(
             col(START).alias(TS),
         )
     )
-    return logged.unionByName(replayed, allowMissingColumns=True), log_read, checkpoints
+    # Versions before a checkpoint are not refolded: they stay where they are, as they are.
+    from_checkpoint = (
+        old.join(checkpoints, pk, "left")
+        .filter(col(_CHECKPOINT).isNull() | (col(START) >= col(_CHECKPOINT)))
+        .drop(_CHECKPOINT)
+    )
+    events = logged.unionByName(replayed, allowMissingColumns=True)
+    return events, log_read, checkpoints, from_checkpoint
 
 
 def _as_utc(t: datetime) -> datetime:
