@@ -353,7 +353,7 @@ def _apply_once(
                     [
                         f
                         for f in _files_maybe_holding(closed_files, pk, slow_values)
-                        if _may_end_at_or_after(f, cut)
+                        if _may_reach(f, END, cut)
                     ]
                     if slow_count
                     else []
@@ -538,9 +538,7 @@ def _slow_events(
     # Key statistics skip files holding no slow key (compacted files are key-sorted), time
     # statistics those logged entirely before every checkpoint.
     log_read = [
-        f
-        for f in _files_maybe_holding(log_files, pk, slow_values)
-        if _may_hold_events_since(f, since)
+        f for f in _files_maybe_holding(log_files, pk, slow_values) if _may_reach(f, TS, since)
     ]
     logged = (
         dedupe_events(changelog.read_files(spark, paths.changelog, log_schema, log_read), pk)
@@ -588,14 +586,6 @@ _EARLIEST_CUT_US = int(
 )
 
 
-def _may_hold_events_since(f: delta.DataFile, since: datetime | None) -> bool:
-    """Whether a change-log file may hold an event at or after ``since`` (its statistics)."""
-    last = f.max_values.get(TS)
-    if since is None or not isinstance(last, datetime):
-        return True
-    return _as_utc(last) >= since - timedelta(milliseconds=1)  # statistics may be truncated
-
-
 def unchanged_before(earliest_late: int | None) -> datetime | None:
     """The time before which no version of a recomputed key can change.
 
@@ -609,12 +599,13 @@ def unchanged_before(earliest_late: int | None) -> datetime | None:
     return _from_micros(earliest_late) - timedelta(milliseconds=1)
 
 
-def _may_end_at_or_after(f: delta.DataFile, cut: datetime | None) -> bool:
-    """Whether a closed file may hold a version ending at or after ``cut`` (its statistics)."""
-    last_end = f.max_values.get(END)
-    if cut is None or not isinstance(last_end, datetime):
-        return True  # no cut, or no usable statistic: it may hold anything
-    return _as_utc(last_end) >= cut - timedelta(milliseconds=1)  # statistics may be truncated
+def _may_reach(f: delta.DataFile, column: str, bound: datetime | None) -> bool:
+    """Whether a file may hold a ``column`` value at or after ``bound``, by its statistics: a
+    closed history file a version ending then (``END``), a change-log file an event (``TS``)."""
+    last = f.max_values.get(column)
+    if bound is None or not isinstance(last, datetime):
+        return True  # no bound, or no usable statistic: it may hold anything
+    return _as_utc(last) >= bound - timedelta(milliseconds=1)  # statistics may be truncated
 
 
 # Up to this many slow keys are collected to the driver to prune files by key statistics.
