@@ -386,8 +386,14 @@ def _apply_once(
                         untracked=bool(history_columns.untracked(data_columns)),
                     )
                     events = events.unionByName(slow_events, allowMissingColumns=True)
-                last_events = events.groupBy(*cols(pk)).agg(
-                    F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
+                # Cached: the versions' state needs it, and so does the delete-only side table
+                # after the commit (recomputing it would read every touched key's events again).
+                last_events = cached.enter_context(
+                    _cached(
+                        events.groupBy(*cols(pk)).agg(
+                            F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
+                        )
+                    )
                 )
                 versions = _with_state(
                     build_versions(
