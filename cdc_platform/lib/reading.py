@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -217,17 +218,33 @@ _NATIVE_CODECS = frozenset({"UNCOMPRESSED", "SNAPPY", "GZIP", "ZSTD", "LZ4_RAW"}
 _SPARK_METADATA = "_metadata"
 
 
-def _native_type(t: pa.DataType) -> bool:
+def _native_type(t: pa.DataType, top_level: bool = True) -> bool:
     """True if Spark reads a Parquet column of Arrow type ``t`` exactly as ``normalize_type``
     would make it: already normalized, microsecond timestamps of any zone (or none: naive is
-    UTC, and Spark reads a non-UTC-adjusted Parquet timestamp as UTC too)."""
+    UTC, and Spark reads a non-UTC-adjusted Parquet timestamp as UTC too), and, as top-level
+    columns, the types Spark's reader widens losslessly when asked for the normalized one
+    (``_spark_widens``): narrower integers, 32-bit floats, large or dictionary strings."""
+    if top_level and _spark_widens(t):
+        return True
     if pa.types.is_timestamp(t):
         return t.unit == "us"
     if _is_list(t):
-        return pa.types.is_list(t) and _native_type(t.value_type)
+        return pa.types.is_list(t) and _native_type(t.value_type, top_level=False)
     if pa.types.is_struct(t):
-        return all(_native_type(f.type) for f in t)
+        return all(_native_type(f.type, top_level=False) for f in t)
     return not pa.types.is_null(t) and normalize_type(t) == t
+
+
+def _spark_widens(t: pa.DataType) -> bool:
+    """A column type Spark's Parquet readers (vectorized or not) read as its normalized type
+    with the very values Arrow's cast gives: every integer type but uint64 (whose values above
+    2^63-1 must be set aside, in Python) as int64, float32 as float64, large and dictionary
+    strings as string. Common in files from pandas and from databases' int/real columns."""
+    if pa.types.is_integer(t):
+        return not pa.types.is_uint64(t)
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_float32(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
 def _natively_readable(
@@ -436,23 +453,24 @@ class LandingReader:
 
     # -- pass 1: inspect ----------------------------------------------------------------------
 
-    def inspect_or_defer(self, path: str) -> FileReport:
+    def native_report(self, path: str) -> FileReport | None:
         """Pass 1 for a file Spark's own Parquet reader can read as is: its footer only.
 
-        Such a file (plain Parquet, every column already in its normalized type) comes back
-        with ``native=True`` and its rows unchecked: they are validated in Spark SQL
-        (``validate_native``). Any other file is inspected in Python (``inspect``).
+        Such a file (plain Parquet, every column in its normalized type or one Spark widens
+        to it) gets a report with ``native=True`` and its rows unchecked: they are validated
+        in Spark SQL (``validate_native``). Any other file gets None: it is inspected in
+        Python (``inspect``), which names whatever is wrong with it.
         """
         if self.table.is_encoded or os.path.islink(path):
-            return self.inspect(path)
+            return None
         try:
             pf = pq.ParquetFile(path)
             schema, meta = pf.schema_arrow, pf.metadata
             self._check_names(schema)
         except Exception:  # whatever it is, the full inspection names it
-            return self.inspect(path)
+            return None
         if not _natively_readable(schema, meta, self.table.primary_key):
-            return self.inspect(path)
+            return None
         normalized = pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
         return FileReport(path, meta.num_rows, normalized, native=True)
 
@@ -594,20 +612,31 @@ def _bad_rows_reason(row: int, reason: str, bad_count: int) -> str:
 def inspect_files(
     spark: SparkSession, reader: LandingReader, paths: Sequence[str], native: bool = True
 ) -> list[FileReport]:
-    """Pass 1, one Spark task per file (up to a cap); only the small reports come back.
+    """Pass 1; only the small reports come back.
 
-    A plain Parquet file whose columns are already in their normalized types is not decoded
-    in Python: its footer is read in the task and its rows are validated in Spark SQL
-    (``validate_native``), so pass 2 can read it with Spark's vectorized reader. ``native``
-    False inspects every file in Python (the reference behaviour, for tests and benchmarks).
+    A plain Parquet file whose columns Spark reads as their normalized types is not decoded
+    in Python: its footer is read in the driver (a few kilobytes of a local file, cheaper than
+    starting Python workers) and its rows are validated in Spark SQL (``validate_native``), so
+    pass 2 can read it with Spark's vectorized reader. Every other file is inspected in Python
+    in Spark tasks, one per file (up to a cap). ``native`` False inspects every file in Python
+    (the reference behaviour, for tests and benchmarks).
     """
     if not paths:
         return []
-    inspect = reader.inspect_or_defer if native else reader.inspect
-    reports = _per_file(spark, list(paths), inspect)
+    footers: dict[str, FileReport | None] = {}
+    if native and reader.reads_footer_first():
+        with ThreadPoolExecutor(max_workers=FOOTER_THREADS) as pool:
+            footers = dict(zip(paths, pool.map(reader.native_report, paths), strict=True))
+    rest = [p for p in paths if footers.get(p) is None]
+    inspected = dict(zip(rest, _per_file(spark, rest, reader.inspect), strict=True)) if rest else {}
+    reports = [r if (r := footers.get(p)) is not None else inspected[p] for p in paths]
     deferred = [r for r in reports if r.native and r.ok and r.num_rows]
     checked = validate_native(spark, reader, deferred) if deferred else {}
     return [checked.get(r.path, r) for r in reports]
+
+
+# Footers read at once by the driver (local or mounted landing files: I/O bound).
+FOOTER_THREADS = 8
 
 
 def validate_native(
