@@ -383,3 +383,40 @@ def test_narrow_integers_floats_and_large_strings_are_read_natively(spark, lake)
         *['PrimitiveType("string")'] * 2,
     ]
     assert_matches_reference(lake, rows, ["i8", "u32", "f", "s", "d"])
+
+
+# -- times before the 1582 calendar change ------------------------------------------------------
+
+
+def _t(*parts: int) -> datetime:
+    return datetime(*parts, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("first", "late"),
+    [
+        pytest.param(  # the late version ends just before the next: it must not be cut away
+            [ev("INSERT", 1, _t(100, 1, 1), 1, v=1), ev("UPDATE", 2, _t(100, 1, 5, 12), 1, v=2)],
+            [ev("UPDATE", 3, _t(100, 1, 5), 1, v=3)],
+            id="year-100",
+        ),
+        pytest.param(  # a closed version ending before the cut is not written twice
+            [
+                ev("INSERT", 1, _t(1500, 1, 1), 1, v=1),
+                ev("DELETE", 2, _t(1500, 1, 25), 1),
+                ev("INSERT", 3, _t(1500, 3, 1), 1, v=2),
+            ],
+            [ev("UPDATE", 4, _t(1500, 2, 1), 1, v=3)],
+            id="year-1500",
+        ),
+    ],
+)
+def test_late_events_before_the_gregorian_calendar_are_cut_exactly(spark, lake, first, late):
+    """The slow path's time bound reaches Spark as microseconds: ``F.lit(datetime)`` would
+    move a pre-1582 bound by days (found by review: a lost version, a duplicated one)."""
+    write_parquet_events(lake["landing"], "t", H0, first)
+    run(spark, lake, [H0])
+    write_parquet_events(lake["landing"], "t", H0 + timedelta(hours=1), late)
+    result = run(spark, lake, [H0 + timedelta(hours=1)])
+    assert result.merge.slow_keys == 1
+    assert_matches_reference(lake, [*first, *late], ["v"])

@@ -39,6 +39,7 @@ from cdc_platform.lib.columns import (
     cols,
     internal,
     is_reserved,
+    timestamp_lit,
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.merge import MergeResult, apply_pending
@@ -148,7 +149,7 @@ def adopt(
         *cols(data),
         F.lit("INSERT").alias(OP),
         F.lit(insert_seq).alias(SEQ),
-        F.when(is_deleted, tmin).otherwise(F.lit(adopted_at).cast("timestamp")).alias(TS),
+        F.when(is_deleted, tmin).otherwise(timestamp_lit(adopted_at)).alias(TS),
     )
     deletes = typed.filter(is_deleted).select(
         *cols(pk), F.lit("DELETE").alias(OP), F.lit(delete_seq).alias(SEQ), tmin.alias(TS)

@@ -27,6 +27,7 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    timestamp_lit,
 )
 from cdc_platform.lib.reading import normalize_type
 from cdc_platform.lib.storage import Where
@@ -115,7 +116,7 @@ def append(
 
     pk = list(primary_key)
     w = Window.partitionBy(*cols(pk), col(SEQ)).orderBy(col(SOURCE_FILE), col(SOURCE_ROW))
-    events = events.withColumn(INGESTED_AT, F.lit(ingested_at).cast("timestamp"))
+    events = events.withColumn(INGESTED_AT, timestamp_lit(ingested_at))
     schema = delta.arrow_schema_of(events)
     lo, hi = seq_range
 

@@ -14,7 +14,7 @@ backticks in a name as a struct path or a quoted identifier.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -90,3 +90,16 @@ def col(name: str) -> Column:
 
 def cols(names: list[str] | tuple[str, ...]) -> list[Column]:
     return [col(n) for n in names]
+
+
+def timestamp_lit(t: datetime) -> Column:
+    """The time ``t`` (naive means UTC) as a Spark timestamp literal, exact in every year.
+
+    ``F.lit(datetime)`` reaches the JVM as a ``java.sql.Timestamp``, which moves a time
+    before the 1582 calendar change by days; microseconds since the epoch move nothing.
+    """
+    from pyspark.sql import functions as F
+
+    aware = t.replace(tzinfo=UTC) if t.tzinfo is None else t
+    micros = (aware - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+    return F.timestamp_micros(F.lit(micros))

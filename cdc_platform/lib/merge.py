@@ -64,6 +64,7 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    timestamp_lit,
 )
 from cdc_platform.lib.history import (
     HISTORY_COLUMNS_PROPERTY,
@@ -807,7 +808,7 @@ def _compare(
     existed = col(internal("prior_file")).isNotNull()
     if cut is not None:
         slow = F.coalesce(col(_SLOW), F.lit(False))
-        joined = joined.filter(~slow | existed | (col(END) >= F.lit(cut)))
+        joined = joined.filter(~slow | existed | (col(END) >= timestamp_lit(cut)))
     # The fold gives no changed columns to the first version it folds of a key (it saw no
     # predecessor). For a fast key that is the replayed current row: its changed columns are
     # the stored ones. For a slow key (``_SLOW``) it is the key's first version: null, even
@@ -825,7 +826,7 @@ def _compare(
     same_row = same_version
     for c in STATE_COLUMNS:
         same_row = same_row & col(c).eqNullSafe(col(renamed[c]))
-    synced = F.when(same_version, col(_OLD_SYNCED)).otherwise(F.lit(synced_at).cast("timestamp"))
+    synced = F.when(same_version, col(_OLD_SYNCED)).otherwise(timestamp_lit(synced_at))
     return (
         joined.withColumn(SYNCED, synced)
         .withColumn(_OLD_FILE, F.when(same_row, col(internal("prior_file"))))

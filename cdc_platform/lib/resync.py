@@ -48,6 +48,7 @@ from cdc_platform.lib.columns import (
     TS_TYPE,
     col,
     cols,
+    timestamp_lit,
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
@@ -322,7 +323,7 @@ def _deletes(
     given = {
         OP: F.lit("DELETE"),
         SEQ: F.lit(seq),
-        TS: F.lit(at),
+        TS: timestamp_lit(at),
         SOURCE_FILE: F.lit(source_name(at)),
     }
     return keys.select(

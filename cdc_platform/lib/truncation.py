@@ -40,6 +40,7 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    timestamp_lit,
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import HistoryColumns
@@ -155,7 +156,7 @@ def _log_deletes(
     given = {
         OP: F.lit("DELETE"),
         SEQ: F.lit(seq),
-        TS: F.lit(before),
+        TS: timestamp_lit(before),
         SOURCE_FILE: F.lit(source_name(before)),
     }
     log_schema = changelog.spark_schema(delta.table_arrow_schema(delta.open_table(paths.changelog)))
