@@ -19,8 +19,13 @@ from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import (
+    CDC_FIELDS,
+    history_rows,
+    normalize,
+    write_parquet_events,
+)
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import reference_history
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -360,14 +365,11 @@ def test_narrow_integers_floats_and_large_strings_are_read_natively(spark, lake)
             pa.field("f", pa.float32()),
             pa.field("s", pa.large_string()),
             pa.field("d", pa.dictionary(pa.int32(), pa.string())),
-            pa.field("cdc_operation_type", pa.string()),
-            pa.field("cdc_change_seq", pa.int64()),
-            pa.field("cdc_commit_timestamp", pa.timestamp("us", tz="UTC")),
+            *CDC_FIELDS,
         ]
     )
     write_parquet_events(lake["landing"], "t", H0, rows, widened, name="narrow.parquet")
-    cdc = [f for f in widened if f.name.startswith("cdc_")]
-    unsigned = pa.schema([pa.field("id", pa.int64()), pa.field("big", pa.uint64()), *cdc])
+    unsigned = pa.schema([pa.field("id", pa.int64()), pa.field("big", pa.uint64()), *CDC_FIELDS])
     big = [ev("INSERT", 4, t1, 7, big=2**63)]
     write_parquet_events(lake["landing"], "t", H0, big, unsigned, name="u64.parquet")
 

@@ -100,6 +100,10 @@ def timestamp_lit(t: datetime) -> Column:
     """
     from pyspark.sql import functions as F
 
+    return F.timestamp_micros(F.lit(unix_micros(t)))
+
+
+def unix_micros(t: datetime) -> int:
+    """Microseconds from 1970-01-01 UTC to ``t`` (naive means UTC), exact in every year."""
     aware = t.replace(tzinfo=UTC) if t.tzinfo is None else t
-    micros = (aware - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
-    return F.timestamp_micros(F.lit(micros))
+    return (aware - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)

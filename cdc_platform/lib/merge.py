@@ -65,6 +65,7 @@ from cdc_platform.lib.columns import (
     cols,
     internal,
     timestamp_lit,
+    unix_micros,
 )
 from cdc_platform.lib.history import (
     HISTORY_COLUMNS_PROPERTY,
@@ -587,10 +588,7 @@ def _from_micros(us: int) -> datetime:
 
 
 # Below this (one second after 0001-01-01) no time bound is used: subtracting from it overflows.
-_EARLIEST_CUT_US = int(
-    (datetime(1, 1, 1, 0, 0, 1, tzinfo=UTC) - datetime(1970, 1, 1, tzinfo=UTC))
-    / timedelta(microseconds=1)
-)
+_EARLIEST_CUT_US = unix_micros(datetime(1, 1, 1, 0, 0, 1, tzinfo=UTC))
 
 
 def unchanged_before(earliest_late: int | None) -> datetime | None:
