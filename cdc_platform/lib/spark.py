@@ -57,6 +57,10 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.network.crypto.enabled": "true",
     # A merge's plan has many columns; Spark warns each time it shortens one for a log line.
     "spark.sql.debug.maxToStringFields": "1000",
+    # Reading more than 32 files (a backfill's landing files, a change log or history of many
+    # files) lists them in a Spark job of one task per file by default: 6 s for 720 local files
+    # on 2 cores, 0.7 s in 16 tasks. 16 tasks still list an object store's files in parallel.
+    "spark.sql.sources.parallelPartitionDiscovery.parallelism": "16",
     # A long-lived driver (the test session, a Spark Connect server, an in-process run
     # that applies a backfill) keeps the plan and metrics of every SQL execution, job and
     # stage for the UI by default (1000 each). With many-column plans that filled a 2 GiB
