@@ -34,6 +34,7 @@ from cdc_platform.lib.history import HistoryColumns, dedupe_events, tmax_literal
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
     from pyspark.sql import Column, DataFrame, SparkSession
 
 SAMPLE_SIZE = 5
@@ -113,7 +114,7 @@ def run_checks(
     scope: DataFrame | None = None,
 ) -> list[CheckOutcome]:
     """Every invariant over the table, or over the keys in ``scope`` only."""
-    from pyspark.sql import functions as F
+    from pyspark import StorageLevel
 
     pk = list(primary_key)
     outcomes = [_quarantine_check(paths), _revoked_check(spark, paths)]
@@ -133,6 +134,28 @@ def run_checks(
     )
     if scope is not None:
         table = table.join(scope, pk, "left_semi")
+    # Every check below scans these rows (about ten Spark jobs): read the files once.
+    table = table.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        outcomes += _table_checks(spark, paths, pk, table, dt, whole_table=scope is None)
+    finally:
+        table.unpersist()
+    order = {n: i for i, n in enumerate(CHECK_NAMES)}
+    return sorted(outcomes, key=lambda o: order[o.name])
+
+
+def _table_checks(
+    spark: SparkSession,
+    paths: TablePaths,
+    pk: list[str],
+    table: DataFrame,
+    dt: DeltaTable,
+    whole_table: bool,
+) -> list[CheckOutcome]:
+    """The invariants of the history rows in ``table`` (the whole table or a scope's keys)."""
+    from pyspark.sql import functions as F
+
+    outcomes: list[CheckOutcome] = []
     checked = table.select(*cols(pk)).distinct().count()
 
     def outcome(name: str, failing_rows: DataFrame, detail: str = "") -> CheckOutcome:
@@ -175,11 +198,10 @@ def run_checks(
             keyed,
             outcome,
             HistoryColumns.of_table(dt),
-            whole_table=scope is None,
+            whole_table=whole_table,
         )
     )
-    order = {n: i for i, n in enumerate(CHECK_NAMES)}
-    return sorted(outcomes, key=lambda o: order[o.name])
+    return outcomes
 
 
 def _consecutive_pairs(table: DataFrame, pk: list[str]) -> DataFrame:
