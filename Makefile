@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 
-.PHONY: demo ui test test-cluster lint bench java clean spark-connect spark-connect-stop
+.PHONY: demo ui test test-cluster test-connect lint bench java clean spark-connect spark-connect-stop
 
 demo: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.demo.run
@@ -22,6 +22,10 @@ test: java $(VENV)/.installed
 # A real Spark standalone cluster (a master and two workers from the pyspark package).
 test-cluster: java $(VENV)/.installed
 	$(BIN)/pytest --run-cluster cdc_platform_tests/test_cluster.py
+
+# The pipeline over a real Spark Connect server (started and stopped by the test's fixture).
+test-connect: java $(VENV)/.installed
+	$(BIN)/pytest --run-connect cdc_platform_tests/test_spark_connect.py
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check --fix cdc_platform cdc_platform_tests benchmarks
