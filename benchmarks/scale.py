@@ -79,6 +79,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 import cdc_platform
+from cdc_platform.lib.columns import TMAX, unix_micros
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
@@ -97,9 +98,7 @@ US = 1_000_000
 HOUR_US = 3600 * US
 DAY_US = 24 * HOUR_US
 START_US = int(START.timestamp()) * US
-TMAX_US = (
-    datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC) - datetime(1970, 1, 1, tzinfo=UTC)
-) // timedelta(microseconds=1)
+TMAX_US = unix_micros(TMAX)
 TS_TYPE = pa.timestamp("us", tz="UTC")
 
 DATA_COLUMNS = ("status", "amount", "quantity", "updated_at", "is_priority", "note")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
@@ -37,6 +37,7 @@ from cdc_platform.lib.columns import (
     TS,
     col,
     cols,
+    from_unix_micros,
     internal,
     is_reserved,
     timestamp_lit,
@@ -132,11 +133,7 @@ def adopt(
         if SYNCED in rows.columns
         else None
     )
-    adopted_at = (
-        to_ms(datetime.fromtimestamp(0, UTC) + timedelta(microseconds=synced_max))
-        if synced_max is not None
-        else now
-    )
+    adopted_at = to_ms(from_unix_micros(synced_max)) if synced_max is not None else now
     insert_seq, delete_seq = adoption_seqs(adopted_at)
 
     typed = _normalized(rows.select(*cols(data), deleted.alias(DELETED)), data)

@@ -107,3 +107,9 @@ def unix_micros(t: datetime) -> int:
     """Microseconds from 1970-01-01 UTC to ``t`` (naive means UTC), exact in every year."""
     aware = t.replace(tzinfo=UTC) if t.tzinfo is None else t
     return (aware - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+
+
+def from_unix_micros(us: int) -> datetime:
+    """A time collected from Spark as ``unix_micros``: a collected timestamp would come back
+    naive in the Python process's local zone, whatever the session's."""
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)

@@ -63,6 +63,7 @@ from cdc_platform.lib.columns import (
     TS,
     col,
     cols,
+    from_unix_micros,
     internal,
     timestamp_lit,
     unix_micros,
@@ -542,7 +543,7 @@ def _slow_events(
             F.max(col(_CHECKPOINT).isNull().cast("int")).alias("from_first"),
         ).collect()[0]
         if not bounds["from_first"] and bounds["since"] > _EARLIEST_CUT_US:
-            since = _from_micros(bounds["since"])
+            since = from_unix_micros(bounds["since"])
     # Key statistics skip files holding no slow key (compacted files are key-sorted), time
     # statistics those logged entirely before every checkpoint.
     log_read = [
@@ -581,12 +582,6 @@ def _as_utc(t: datetime) -> datetime:
     return t.replace(tzinfo=UTC) if t.tzinfo is None else t
 
 
-def _from_micros(us: int) -> datetime:
-    """A time collected from Spark as ``unix_micros``: a collected timestamp would come back
-    naive in the Python process's local zone, whatever the session's."""
-    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)
-
-
 # Below this (one second after 0001-01-01) no time bound is used: subtracting from it overflows.
 _EARLIEST_CUT_US = unix_micros(datetime(1, 1, 1, 0, 0, 1, tzinfo=UTC))
 
@@ -601,7 +596,7 @@ def unchanged_before(earliest_late: int | None) -> datetime | None:
     """
     if earliest_late is None or earliest_late <= _EARLIEST_CUT_US:
         return None  # at the dawn of time (an adopted soft delete): no cut
-    return _from_micros(earliest_late) - timedelta(milliseconds=1)
+    return from_unix_micros(earliest_late) - timedelta(milliseconds=1)
 
 
 def _may_reach(f: delta.DataFile, column: str, bound: datetime | None) -> bool:
