@@ -7,6 +7,11 @@ Dagster CLI, so it measures the current merge and any redesign of it alike.
 1. **Depth** (``--only depth``). History tables of about 100k, 1M and 10M versions over the
    same 100k keys (deeper history, not more keys), built from hourly landing folders of ~10k
    events (so depth = more hours) by ONE range ``materialize()`` call (timed, not measured).
+   The first ``--keys`` events give every key its first event, so every size has the same
+   live keys (~96%: the others' only event so far is a delete) and the sizes differ by depth
+   alone (random keys alone would leave a third unseen at 100k, and the live segment, which an
+   in-order hour rewrites, 1.6x smaller). The figures print the largest size against each
+   smaller one; the target compares it with the smallest.
    Built tables are cached under ``--work-dir``, keyed by the parameters and by a hash of
    ``cdc_platform/lib`` (a table written by other code is rebuilt); every measured run works
    on a copy. Then one hour of 10k events is applied to each size twice, as separate rows:
@@ -35,7 +40,12 @@ Dagster CLI, so it measures the current merge and any redesign of it alike.
    a 100-event hour into an existing table (median of 5, after one warm-up), and the whole
    ``dagster asset materialize`` process for a 100-event hour (median of ``--cli-runs``).
    **Targets: <= 1 s in-process, <= 5 s for the CLI process.** ``--spark-remote sc://host:port``
-   is exported as ``CDC_SPARK_REMOTE`` (to this process and to the Dagster CLI).
+   (with ``--only fixed``) runs both over that Spark Connect server: the in-process calls use a
+   session on it instead of local[2], and it is exported as ``CDC_SPARK_REMOTE`` to the Dagster
+   CLI. Without the flag a ``CDC_SPARK_REMOTE`` of the shell is ignored (every run is local[2]),
+   so a figure is never labelled with the wrong engine. For scale, the
+   same CLI command on the same instance for an asset that does nothing (the process's floor:
+   Python and Dagster start-up, the run's event log) is timed too.
 
 Full run (the shared machine has 2 cores: run it alone; builds are cached for reruns)::
 
@@ -83,7 +93,7 @@ from cdc_platform.lib.columns import TMAX, unix_micros
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark import build_spark_session
+from cdc_platform.lib.spark import build_connect_session, build_spark_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -118,13 +128,23 @@ MB = 1e6
 
 
 class EventGenerator:
-    """Random CDC events over ``keys`` keys: full row images, deletes carry only the key."""
+    """Random CDC events over ``keys`` keys: full row images, deletes carry only the key.
 
-    def __init__(self, keys: int, seed: int, first_seq: int = 1) -> None:
+    With ``every_key_first`` the first ``keys`` in-order events give each key its first event
+    (in a random order) and only then are keys drawn at random, so a table of ``keys`` events
+    already has every key that a deeper one has and they differ by depth alone (random draws
+    alone leave a third of the keys unseen after ``keys`` events).
+    """
+
+    def __init__(
+        self, keys: int, seed: int, first_seq: int = 1, every_key_first: bool = False
+    ) -> None:
         self.keys = keys
         self.rng = np.random.default_rng(seed)
         self.next_seq = first_seq
         self.seen = np.zeros(keys, dtype=bool)
+        self.first_order = self.rng.permutation(keys) if every_key_first else None
+        self.introduced = 0 if every_key_first else keys
 
     def events(
         self, n: int, hour_start_us: int, late: int = 0, late_window_us: tuple[int, int] = (0, 0)
@@ -133,7 +153,12 @@ class EventGenerator:
         on keys that already have events."""
         rng = self.rng
         in_order = n - late
+        fresh = min(in_order, self.keys - self.introduced)
         ids = rng.integers(0, self.keys, in_order, dtype=np.int64)
+        if fresh > 0:
+            assert self.first_order is not None
+            ids[:fresh] = self.first_order[self.introduced : self.introduced + fresh]
+            self.introduced += fresh
         ts = hour_start_us + np.sort(rng.integers(0, HOUR_US, in_order, dtype=np.int64))
         if late:
             existing = np.flatnonzero(self.seen)
@@ -183,10 +208,10 @@ def split_evenly(total: int, parts: int) -> list[int]:
 
 
 def generate_landing(
-    landing: Path, keys: int, events: int, hours: int, seed: int
+    landing: Path, keys: int, events: int, hours: int, seed: int, every_key_first: bool = False
 ) -> EventGenerator:
     """``events`` in-order events over ``hours`` hourly folders; returns the generator's state."""
-    gen = EventGenerator(keys, seed)
+    gen = EventGenerator(keys, seed, every_key_first=every_key_first)
     for index, n in enumerate(split_evenly(events, hours)):
         if n:
             write_hour(landing, index, gen.events(n, START_US + index * HOUR_US))
@@ -215,14 +240,25 @@ class CachedLanding:
     hours: int
 
 
-def cached_landing(cache_dir: Path, keys: int, events: int, hours: int, seed: int) -> CachedLanding:
-    """Landing files for the parameters, generated once (the marker is written last)."""
-    root = cache_dir / f"landing-{params_key(keys=keys, events=events, hours=hours, seed=seed)}"
+def landing_params(
+    keys: int, events: int, hours: int, seed: int, every_key_first: bool = False
+) -> dict[str, Any]:
+    """What a generated landing zone (and the table built from it) is a function of."""
+    params: dict[str, Any] = {"keys": keys, "events": events, "hours": hours, "seed": seed}
+    if every_key_first:  # absent otherwise, so the caches of the other sections stay valid
+        params["every_key_first"] = True
+    return params
+
+
+def cached_landing(cache_dir: Path, params: dict[str, Any]) -> CachedLanding:
+    """Landing files for ``landing_params``, generated once (the marker is written last)."""
+    root = cache_dir / f"landing-{params_key(**params)}"
     marker = root / "_complete.json"
+    events, hours = params["events"], params["hours"]
     if not marker.exists():
         shutil.rmtree(root, ignore_errors=True)
         t0 = time.perf_counter()
-        gen = generate_landing(root, keys, events, hours, seed)
+        gen = generate_landing(root, **params)
         np.save(root / "_seen.npy", gen.seen)
         marker.write_text(json.dumps({"next_seq": gen.next_seq, "hours": hours}))
         log(
@@ -586,8 +622,9 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     for size in sizes:
         label = size_label(size)
         hours = max(1, math.ceil(size / eph))
-        landing = cached_landing(cache, keys, size, hours, args.seed)
-        key = params_key(keys=keys, events=size, hours=hours, seed=args.seed)
+        params = landing_params(keys, size, hours, args.seed, every_key_first=True)
+        landing = cached_landing(cache, params)
+        key = params_key(**params)
         warehouse, meta = build_cached_table(spark, cache, landing, key)
         log(
             f"  {label}: {meta['versions']:,} versions ({meta['active']:,} active), "
@@ -661,8 +698,9 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     commits = {len(r.m.history.versions) for r in rows}
     if commits != {1}:
         log(f"  note: history commits per measured call: {sorted(commits)} (figures sum them)")
-    if len(sizes) >= 2:
-        lo, hi = size_label(sizes[0]), size_label(sizes[-1])
+    hi = size_label(sizes[-1])
+    for lo in [size_label(s) for s in sizes[:-1]]:
+        target = lo == size_label(sizes[0])  # the target compares with the smallest size
         print()
         for variant in ("late", "in-order"):
             small = next(r for r in rows if r.label == lo and r.variant == variant)
@@ -673,8 +711,8 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
             ):
                 ok = b > 0 and a / b <= TARGET_DEPTH_RATIO
                 log(
-                    f"  {variant:<8} {what:<16} {hi}/{lo} = {fmt_ratio(a, b):>7}  "
-                    f"(target <= {TARGET_DEPTH_RATIO}x): {met(ok)}"
+                    f"  {variant:<8} {what:<16} {hi}/{lo} = {fmt_ratio(a, b):>7}"
+                    + (f"  (target <= {TARGET_DEPTH_RATIO}x): {met(ok)}" if target else "")
                 )
 
 
@@ -716,18 +754,13 @@ class CliRun:
 
 
 def run_dagster_cli(
-    env: dict[str, str], run_dir: Path, partition_args: list[str], name: str
+    env: dict[str, str],
+    run_dir: Path,
+    partition_args: list[str],
+    name: str,
+    target: Sequence[str] = ("-m", "cdc_platform.definitions", "--select", TABLE_NAME),
 ) -> CliRun:
-    cmd = [
-        str(BIN / "dagster"),
-        "asset",
-        "materialize",
-        "-m",
-        "cdc_platform.definitions",
-        "--select",
-        TABLE_NAME,
-        *partition_args,
-    ]
+    cmd = [str(BIN / "dagster"), "asset", "materialize", *target, *partition_args]
     log_path = run_dir / f"{name}.log"
     with open(log_path, "w") as out:
         t0 = time.perf_counter()
@@ -741,6 +774,30 @@ def run_dagster_cli(
             f"{' '.join(cmd)} exited with {code}; log {log_path}:\n" + "\n".join(tail)
         )
     return CliRun(seconds, rss.peak, log_path)
+
+
+# The Dagster CLI's own cost: the same command and instance, an asset that does nothing.
+NOOP_DEFINITIONS = '''"""An asset that does nothing: what `dagster asset materialize` costs by itself."""
+
+import dagster as dg
+
+
+@dg.asset(pool="noop")  # the table's asset claims its pool's slot too
+def noop() -> None:
+    """Nothing to do."""
+
+
+defs = dg.Definitions(assets=[noop], executor=dg.in_process_executor)  # as the project's
+'''
+
+
+def run_dagster_noop(env: dict[str, str], run_dir: Path, name: str) -> CliRun:
+    """``dagster asset materialize`` of a no-op asset with the run's instance and the project's
+    executor (in-process): the floor under any materialization's process time (Python and
+    Dagster start-up, the run's event log)."""
+    module = run_dir / "noop_definitions.py"
+    module.write_text(NOOP_DEFINITIONS)
+    return run_dagster_cli(env, run_dir, [], name, ("-f", str(module), "--select", "noop"))
 
 
 def latest_run_figures(home: Path) -> dict[str, Any]:
@@ -888,7 +945,7 @@ def run_backfill(args: argparse.Namespace, work: Path) -> None:
     log(f"\n== 2. Backfill: {events:,} events over {keys:,} keys in {hours} hourly folders")
     cache = work / "backfill"
     cache.mkdir(parents=True, exist_ok=True)
-    landing = cached_landing(cache, keys, events, hours, args.seed)
+    landing = cached_landing(cache, landing_params(keys, events, hours, args.seed))
     run_dir = cache / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -963,19 +1020,21 @@ def run_fixed(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     base_events = scaled(args.fixed_base_events, args.scale)
     eph = scaled(args.events_per_hour, args.scale)
     small = args.fixed_events
+    remote = args.spark_remote
     log(
         f"\n== 3. Fixed cost: {small}-event hours into a table built from {base_events:,} events "
         f"over {keys:,} keys"
     )
-    if os.environ.get("CDC_SPARK_REMOTE"):
+    if remote:
         log(
-            f"  CDC_SPARK_REMOTE={os.environ['CDC_SPARK_REMOTE']} is set for this process and the CLI"
+            f"  over Spark Connect at {remote}: the in-process calls and the CLI (CDC_SPARK_REMOTE)"
         )
     cache = work / "fixed"
     cache.mkdir(parents=True, exist_ok=True)
     base_hours = max(1, math.ceil(base_events / eph))
-    landing = cached_landing(cache, keys, base_events, base_hours, args.seed)
-    key = params_key(keys=keys, events=base_events, hours=base_hours, seed=args.seed)
+    params = landing_params(keys, base_events, base_hours, args.seed)
+    landing = cached_landing(cache, params)
+    key = params_key(**params)
     cached, meta = build_cached_table(spark, cache, landing, key)
     log(
         f"  base table: {meta['versions']:,} versions, build {meta['seconds']:.1f} s{' (cached)' if meta['cached'] else ''}"
@@ -1012,15 +1071,17 @@ def run_fixed(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
                 env, run_dir, ["--partition", hour_to_partition_key(hour_at(index))], f"fixed-{n}"
             )
         )
-    meta = latest_run_figures(run_dir / "dagster_home")
+    meta = latest_run_figures(run_dir / "dagster_home")  # before the no-op runs: the latest run
+    noop = [run_dagster_noop(env, run_dir, f"noop-{n}") for n in range(args.cli_runs)]
 
     med_in, med_cli = statistics.median(in_process), statistics.median(c.seconds for c in cli)
+    med_noop = statistics.median(c.seconds for c in noop)
     print()
     print_table(
         ["what", "median s", "runs (s)", "target", ""],
         [
             [
-                f"materialize() in-process, warm Spark, {small} events",
+                f"materialize() in-process, warm Spark{' Connect' if remote else ''}, {small} events",
                 f"{med_in:.2f}",
                 " ".join(f"{s:.2f}" for s in in_process),
                 f"<= {TARGET_FIXED_IN_PROCESS_S:g} s",
@@ -1033,16 +1094,19 @@ def run_fixed(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
                 f"<= {TARGET_FIXED_CLI_S:g} s",
                 met(med_cli <= TARGET_FIXED_CLI_S),
             ],
+            [
+                "dagster asset materialize process, a no-op asset",
+                f"{med_noop:.2f}",
+                " ".join(f"{c.seconds:.2f}" for c in noop),
+                "(the CLI's floor)",
+                "",
+            ],
         ],
     )
     log(
         f"  last CLI run: peak RSS of its process tree {cli[-1].peak_rss / 2**20:,.0f} MiB; "
         f"{describe_steps(meta)}; Spark: "
-        + (
-            f"remote {os.environ['CDC_SPARK_REMOTE']}"
-            if os.environ.get("CDC_SPARK_REMOTE")
-            else "local[2] started by the run"
-        )
+        + (f"remote {remote}" if remote else "local[2] started by the run")
     )
     if not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -1092,20 +1156,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fixed-base-events", type=int, default=100_000)
     g.add_argument("--fixed-repeats", type=int, default=5)
     g.add_argument("--cli-runs", type=int, default=3)
-    g.add_argument("--spark-remote", help="sc://host:port, exported as CDC_SPARK_REMOTE")
+    g.add_argument(
+        "--spark-remote",
+        help="sc://host:port: run the fixed-cost section over Spark Connect (needs --only fixed)",
+    )
     return p.parse_args(argv)
 
 
 @contextmanager
-def spark_session(needed: bool) -> Iterator[SparkSession | None]:
+def spark_session(needed: bool, remote: str | None) -> Iterator[SparkSession | None]:
+    """local[2] in this process, or a session on the Spark Connect server at ``remote``."""
     if not needed:
         yield None
         return
-    spark = build_spark_session(
-        "local[2]",
-        {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"},
-        "scale_bench",
-    )
+    if remote:
+        spark = build_connect_session(remote, {"spark.sql.shuffle.partitions": "4"}, "scale_bench")
+    else:
+        spark = build_spark_session(
+            "local[2]",
+            {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"},
+            "scale_bench",
+        )
     try:
         yield spark
     finally:
@@ -1127,6 +1198,11 @@ def git_head() -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.spark_remote and args.only != "fixed":
+        # Depth and backfill measure the memory of this process tree, which holds no server.
+        raise SystemExit("--spark-remote measures the fixed-cost section: add --only fixed")
+    # Only the flag selects Connect: the in-process calls and the Dagster CLI then agree.
+    os.environ.pop("CDC_SPARK_REMOTE", None)
     if args.spark_remote:
         os.environ["CDC_SPARK_REMOTE"] = args.spark_remote
     work: Path = args.work_dir
@@ -1147,7 +1223,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # The backfill's Dagster run starts its own Spark: run it first, with no idle JVM beside it.
     if "backfill" in chosen:
         timed("backfill", lambda: sections["backfill"](None))
-    with spark_session(any(c != "backfill" for c in chosen)) as spark:
+    with spark_session(any(c != "backfill" for c in chosen), args.spark_remote) as spark:
         for name in chosen:
             if name != "backfill":
                 timed(name, lambda name=name: sections[name](spark))
