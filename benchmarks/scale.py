@@ -143,8 +143,9 @@ class EventGenerator:
         self.rng = np.random.default_rng(seed)
         self.next_seq = first_seq
         self.seen = np.zeros(keys, dtype=bool)
-        self.first_order = self.rng.permutation(keys) if every_key_first else None
-        self.introduced = 0 if every_key_first else keys
+        # The keys still to be given their first event, in order (none without every_key_first).
+        self.first_order = self.rng.permutation(keys) if every_key_first else np.empty(0, np.int64)
+        self.introduced = 0
 
     def events(
         self, n: int, hour_start_us: int, late: int = 0, late_window_us: tuple[int, int] = (0, 0)
@@ -153,12 +154,10 @@ class EventGenerator:
         on keys that already have events."""
         rng = self.rng
         in_order = n - late
-        fresh = min(in_order, self.keys - self.introduced)
         ids = rng.integers(0, self.keys, in_order, dtype=np.int64)
-        if fresh > 0:
-            assert self.first_order is not None
-            ids[:fresh] = self.first_order[self.introduced : self.introduced + fresh]
-            self.introduced += fresh
+        fresh = self.first_order[self.introduced : self.introduced + in_order]
+        ids[: len(fresh)] = fresh
+        self.introduced += len(fresh)
         ts = hour_start_us + np.sort(rng.integers(0, HOUR_US, in_order, dtype=np.int64))
         if late:
             existing = np.flatnonzero(self.seen)
@@ -238,6 +237,7 @@ class CachedLanding:
     next_seq: int
     seen: np.ndarray
     hours: int
+    key: str  # params_key of its landing_params: also names the table built from it
 
 
 def landing_params(
@@ -252,7 +252,8 @@ def landing_params(
 
 def cached_landing(cache_dir: Path, params: dict[str, Any]) -> CachedLanding:
     """Landing files for ``landing_params``, generated once (the marker is written last)."""
-    root = cache_dir / f"landing-{params_key(**params)}"
+    key = params_key(**params)
+    root = cache_dir / f"landing-{key}"
     marker = root / "_complete.json"
     events, hours = params["events"], params["hours"]
     if not marker.exists():
@@ -265,7 +266,7 @@ def cached_landing(cache_dir: Path, params: dict[str, Any]) -> CachedLanding:
             f"  generated {events:,} events in {hours} hour folders ({time.perf_counter() - t0:.1f} s)"
         )
     meta = json.loads(marker.read_text())
-    return CachedLanding(root, int(meta["next_seq"]), np.load(root / "_seen.npy"), hours)
+    return CachedLanding(root, int(meta["next_seq"]), np.load(root / "_seen.npy"), hours, key)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -549,10 +550,10 @@ class DepthRow:
 
 
 def build_cached_table(
-    spark: SparkSession, cache_dir: Path, landing: CachedLanding, key: str
+    spark: SparkSession, cache_dir: Path, landing: CachedLanding
 ) -> tuple[Path, dict[str, Any]]:
     """The history table built from ``landing`` by ONE range call, cached per code version."""
-    warehouse = cache_dir / f"warehouse-{key}-code-{code_hash()}"
+    warehouse = cache_dir / f"warehouse-{landing.key}-code-{code_hash()}"
     marker = warehouse.parent / f"{warehouse.name}.json"
     if marker.exists() and warehouse.is_dir():
         meta = json.loads(marker.read_text())
@@ -622,10 +623,10 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     for size in sizes:
         label = size_label(size)
         hours = max(1, math.ceil(size / eph))
-        params = landing_params(keys, size, hours, args.seed, every_key_first=True)
-        landing = cached_landing(cache, params)
-        key = params_key(**params)
-        warehouse, meta = build_cached_table(spark, cache, landing, key)
+        landing = cached_landing(
+            cache, landing_params(keys, size, hours, args.seed, every_key_first=True)
+        )
+        warehouse, meta = build_cached_table(spark, cache, landing)
         log(
             f"  {label}: {meta['versions']:,} versions ({meta['active']:,} active), "
             f"{meta['bytes'] / MB:,.1f} MB of history from {meta['events']:,} events in {hours} hours; "
@@ -699,8 +700,9 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     if commits != {1}:
         log(f"  note: history commits per measured call: {sorted(commits)} (figures sum them)")
     hi = size_label(sizes[-1])
-    for lo in [size_label(s) for s in sizes[:-1]]:
-        target = lo == size_label(sizes[0])  # the target compares with the smallest size
+    for i, smaller in enumerate(sizes[:-1]):
+        lo = size_label(smaller)
+        target = i == 0  # the target compares with the smallest size
         print()
         for variant in ("late", "in-order"):
             small = next(r for r in rows if r.label == lo and r.variant == variant)
@@ -1032,10 +1034,8 @@ def run_fixed(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     cache = work / "fixed"
     cache.mkdir(parents=True, exist_ok=True)
     base_hours = max(1, math.ceil(base_events / eph))
-    params = landing_params(keys, base_events, base_hours, args.seed)
-    landing = cached_landing(cache, params)
-    key = params_key(**params)
-    cached, meta = build_cached_table(spark, cache, landing, key)
+    landing = cached_landing(cache, landing_params(keys, base_events, base_hours, args.seed))
+    cached, meta = build_cached_table(spark, cache, landing)
     log(
         f"  base table: {meta['versions']:,} versions, build {meta['seconds']:.1f} s{' (cached)' if meta['cached'] else ''}"
     )
