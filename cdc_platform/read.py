@@ -55,6 +55,7 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     is_reserved,
+    timestamp_lit,
 )
 from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
@@ -197,7 +198,6 @@ def _spark_read(
     table: TableRef, at: datetime | None, spark: SparkSession | None, version: int | None
 ) -> DataFrame:
     from pyspark.sql import SparkSession
-    from pyspark.sql import functions as F
 
     from cdc_platform.lib import changelog
 
@@ -215,7 +215,7 @@ def _spark_read(
     if at is None:
         valid = col(ACTIVE)
     else:
-        instant = F.lit(at).cast("timestamp")
+        instant = timestamp_lit(at)  # exact before 1582 too (F.lit(datetime) is not)
         valid = (col(START) <= instant) & (col(END) >= instant)
     return rows.filter(valid).select(*cols(snap.columns))
 

@@ -41,6 +41,7 @@ from cdc_platform.lib.columns import (
     internal,
     is_reserved,
     timestamp_lit,
+    value_lit,
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.merge import MergeResult, apply_pending
@@ -252,7 +253,7 @@ def _partitioned_rows(
             .parquet(*delta.absolute_paths(where, paths))
         )
         for c, v in zip(parts, values, strict=True):
-            rows = rows.withColumn(c, F.lit(v).cast(schema[c].dataType))
+            rows = rows.withColumn(c, value_lit(v).cast(schema[c].dataType))
         frames.append(rows.withColumn(_FILE, F.input_file_name()))
     out = frames[0]
     for frame in frames[1:]:

@@ -14,7 +14,7 @@ backticks in a name as a struct path or a quoted identifier.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -101,6 +101,18 @@ def timestamp_lit(t: datetime) -> Column:
     from pyspark.sql import functions as F
 
     return F.timestamp_micros(F.lit(unix_micros(t)))
+
+
+def value_lit(value: object) -> Column:
+    """Any Python value as a Spark literal, times and dates exact in every year (see
+    ``timestamp_lit``; a ``date`` would reach the JVM as a ``java.sql.Date``, shifted too)."""
+    from pyspark.sql import functions as F
+
+    if isinstance(value, datetime):
+        return timestamp_lit(value)
+    if isinstance(value, date):
+        return F.lit(value.isoformat()).cast("date")
+    return F.lit(value)
 
 
 def unix_micros(t: datetime) -> int:

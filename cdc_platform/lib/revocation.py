@@ -222,7 +222,11 @@ def remove_events(
     them in one strict commit. Returns (events removed, keys, files rewritten); with ``fence``
     an empty commit is made even when nothing is removed (see ``_remove_events``). With
     ``forget`` the events are recorded as forgotten first: no append logs them again (an
-    un-apply needs no such record: its files are never read again)."""
+    un-apply needs no such record: its files are never read again).
+
+    ``mark`` must flag each event from the event alone (a column test, a join with keys
+    decided beforehand): it runs again over the rewritten files only, so a flag that looked
+    at a key's other events (a window) would see part of them there."""
     from pyspark.sql import functions as F
 
     pk = list(primary_key)

@@ -22,7 +22,7 @@ truncate again) finishes the work.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
@@ -51,10 +51,12 @@ from cdc_platform.lib.storage import Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
 
 SOURCE_PREFIX = "truncate:before="
 _OLD = internal("written_before")
+_LOGGED = internal("last_logged")
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,11 @@ def truncate(
         # Catch up first: a crash may have left events logged but not merged.
         apply_pending(spark, paths, pk, now, table.history_columns)
         latest = _latest_rows(spark, paths)
-        closing = None if latest is None else latest.filter(col(ACTIVE) & (col(SYNCED) < before))
+        closing = (
+            None
+            if latest is None
+            else latest.filter(col(ACTIVE) & (col(SYNCED) < timestamp_lit(before)))
+        )
         keys, logged = _log_deletes(spark, paths, pk, closing, before, now)
         removed = 0
     else:
@@ -197,24 +203,29 @@ def _remove_keys(
     strictly on it: an event logged meanwhile (a key this attempt never saw) makes the commit
     fail and the attempt start again, so it is never removed (nor forgotten) unseen."""
     from deltalake.exceptions import CommitFailedError
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    def mark_with(latest: DataFrame | None) -> Callable[[DataFrame], DataFrame]:
-        def mark(events: DataFrame) -> DataFrame:
-            logged_before = F.max(col(INGESTED_AT)).over(Window.partitionBy(*cols(list(pk))))
-            # A key with no version: its events were all logged before T (null: an old log).
-            unversioned_gone = F.coalesce(logged_before < F.lit(before), F.lit(True))
-            if latest is None:
-                return events.withColumn(GONE, unversioned_gone)
-            versioned = latest.select(*cols(list(pk)), (col(SYNCED) < before).alias(_OLD))
-            joined = events.join(versioned, list(pk), "left")
-            return joined.select(
-                *cols(events.columns),
+    key_cols = cols(list(pk))
+    cut = timestamp_lit(before)
+
+    def keys_going(log: DeltaTable, latest: DataFrame | None) -> DataFrame:
+        """The keys that go, decided once over every change-log file: a key's events may lie in
+        files that are not all rewritten, so a flag computed again over the rewritten ones
+        would see part of them (and drop an event it neither counts nor forgets)."""
+        schema = changelog.spark_schema(delta.table_arrow_schema(log))
+        events = changelog.read_files(spark, paths.changelog, schema, delta.snapshot_files(log))
+        last = events.groupBy(*key_cols).agg(F.max(col(INGESTED_AT)).alias(_LOGGED))
+        # A key with no version: its events were all logged before T (null: an old log).
+        unversioned_gone = F.coalesce(col(_LOGGED) < cut, F.lit(True))
+        if latest is None:
+            flagged = last.select(*key_cols, unversioned_gone.alias(GONE))
+        else:
+            versioned = latest.select(*key_cols, (col(SYNCED) < cut).alias(_OLD))
+            flagged = last.join(versioned, list(pk), "left").select(
+                *key_cols,
                 F.when(col(_OLD).isNull(), unversioned_gone).otherwise(col(_OLD)).alias(GONE),
             )
-
-        return mark
+        return flagged.filter(col(GONE))
 
     def attempt() -> tuple[int, int, int]:
         apply_pending(spark, paths, pk, now, history_columns)
@@ -223,16 +234,26 @@ def _remove_keys(
         applied = history.transaction_version(APP_ID) if history is not None else None
         if changelog.files_since(paths.changelog, dt, applied):
             raise CommitFailedError(f"{paths.changelog}: events were logged during the catch-up")
-        return remove_events(
-            spark,
-            paths,
-            pk,
-            dt,
-            delta.snapshot_files(dt),
-            mark_with(_latest_rows(spark, paths)),
-            "cdc_platform.truncated_events",
-            forget=True,
-        )
+        going = keys_going(dt, _latest_rows(spark, paths)).cache()
+        try:
+
+            def mark(events: DataFrame) -> DataFrame:
+                return events.join(going, list(pk), "left").select(
+                    *cols(events.columns), F.coalesce(col(GONE), F.lit(False)).alias(GONE)
+                )
+
+            return remove_events(
+                spark,
+                paths,
+                pk,
+                dt,
+                delta.snapshot_files(dt),
+                mark,
+                "cdc_platform.truncated_events",
+                forget=True,
+            )
+        finally:
+            going.unpersist()
 
     (removed, keys, _), _ = delta.with_commit_retries(
         attempt, f"change log rewrite of {paths.changelog}"
