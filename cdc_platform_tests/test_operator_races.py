@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from cdc_platform import read
 from cdc_platform.lib import delta, invariants
-from cdc_platform.lib.adoption import adopt
+from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.resync import ResyncError, resync
+from cdc_platform.lib.timestamps import CLOCK_SKEW
 from cdc_platform.lib.truncation import truncate
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import write_parquet_events
@@ -85,3 +88,39 @@ def test_as_of_the_dawn_of_time_reads_adopted_soft_deleted_rows(spark, lake):
     spark_rows = read.as_of(paths, dawn, spark=spark).select("id", "status").collect()
     assert [tuple(r) for r in spark_rows] == [(2, "gone")]
     assert read.as_of_arrow(paths, dawn).to_table().column("id").to_pylist() == [2]
+
+
+# -- item 12: operator times in the future are refused --------------------------------------------
+
+
+def test_a_resync_or_an_adoption_in_the_future_is_refused(spark, lake):
+    """A re-sync at 9999-01-01 (or an adopted table synced then) would put versions after every
+    CDC event logged until then: the table would be stuck. Refused, as truncate refuses a
+    ``before`` in the future; clock skew of up to ``CLOCK_SKEW`` is allowed."""
+    warehouse = lake["warehouse"]
+    paths = TablePaths.of(warehouse, TABLE.name)
+    folder = lake["root"] / "snapshot"
+    folder.mkdir()
+    pq.write_table(pa.table({"id": [1], "status": ["a"]}), folder / "part-0.parquet")
+    for at, now in [(datetime(9999, 1, 1, tzinfo=UTC), None), (S0 + CLOCK_SKEW + MS, S0)]:
+        with pytest.raises(ResyncError, match="in the future"):
+            resync(
+                spark,
+                TABLE,
+                lake["landing"],
+                warehouse,
+                folder,
+                at,
+                now=now,
+                snapshot_roots=[lake["root"]],
+            )
+    source = lake["root"] / "export"
+    source.mkdir()
+    synced = pa.array([datetime(9999, 1, 1, tzinfo=UTC)], pa.timestamp("us", tz="UTC"))
+    pq.write_table(
+        pa.table({"id": [1], "status": ["a"], "_fivetran_synced": synced}),
+        source / "part-0.parquet",
+    )
+    with pytest.raises(AdoptionError, match="_fivetran_synced is 9999-01-01.*in the future"):
+        adopt(spark, TABLE, warehouse, source, now=S0)
+    assert not delta.exists(paths.changelog)  # nothing was written

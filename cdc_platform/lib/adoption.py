@@ -54,6 +54,7 @@ from cdc_platform.lib.reading import (
     widest,
 )
 from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -135,6 +136,13 @@ def adopt(
         else None
     )
     adopted_at = to_ms(from_unix_micros(synced_max)) if synced_max is not None else now
+    if ahead_of(adopted_at, now):
+        raise AdoptionError(
+            f"{where}: its largest {SYNCED} is {adopted_at.isoformat()}, in the future (now "
+            f"is {now.isoformat()}, {CLOCK_SKEW.total_seconds():.0f} s of clock skew allowed): "
+            "every live row would start after the CDC events logged until then; correct the "
+            f"source's {SYNCED} values, or drop the column to adopt at the time of the run"
+        )
     insert_seq, delete_seq = adoption_seqs(adopted_at)
 
     typed = _normalized(rows.select(*cols(data), deleted.alias(DELETED)), data)

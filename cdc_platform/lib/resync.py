@@ -64,6 +64,7 @@ from cdc_platform.lib.reading import (
 )
 from cdc_platform.lib.revocation import GONE, remove_events
 from cdc_platform.lib.storage import Where
+from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -176,6 +177,13 @@ def resync(
     at = to_ms(at or now)
     if at.year < 1971:
         raise ResyncError(f"re-sync at {at.isoformat()}: a time after 1970 is expected")
+    if ahead_of(at, now):
+        raise ResyncError(
+            f"re-sync at {at.isoformat()}: that is in the future (now is {now.isoformat()}, "
+            f"{CLOCK_SKEW.total_seconds():.0f} s of clock skew allowed): its versions would "
+            "come after every CDC event logged until then; give a time that has passed, or "
+            "none for now"
+        )
     folder = Path(snapshot)
     if not folder.is_dir():
         raise ResyncError(f"{folder}: no such folder (the snapshot is a folder of files)")

@@ -14,6 +14,7 @@ reason names is the row that is actually bad.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,6 +22,11 @@ import pyarrow.compute as pc
 from cdc_platform.lib.columns import TS_TYPE
 
 CAST_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, OverflowError)
+
+# How far ahead of this machine's clock an operator's time may be (a re-sync's ``at``, an
+# adopted table's ``_fivetran_synced``): clock skew between machines, not more. A time further
+# ahead puts versions after every CDC event that lands until then.
+CLOCK_SKEW = timedelta(minutes=1)
 
 _DATE_ONLY_RE = r"^\d{4}-\d{2}-\d{2}$"
 _HAS_OFFSET_RE = r"[T ]\d{2}(?::\d{2}){0,2}(?:[.,]\d+)?(?:Z|[+-]\d{2}(?::?\d{2})?)$"
@@ -79,3 +85,8 @@ def first_failure(values: pa.Array, convert: Callable[[pa.Array], pa.Array]) -> 
 def first_unparsable(strings: pa.Array | pa.ChunkedArray) -> int | None:
     """Index of the first value ``parse_timestamps`` rejects (None if all parse)."""
     return first_failure(strings, parse_timestamps)
+
+
+def ahead_of(t: datetime, now: datetime) -> bool:
+    """Whether ``t`` is in the future of ``now`` by more than ``CLOCK_SKEW``."""
+    return t > now + CLOCK_SKEW
