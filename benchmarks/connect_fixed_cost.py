@@ -53,6 +53,7 @@ def run_cli(root: Path, partition: str, remote: str | None) -> tuple[float, floa
     env.pop("CDC_SPARK_REMOTE", None)
     if remote:
         env["CDC_SPARK_REMOTE"] = remote
+        env.setdefault("CDC_SPARK_CONNECT_AUTH", str(REPO / ".spark-connect" / "auth.json"))
     dagster = Path(sys.executable).parent / "dagster"
     cmd = [str(dagster), "asset", "materialize", "-m", "cdc_platform.definitions"]
     cmd += ["--select", "orders", "--partition", partition]
@@ -107,6 +108,7 @@ def main() -> None:
             port = connect_server.free_port()
             t = time.monotonic()
             remote = connect_server.start(port, state_dir=state)
+            os.environ["CDC_SPARK_CONNECT_AUTH"] = str(connect_server.auth_file(state))
             print(f"started {remote} in {time.monotonic() - t:.1f} s")
         wall, inside = run_cli(root, hour_to_partition_key(hours[0]), remote)  # warm-up
         print(f"warm-up (1,000 events, connect): {wall:.1f} s, asset {inside} s")

@@ -93,7 +93,12 @@ from cdc_platform.lib.columns import TMAX, unix_micros
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark import build_connect_session, build_spark_session
+from cdc_platform.lib.spark import (
+    CONNECT_AUTH_ENV,
+    DEFAULT_CONNECT_AUTH,
+    SparkDeployment,
+    build_spark_session,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -1170,7 +1175,9 @@ def spark_session(needed: bool, remote: str | None) -> Iterator[SparkSession | N
         yield None
         return
     if remote:
-        spark = build_connect_session(remote, {"spark.sql.shuffle.partitions": "4"}, "scale_bench")
+        spark = SparkDeployment.from_env().session(
+            {"spark.sql.shuffle.partitions": "4"}, "scale_bench"
+        )
     else:
         spark = build_spark_session(
             "local[2]",
@@ -1205,6 +1212,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.pop("CDC_SPARK_REMOTE", None)
     if args.spark_remote:
         os.environ["CDC_SPARK_REMOTE"] = args.spark_remote
+        # `make spark-connect`'s auth file, unless the shell names another (the CLI runs elsewhere).
+        os.environ.setdefault(CONNECT_AUTH_ENV, str(REPO_ROOT / DEFAULT_CONNECT_AUTH))
     work: Path = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     script_repo = Path(__file__).resolve().parents[1]

@@ -9,9 +9,16 @@
 TIMESTAMP_MICROS, no ``_SUCCESS`` files, exact column names), and returns once the server
 accepts connections. Its Python workers run this interpreter with this package importable, so
 ``mapInArrow`` tasks (the landing-file decoders) can import ``cdc_platform``. Then point the
-``spark`` resource at it: ``CDC_SPARK_REMOTE=sc://127.0.0.1:15002``.
+``spark`` resource at it: ``CDC_SPARK_REMOTE=sc://127.0.0.1:15002`` and
+``CDC_SPARK_CONNECT_AUTH=<state-dir>/auth.json``.
 
-The pid file and the server's log live in ``--state-dir`` (default ``.spark-connect``).
+Every start writes new secrets to ``<state-dir>/auth.json`` (mode 600, ``lib.spark.ConnectAuth``):
+the token clients must present, and the proof the server gives them before they send it work.
+The server takes them from a properties file of mode 600, never its command line. A host other
+than loopback is refused unless ``--allow-remote-clients`` says TLS is in front (docs/SECURITY.md).
+
+The pid file and the server's log live in ``--state-dir`` (default ``.spark-connect``); ``stop``
+signals the pid only if its command line is this server's, on this port.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from cdc_platform.lib.spark import check_java, connect_server_conf
+from cdc_platform.lib.spark import LOOPBACK_HOSTS, ConnectAuth, check_java, connect_server_conf
 
 DEFAULT_PORT = 15002
 DEFAULT_HOST = "127.0.0.1"
@@ -61,14 +68,25 @@ def pid_file(state_dir: Path, port: int) -> Path:
     return Path(state_dir) / f"spark-cdc_platform-{port}-{SERVER_CLASS}-1.pid"
 
 
+def auth_file(state_dir: Path | str) -> Path:
+    """The secrets clients read (``CDC_SPARK_CONNECT_AUTH``)."""
+    return Path(state_dir) / "auth.json"
+
+
+def _port_arg(port: int) -> str:
+    return f"spark.connect.grpc.binding.port={port}"
+
+
 def server_pid(state_dir: Path, port: int) -> int | None:
-    """The server's pid if its pid file names a live process."""
+    """The server's pid if its pid file names a live process that is this server on this port
+    (its command line says so): a stale pid file whose pid was reused names no server."""
     try:
         pid = int(pid_file(state_dir, port).read_text().strip())
-        os.kill(pid, 0)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None
-    return pid
+    args = {a.decode(errors="replace") for a in cmdline}
+    return pid if SERVER_CLASS in args and _port_arg(port) in args else None
 
 
 def log_files(state_dir: Path) -> list[Path]:
@@ -95,8 +113,17 @@ def start(
     state_dir: Path | str = DEFAULT_STATE_DIR,
     driver_memory: str = "2g",
     timeout: float = 180.0,
+    allow_remote_clients: bool = False,
 ) -> str:
-    """Start the server (if it is not already running) and return its ``sc://`` URL."""
+    """Start the server (if it is not already running) and return its ``sc://`` URL.
+
+    A host other than loopback is refused unless ``allow_remote_clients``: the token travels in
+    every call, so remote clients need TLS in front of the server (docs/SECURITY.md)."""
+    if host not in LOOPBACK_HOSTS and not allow_remote_clients:
+        raise ValueError(
+            f"--host {host} lets other machines reach the server: put TLS in front of it and"
+            " pass --allow-remote-clients (docs/SECURITY.md)"
+        )
     check_java()
     state = Path(state_dir).resolve()
     (state / "logs").mkdir(parents=True, exist_ok=True)
@@ -105,15 +132,20 @@ def start(
         return url
     if _listening(host, port):
         raise RuntimeError(f"port {host}:{port} is in use by another process")
+    secrets_file = state / "server.properties"
+    secrets_file.unlink(missing_ok=True)
+    fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(ConnectAuth.renew(auth_file(state)).server_properties())
     settings = {
         **connect_server_conf(master, conf),
         "spark.connect.grpc.binding.address": host,
-        "spark.connect.grpc.binding.port": str(port),
         "spark.driver.memory": driver_memory,
         "spark.driver.host": host,
         "spark.driver.bindAddress": host,
     }
     args = [str(spark_home() / "sbin" / "start-connect-server.sh"), "--master", master]
+    args += ["--properties-file", str(secrets_file), "--conf", _port_arg(port)]
     for key, value in settings.items():
         args += ["--conf", f"{key}={value}"]
     subprocess.run(args, env=_env(state, port), check=True, stdout=subprocess.DEVNULL)
@@ -130,21 +162,18 @@ def start(
 
 
 def stop(port: int = DEFAULT_PORT, state_dir: Path | str = DEFAULT_STATE_DIR) -> bool:
-    """Stop the server this state dir started on ``port``; True if one was running."""
+    """Stop the server this state dir started on ``port``; True if one was running. A pid is
+    signalled only while its command line is this server's on this port (``server_pid``)."""
     state = Path(state_dir).resolve()
     pid = server_pid(state, port)
     if pid is None:
+        pid_file(state, port).unlink(missing_ok=True)  # stale: its pid is no server of ours
         return False
-    script = spark_home() / "sbin" / "stop-connect-server.sh"
-    subprocess.run([str(script)], env=_env(state, port), check=False, stdout=subprocess.DEVNULL)
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            break
+    while time.monotonic() < deadline and server_pid(state, port) == pid:
         time.sleep(0.3)
-    else:
+    if server_pid(state, port) == pid:
         os.kill(pid, signal.SIGKILL)
     pid_file(state, port).unlink(missing_ok=True)
     return True
@@ -155,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["start", "stop", "status"])
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--host", default=DEFAULT_HOST, help="bind address (loopback by default)")
+    parser.add_argument(
+        "--allow-remote-clients",
+        action="store_true",
+        help="allow a non-loopback --host (only with TLS in front of the server)",
+    )
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--driver-memory", default="2g")
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
@@ -164,8 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "start":
         conf = dict(c.split("=", 1) for c in args.conf)
-        url = start(args.port, args.host, args.master, conf, args.state_dir, args.driver_memory)
-        print(f"Spark Connect server running: CDC_SPARK_REMOTE={url}")
+        url = start(
+            args.port,
+            args.host,
+            args.master,
+            conf,
+            args.state_dir,
+            args.driver_memory,
+            allow_remote_clients=args.allow_remote_clients,
+        )
+        auth = auth_file(Path(args.state_dir).resolve())
+        print(f"Spark Connect server running: CDC_SPARK_REMOTE={url} CDC_SPARK_CONNECT_AUTH={auth}")
     elif args.command == "stop":
         print("stopped" if stop(args.port, args.state_dir) else "not running")
     else:

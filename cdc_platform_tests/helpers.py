@@ -92,7 +92,7 @@ def normalize(rows: Iterable[Mapping[str, Any]], columns: Sequence[str]) -> list
 def dagster_resources(**overrides: Any) -> dict[str, Any]:
     """The one resource set Dagster-level tests run with: Spark that leaves the suite's shared
     session running, the keyring named by ``CDC_KEYRING`` (none: an empty one), no webhook.
-    Pass a key to replace one, e.g. ``keyring=KeyringResource(path=...)``."""
+    Pass a key to replace one, e.g. ``spark=SparkResource(spark_config=...)``."""
     return {
         "spark": SparkResource(stop_at_end_of_run=False),
         "keyring": KeyringResource(),

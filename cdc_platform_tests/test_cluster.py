@@ -40,7 +40,6 @@ import pytest
 from deltalake import DeltaTable
 
 from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.defs.resources import KeyringResource
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.lib import invariants
 from cdc_platform.lib.codecs import encode_file_bytes
@@ -259,7 +258,9 @@ def table_rows(path: Path) -> list[dict[str, Any]]:
 # -- the test ---------------------------------------------------------------------------------
 
 
-def test_pipeline_on_a_standalone_cluster_equals_local_mode(spark, cluster, tmp_path) -> None:
+def test_pipeline_on_a_standalone_cluster_equals_local_mode(
+    spark, cluster, tmp_path, monkeypatch
+) -> None:
     local, remote = tmp_path / "local", tmp_path / "cluster"
     for root in (local, remote):
         root.mkdir()
@@ -267,14 +268,14 @@ def test_pipeline_on_a_standalone_cluster_equals_local_mode(spark, cluster, tmp_
     # Local mode, in this process, through the same Dagster assets and checks.
     platform = write_landing(local)
     tags = {RANGE_START_TAG: RANGE[0], RANGE_END_TAG: RANGE[1]}
-    keyring = KeyringResource(path=str(local / "keyring.json"))
+    monkeypatch.setenv("CDC_KEYRING", str(local / "keyring.json"))  # the deployment's keyring
     for name in ("orders", "payments"):
         defs = build_table_definitions(platform, platform.table(name))
         result = dg.materialize(
             [defs.asset, defs.checks],
             tags=tags,
             instance=dg.DagsterInstance.ephemeral(),
-            resources=dagster_resources(keyring=keyring),
+            resources=dagster_resources(),
         )
         assert result.success
         assert all(e.passed for e in result.get_asset_check_evaluations())

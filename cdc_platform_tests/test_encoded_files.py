@@ -576,7 +576,9 @@ def test_keys_never_leak_after_a_wrong_key(spark, lake):
 # -- 6. the Dagster asset and its checks -------------------------------------------------------------
 
 
-def test_dagster_asset_reports_quarantine_and_fails_only_that_check(spark, lake, tmp_path):
+def test_dagster_asset_reports_quarantine_and_fails_only_that_check(
+    spark, lake, tmp_path, monkeypatch
+):
     t = csv_table("dagster_csv", SEED_COLUMNS)
     platform = PlatformConfig(
         landing_root=lake["landing"], warehouse_root=Location.of(lake["warehouse"]), tables=(t,)
@@ -592,6 +594,7 @@ def test_dagster_asset_reports_quarantine_and_fails_only_that_check(spark, lake,
     keyring_path = tmp_path / "keyring.json"
     keyring_path.write_text(json.dumps({"tables": {t.name: [b64(KEY)]}}))
     keyring_path.chmod(0o600)
+    monkeypatch.setenv("CDC_KEYRING", str(keyring_path))  # the deployment's, never a run's
     defs = build_table_definitions(platform, t)
     instance = dg.DagsterInstance.ephemeral()
 
@@ -606,7 +609,7 @@ def test_dagster_asset_reports_quarantine_and_fails_only_that_check(spark, lake,
                     "spark.default.parallelism": "2",
                 },
             ),
-            "keyring": KeyringResource(path=str(keyring_path)),
+            "keyring": KeyringResource(),
             "alert_webhook": AlertWebhookResource(),
         },
         instance=instance,

@@ -532,26 +532,17 @@ def test_the_spark_session_gets_the_warehouses_hadoop_settings(monkeypatch):
     assert not any("s3a" in k for k in spark_conf("local[2]"))
 
 
-def _spark_resource(platform: PlatformConfig) -> SparkResource:
-    resources = build_definitions(platform).resources or {}
-    spark = resources["spark"]
-    assert isinstance(spark, SparkResource)
-    return spark
-
-
-def test_the_code_locations_spark_resource_carries_references_not_secrets(platform, tmp_path):
-    spark = _spark_resource(platform)
-    assert spark.warehouse_root == platform.warehouse_root.uri
-    assert spark.warehouse_storage_options["aws_secret_access_key"] == {"env": SECRET_ENV}
+def test_the_code_locations_spark_resource_carries_no_warehouse_and_no_secret(platform):
+    """The warehouse's Hadoop settings come from the code location's config at session time
+    (``SparkResource.session(warehouse)``), never from a field a run's config could set."""
+    spark = (build_definitions(platform).resources or {})["spark"]
+    assert spark == SparkResource()
+    assert set(SparkResource.model_fields) == {"spark_config", "stop_at_end_of_run"}
     assert SECRET not in json.dumps(spark.model_dump()) and SECRET not in repr(spark)
-    assert spark.object_stores() == (platform.warehouse_root,)
-    conf = spark_conf(spark.master, None, spark.object_stores())
+    conf = spark_conf("local[2]", None, [platform.warehouse_root])
     assert conf["spark.hadoop.fs.s3a.secret.key"] == SECRET
     endpoint = platform.warehouse_root.options["aws_endpoint_url"]
     assert conf["spark.hadoop.fs.s3a.endpoint"] == endpoint
-    # A local warehouse: the resource is what it always was.
-    local = PlatformConfig(platform.landing_root, Location.of(tmp_path / "wh"), platform.tables)
-    assert _spark_resource(local) == SparkResource()
 
 
 def test_spark_turns_an_s3a_file_url_into_the_table_relative_path(spark):

@@ -144,7 +144,8 @@ def table_rows(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def connect_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(the server's URL, its state folder): the auth file clients read is in the folder."""
     missing = [m for m in CONNECT_CLIENT_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"Spark Connect client packages missing ({missing}): pyspark[connect]")
@@ -152,37 +153,66 @@ def connect_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = connect_server.free_port()
     url = connect_server.start(port, state_dir=state, driver_memory="1g")
     try:
-        yield url
+        yield url, state
     finally:
         connect_server.stop(port, state)
         assert connect_server.server_pid(state, port) is None
 
 
-def test_pipeline_over_spark_connect_equals_local_mode(spark, connect_url, tmp_path) -> None:
+@pytest.fixture(scope="session")
+def connect_url(connect_state: tuple[str, Path]) -> str:
+    return connect_state[0]
+
+
+def _client(*args: str) -> subprocess.CompletedProcess[str]:
+    """This module as a Connect client in a process of its own (a Connect client switches
+    pyspark into remote mode for its whole process)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "cdc_platform_tests.test_spark_connect", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_the_server_serves_only_clients_with_its_token_and_proves_itself(connect_state):
+    """docs/SECURITY.md: no local process runs code on the server without the token, and a
+    client sends no work to a server that cannot prove it holds the auth file's secret."""
+    url, state = connect_state
+    auth = connect_server.auth_file(state)
+    assert auth.stat().st_mode & 0o777 == 0o600
+    secrets = json.loads(auth.read_text())
+    props = (state / "server.properties").stat()
+    assert props.st_mode & 0o777 == 0o600
+    pid = connect_server.server_pid(state, int(url.rsplit(":", 1)[1]))
+    cmdline = Path(f"/proc/{pid}/cmdline").read_text()
+    assert secrets["token"] not in cmdline and secrets["proof"] not in cmdline
+
+    assert _client("probe", url, str(auth), "right").stdout.strip() == "served"
+    no_token = _client("probe", url, str(auth), "no-token")
+    assert "UNAUTHENTICATED" in no_token.stdout + no_token.stderr, no_token.stderr[-2000:]
+    impostor = _client("probe", url, str(auth), "wrong-proof")
+    assert "refused: " in impostor.stdout and "cannot prove" in impostor.stdout
+    for leaked in (secrets["token"], secrets["proof"]):
+        for out in (no_token, impostor):
+            assert leaked not in out.stdout + out.stderr
+
+
+def test_pipeline_over_spark_connect_equals_local_mode(
+    spark, connect_url, connect_state, tmp_path
+) -> None:
     local_root, remote_root = tmp_path / "local", tmp_path / "connect"
     for root in (local_root, remote_root):
         (root / "landing").mkdir(parents=True)
         (root / "warehouse").mkdir()
     local = scenario(spark, local_root / "landing", local_root / "warehouse")
 
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
     out = tmp_path / "connect.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "cdc_platform_tests.test_spark_connect",
-            connect_url,
-            str(remote_root),
-            str(out),
-        ],
-        env=env,
-        check=True,
-        timeout=900,
+    state = connect_state[1]
+    run = _client(
+        "scenario", connect_url, str(connect_server.auth_file(state)), str(remote_root), str(out)
     )
+    assert run.returncode == 0, run.stderr[-4000:]
     remote = json.loads(out.read_text())
 
     def without_bytes(result: dict[str, Any]) -> dict[str, Any]:
@@ -213,11 +243,13 @@ def test_pipeline_over_spark_connect_equals_local_mode(spark, connect_url, tmp_p
         assert table_rows(a) == table_rows(b), part
 
 
-def _main(url: str, root: str, out: str) -> None:
+def _scenario(url: str, auth: str, root: str, out: str) -> None:
     """The scenario over Spark Connect, in its own process (``python -m`` this module)."""
-    from cdc_platform.lib.spark import build_connect_session
+    from cdc_platform.lib.spark import ConnectAuth, build_connect_session
 
-    session = build_connect_session(url, app_name="cdc_platform_connect_test")
+    session = build_connect_session(
+        url, app_name="cdc_platform_connect_test", auth=ConnectAuth.load(Path(auth))
+    )
     try:
         result = scenario(session, Path(root) / "landing", Path(root) / "warehouse")
     finally:
@@ -225,5 +257,28 @@ def _main(url: str, root: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+def _probe(url: str, auth_path: str, mode: str) -> None:
+    """One query as a client that has the token and the proof ("right"), no token at all, or
+    the token but another proof secret: what a server that is not the platform's would fail."""
+    from pyspark.sql import SparkSession
+
+    from cdc_platform.lib.spark import ConnectAuth, ConnectSetupError, build_connect_session
+
+    auth = ConnectAuth.load(Path(auth_path))
+    if mode == "no-token":
+        SparkSession.builder.remote(url).getOrCreate().range(1).count()
+    try:
+        proof = auth.proof if mode == "right" else "not-the-servers-proof"
+        session = build_connect_session(url, auth=ConnectAuth(auth.token, proof))
+    except ConnectSetupError as exc:
+        print(f"refused: {exc}")
+        return
+    session.range(3).count()
+    print("served")
+
+
 if __name__ == "__main__":
-    _main(*sys.argv[1:4])
+    if sys.argv[1] == "scenario":
+        _scenario(*sys.argv[2:6])
+    else:
+        _probe(*sys.argv[2:5])

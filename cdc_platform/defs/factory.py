@@ -31,7 +31,7 @@ from cdc_platform.defs.discovery import build_new_tables_sensor
 from cdc_platform.defs.lifecycle import build_lifecycle_jobs
 from cdc_platform.defs.maintenance import build_maintenance_job
 from cdc_platform.defs.plans import build_plan_job
-from cdc_platform.defs.resources import KeyringResource, SparkResource, spark_resource_from_env
+from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.defs.sensors import build_landing_sensor
 from cdc_platform.lib import applied_files, current_table, invariants
@@ -102,7 +102,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
             for f in files_in_hour(platform.landing_root, table.name, h)
         ]
         result = materialize(
-            spark.spark_session,
+            spark.session(platform.warehouse_root),
             table,
             platform.landing_root,
             platform.warehouse_root,
@@ -134,7 +134,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
     ) -> Iterable[dg.AssetCheckResult]:
         """Results only: the check alert sensor reads them from the instance and posts alerts."""
         materialized_here, since = _version_before_this_run(context, key)
-        session = spark.spark_session
+        session = spark.session(platform.warehouse_root)
         scope = (
             invariants.touched_keys(session, paths, table.primary_key, since)
             if materialized_here
@@ -208,7 +208,9 @@ def build_current_table_asset(platform: PlatformConfig, table: TableConfig) -> d
     def current_rows(
         context: dg.AssetExecutionContext, spark: SparkResource
     ) -> dg.MaterializeResult:
-        result = current_table.refresh(spark.spark_session, paths, table.primary_key)
+        result = current_table.refresh(
+            spark.session(platform.warehouse_root), paths, table.primary_key
+        )
         context.log.info(
             f"{table.name}: current table has {result.rows} row(s) "
             f"(history version {result.history_version})"
@@ -363,7 +365,8 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             ),
         ],
         resources={
-            "spark": spark_resource_from_env(platform.warehouse_root),
+            # Where Spark runs and which keyring is read: the deployment's environment only.
+            "spark": SparkResource(),
             "keyring": KeyringResource(),
             ALERT_RESOURCE_KEY: alert_webhook_from_env(),
         },

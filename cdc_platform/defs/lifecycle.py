@@ -96,7 +96,12 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         version_before = delta.version_or_none(paths.history)
         try:
             r = truncate(
-                spark.spark_session, table, platform.warehouse_root, before, config.soft, started
+                spark.session(platform.warehouse_root),
+                table,
+                platform.warehouse_root,
+                before,
+                config.soft,
+                started,
             )
         except ValueError as exc:
             raise dg.Failure(str(exc)) from None
@@ -139,7 +144,11 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         version_before = delta.version_or_none(paths.history)
         try:
             r = adopt(
-                spark.spark_session, table, platform.warehouse_root, config.source, config.format
+                spark.session(platform.warehouse_root),
+                table,
+                platform.warehouse_root,
+                config.source,
+                config.format,
             )
         except (AdoptionError, ValueError) as exc:
             raise dg.Failure(str(exc)) from None
@@ -185,7 +194,7 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         version_before = delta.version_or_none(paths.history)
         try:
             r = resync(
-                spark.spark_session,
+                spark.session(platform.warehouse_root),
                 table,
                 platform.landing_root,
                 platform.warehouse_root,

@@ -32,7 +32,7 @@ def build_maintenance_job(
         context: dg.OpExecutionContext, config: MaintenanceConfig, spark: SparkResource
     ) -> None:
         metadata: dict[str, int | None] = {}
-        for c in compact(spark.spark_session, paths, table.primary_key):
+        for c in compact(spark.session(platform.warehouse_root), paths, table.primary_key):
             context.log.info(
                 f"{table.name} {c.table}: {c.files_before} -> {c.files_after} files "
                 f"({c.files_rewritten} rewritten), {c.bytes_before:,} -> {c.bytes_after:,} bytes"

@@ -40,7 +40,7 @@ def check_and_report(
     checks' results) and then fail the run if an invariant failed: the commit happened, so
     the UI shows it either way."""
     paths = TablePaths.of(platform.warehouse_root, table.name)
-    session = spark.spark_session
+    session = spark.session(platform.warehouse_root)
     scope = invariants.touched_keys(session, paths, table.primary_key, version_before)
     outcomes = invariants.run_checks(session, paths, table.primary_key, scope)
     failed = [o for o in outcomes if not o.passed and o.name != invariants.NO_QUARANTINE]

@@ -69,7 +69,7 @@ def build_plan_job(platform: PlatformConfig, table: TableConfig) -> dg.JobDefini
             raise dg.Failure(f"last_partition {config.last_partition} is before first_partition")
         hours = list(hours_between(first, last))
         result = plan(
-            spark.spark_session,
+            spark.session(platform.warehouse_root),
             table,
             platform.landing_root,
             platform.warehouse_root,

@@ -48,7 +48,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         before = delta.version_or_none(paths.history)
         try:
             r = unapply(
-                spark.spark_session,
+                spark.session(platform.warehouse_root),
                 table,
                 platform.landing_root,
                 platform.warehouse_root,
@@ -92,7 +92,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         before = delta.version_or_none(paths.history)
         try:
             r = readmit(
-                spark.spark_session,
+                spark.session(platform.warehouse_root),
                 table,
                 platform.landing_root,
                 platform.warehouse_root,

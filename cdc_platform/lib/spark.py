@@ -3,15 +3,18 @@
 UTC everywhere (history timestamps must not shift with the host's zone), Parquet timestamps as
 TIMESTAMP_MICROS (Spark's INT96 default is unreadable as a timestamp by some Delta readers), no
 ``_SUCCESS`` or Parquet summary (``_metadata``) files, and Python workers that run this very
-interpreter so they can import ``cdc_platform``. Everything else (master, memory, cluster
-settings) is the caller's choice.
+interpreter so they can import ``cdc_platform``.
 
-Security defaults (the caller may override them): shuffle and spill files are encrypted
-(``spark.io.encryption.enabled``: they hold decrypted rows), and so is Spark's RPC traffic,
-which carries the I/O encryption keys (``spark.authenticate`` + ``spark.network.crypto.enabled``).
-In local mode the secret is generated per application; on YARN and Kubernetes too; a standalone
-cluster needs ``spark.authenticate.secret`` set to its shared secret. A local session binds to
-the loopback interface only: no other host takes part, so none needs to reach it.
+Security settings stand with them and cannot be overridden (docs/SECURITY.md): shuffle and
+spill files are encrypted (``spark.io.encryption.enabled``: they hold decrypted rows), and so is
+Spark's RPC traffic, which carries the I/O encryption keys (``spark.authenticate`` +
+``spark.network.crypto.enabled``). In local mode the secret is generated per application; on
+YARN and Kubernetes too; a standalone cluster needs ``spark.authenticate.secret`` set to its
+shared secret. A local session binds to the loopback interface only.
+
+Where Spark runs is the deployment's fact (``SparkDeployment``, from the environment), and so
+is any other setting (``spark-defaults.conf`` in ``$SPARK_CONF_DIR``); a run may only tune the
+few knobs of ``RUN_TUNABLE``, each a number, a size or a boolean.
 
 A warehouse on an object store (``storage.Location``) adds the Hadoop settings its storage
 options map to (``spark.hadoop.fs.s3a.*`` for S3); reading and writing ``s3a://`` then needs only
@@ -20,12 +23,19 @@ the connector (``hadoop-aws`` and the AWS SDK bundle) on Spark's classpath.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
+import re
+import secrets
 import shutil
+import stat
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib.storage import Location, spark_hadoop_conf
 
@@ -42,6 +52,11 @@ REQUIRED_CONF: dict[str, str] = {
     "spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
     "spark.hadoop.parquet.summary.metadata.level": "NONE",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
+    # Security: never overridable. Shuffle and spill files hold decrypted rows; the I/O
+    # encryption keys travel over Spark's RPC, so it is authenticated and encrypted.
+    "spark.io.encryption.enabled": "true",
+    "spark.authenticate": "true",
+    "spark.network.crypto.enabled": "true",
 }
 
 DEFAULT_CONF: dict[str, str] = {
@@ -50,11 +65,6 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "4",
     "spark.sql.adaptive.enabled": "true",
-    # Shuffle and spill files hold decrypted rows: keep them encrypted on local disk too.
-    "spark.io.encryption.enabled": "true",
-    # The I/O encryption keys travel over Spark's RPC: authenticate and encrypt it.
-    "spark.authenticate": "true",
-    "spark.network.crypto.enabled": "true",
     # A merge's plan has many columns; Spark warns each time it shortens one for a log line.
     "spark.sql.debug.maxToStringFields": "1000",
     # Reading more than 32 files (a backfill's landing files, a change log or history of many
@@ -76,6 +86,91 @@ DEFAULT_CONF: dict[str, str] = {
 # for every local session (no native Hadoop library is needed for local files).
 LOG4J2_PROPERTIES = Path(__file__).with_name("log4j2.properties")
 LOOPBACK = "127.0.0.1"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+# What a run's config may still set (the Launchpad user is not trusted with where Spark runs,
+# its jars, Java options or security): tuning knobs whose values are numbers, sizes, booleans.
+RUN_TUNABLE: frozenset[str] = frozenset(
+    {
+        "spark.sql.shuffle.partitions",
+        "spark.default.parallelism",
+        "spark.sql.adaptive.enabled",
+        "spark.sql.autoBroadcastJoinThreshold",
+        "spark.sql.files.maxPartitionBytes",
+        "spark.driver.memory",
+        "spark.executor.memory",
+    }
+)
+_TUNABLE_VALUE = re.compile(r"-?[0-9]{1,18}[kmgt]?b?|true|false", re.IGNORECASE)
+
+# The deployment's environment (docs/SECURITY.md: never a run's config).
+SPARK_REMOTE_ENV = "CDC_SPARK_REMOTE"
+SPARK_MASTER_ENV = "CDC_SPARK_MASTER"
+SPARK_AUTH_SECRET_ENV = "CDC_SPARK_AUTH_SECRET"
+CONNECT_AUTH_ENV = "CDC_SPARK_CONNECT_AUTH"
+DEFAULT_CONNECT_AUTH = Path(".spark-connect") / "auth.json"
+
+
+class SparkConfigError(ValueError):
+    """A Spark setting a run may not choose, or a deployment setting that cannot be used."""
+
+
+def run_conf(conf: Mapping[str, Any]) -> dict[str, str]:
+    """The Spark settings a run asked for, if each is a tuning knob of ``RUN_TUNABLE`` with a
+    plain value; anything else is refused whole, naming the setting (never applied in part)."""
+    refused = sorted(str(k) for k in conf if k not in RUN_TUNABLE)
+    if refused:
+        raise SparkConfigError(
+            f"spark_config may only tune {sorted(RUN_TUNABLE)}; refused: {refused} (where Spark"
+            " runs and its other settings are the deployment's: docs/SECURITY.md)"
+        )
+    out = {str(k): str(v).strip() for k, v in conf.items()}
+    bad = sorted(k for k, v in out.items() if not _TUNABLE_VALUE.fullmatch(v))
+    if bad:
+        raise SparkConfigError(f"spark_config: {bad} must be a number, a size (4g) or a boolean")
+    return out
+
+
+@dataclass(frozen=True)
+class SparkDeployment:
+    """Where the platform's Spark runs and how it is reached: facts of the deployment, read
+    from its environment (``from_env``), never from a run's config (docs/SECURITY.md).
+
+    ``remote``: a Spark Connect server (``sc://host:port``), with the auth file its clients
+    read (``connect_auth``); else ``master`` (``local[2]``, ``spark://host:7077`` with the
+    cluster's ``auth_secret``, ``yarn``, ``k8s://...``)."""
+
+    master: str = "local[2]"
+    remote: str | None = None
+    auth_secret: str | None = field(default=None, repr=False)
+    connect_auth: Path | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SparkDeployment:
+        env = os.environ if env is None else env
+        remote = env.get(SPARK_REMOTE_ENV) or None
+        if remote:
+            auth = env.get(CONNECT_AUTH_ENV)
+            return cls(remote=remote, connect_auth=Path(auth) if auth else DEFAULT_CONNECT_AUTH)
+        return cls(
+            master=env.get(SPARK_MASTER_ENV) or "local[2]",
+            auth_secret=env.get(SPARK_AUTH_SECRET_ENV) or None,
+        )
+
+    def session(
+        self,
+        conf: Mapping[str, str] | None = None,
+        app_name: str = "cdc_platform",
+        storage: Iterable[Location] = (),
+    ) -> SparkSession:
+        """A session where the deployment says, with ``conf`` (already checked by the caller)."""
+        if self.remote:
+            auth = ConnectAuth.load(self.connect_auth or DEFAULT_CONNECT_AUTH)
+            return build_connect_session(self.remote, conf, app_name, auth)
+        conf = dict(conf or {})
+        if self.auth_secret:
+            conf["spark.authenticate.secret"] = self.auth_secret
+        return build_spark_session(self.master, conf, app_name, storage)
 
 
 class JavaMissingError(RuntimeError):
@@ -210,14 +305,106 @@ def connect_server_conf(
     return {**spark_conf(master, conf), **READ_CONF}
 
 
+# The server's proof secret: in its Spark conf, never sent by a client (``ConnectAuth``). Not
+# named "secret": Spark would substitute its redacted form into the proof query. Authenticated
+# clients may read it; nobody else reaches the server.
+PROOF_CONF = "spark.cdc.connect.proof"
+TOKEN_CONF = "spark.connect.authenticate.token"
+
+
+@dataclass(frozen=True)
+class ConnectAuth:
+    """The two secrets of a platform Spark Connect server, in one owner-only JSON file.
+
+    ``token``: the bearer token every client presents (``spark.connect.authenticate.token``):
+    no other local process can run code on the server. ``proof``: a secret the server holds
+    and no client ever sends; a client asks the server for ``sha256(proof + nonce)`` before it
+    sends any work (and with it a table's keys), so a process that took the port of a stopped
+    server is refused instead of trusted (docs/SECURITY.md)."""
+
+    token: str = field(repr=False)
+    proof: str = field(repr=False)
+
+    @classmethod
+    def renew(cls, path: Path) -> ConnectAuth:
+        """New secrets in ``path`` (mode 600, replaced atomically), for a server about to start:
+        a token a port squatter may have seen while the old server was down is dead with it."""
+        auth = cls(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        partial.unlink(missing_ok=True)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"token": auth.token, "proof": auth.proof}, f)
+        partial.replace(path)
+        return auth
+
+    @classmethod
+    def load(cls, path: Path) -> ConnectAuth:
+        """The file's secrets; refused if it is missing, not a regular file, readable by
+        anyone but its owner, or malformed (the message never holds a secret)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ConnectSetupError(
+                f"Spark Connect auth file {path}: {exc.strerror}; start the server with"
+                f" `python -m cdc_platform.connect_server start` and set {CONNECT_AUTH_ENV} to"
+                " the auth.json of its state folder"
+            ) from None
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+                raise ConnectSetupError(
+                    f"Spark Connect auth file {path} must be a regular file of mode 600"
+                    f" (is {stat.S_IMODE(st.st_mode):04o})"
+                )
+            try:
+                raw = json.load(f)
+                return cls(str(raw["token"]), str(raw["proof"]))
+            except (ValueError, KeyError, TypeError):
+                raise ConnectSetupError(f"Spark Connect auth file {path} is malformed") from None
+
+    def server_properties(self) -> str:
+        """The server's side, as a Spark properties file's text (never a command line, which
+        every local user can read)."""
+        return f"{TOKEN_CONF}={self.token}\n{PROOF_CONF}={self.proof}\n"
+
+
+def connect_endpoint(remote: str) -> tuple[str, int, dict[str, str]]:
+    """(host, port, parameters) of an ``sc://host:port/;k=v`` URL, refused where it would send
+    the token in plain text off this machine, or carries a token of its own."""
+    if not remote.startswith("sc://"):
+        raise ConnectSetupError(f"Spark Connect URL {remote!r} must start with sc://")
+    netloc, _, rest = remote[len("sc://") :].partition("/")
+    params = dict(p.split("=", 1) for p in rest.split(";") if "=" in p)
+    host, sep, port = netloc.rpartition(":")
+    if not sep or not port.isdigit():
+        host, port = netloc, "15002"
+    if "token" in params:
+        raise ConnectSetupError(
+            f"the Spark Connect URL carries a token: the token comes from {CONNECT_AUTH_ENV}"
+        )
+    if host not in LOOPBACK_HOSTS and params.get("use_ssl", "").lower() != "true":
+        raise ConnectSetupError(
+            f"Spark Connect host {host!r} is not this machine: the token and the tables' keys"
+            " would travel in plain text. Put TLS in front of the server and add ;use_ssl=true"
+        )
+    return host, int(port), params
+
+
 def build_connect_session(
-    remote: str, conf: Mapping[str, str] | None = None, app_name: str = "cdc_platform"
+    remote: str,
+    conf: Mapping[str, str] | None = None,
+    app_name: str = "cdc_platform",
+    auth: ConnectAuth | None = None,
 ) -> SparkSession:
     """A session on the Spark Connect server at ``remote`` (``sc://host:port``).
 
-    No JVM starts in this process. The settings correctness needs are set on the session where
-    a client may set them (time zone, Parquet timestamp type, ...); the others (driver JVM time
-    zone, no ``_SUCCESS`` markers) must be the server's, and are checked: start the server with
+    No JVM starts in this process. With ``auth`` (every platform server has it), the client
+    presents the token and checks the server's proof before anything else. The settings
+    correctness needs are set on the session where a client may set them (time zone, Parquet
+    timestamp type, ...); the others (driver JVM time zone, no ``_SUCCESS`` markers) must be
+    the server's, and are checked: start the server with
     ``python -m cdc_platform.connect_server start``. The caller's ``conf`` is applied where a
     client may set it; cluster settings belong to the server.
     """
@@ -232,7 +419,25 @@ def build_connect_session(
         ) from None
     from pyspark.sql import SparkSession
 
-    session = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+    host, port, params = connect_endpoint(remote)
+    if auth is None:
+        builder = SparkSession.builder.appName(app_name).remote(remote)
+    else:
+        from pyspark.sql.connect.client import DefaultChannelBuilder
+        from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+        # pyspark sends a token without TLS only to the host named "localhost" (gRPC local
+        # credentials, which check that the peer is on this machine).
+        host = "localhost" if host in LOOPBACK_HOSTS else host
+        extra = "".join(f";{k}={v}" for k, v in params.items())
+        channel = DefaultChannelBuilder(f"sc://{host}:{port}/;token={auth.token}{extra}")
+        # What ``SparkSession.builder.remote(url)`` does: pyspark's functions build Connect
+        # columns from here on.
+        os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
+        builder = ConnectSession.builder.appName(app_name).channelBuilder(channel)
+    session = builder.getOrCreate()
+    if auth is not None:
+        _check_proof(session, remote, auth)
     required = {**REQUIRED_CONF, **READ_CONF}
     for key, value in {**(conf or {}), **required}.items():
         if session.conf.isModifiable(key):
@@ -250,3 +455,17 @@ def build_connect_session(
             " `python -m cdc_platform.connect_server start`"
         )
     return session
+
+
+def _check_proof(session: SparkSession, remote: str, auth: ConnectAuth) -> None:
+    """The server computes ``sha256(proof + nonce)`` from its own conf (SQL variable
+    substitution); a server without the proof secret cannot, and gets no work."""
+    nonce = secrets.token_hex(16)
+    row = session.sql(f"SELECT sha2(concat('${{{PROOF_CONF}}}', '{nonce}'), 256) AS p").first()
+    want = hashlib.sha256((auth.proof + nonce).encode()).hexdigest()
+    if row is None or not hmac.compare_digest(str(row[0]), want):
+        session.stop()
+        raise ConnectSetupError(
+            f"the Spark Connect server at {remote} is not the platform's server of the auth"
+            " file (it cannot prove it holds its secret): refusing to send it work"
+        )

@@ -1,0 +1,275 @@
+"""The attacker at the Launchpad: every job's run config, with hostile values (docs/SECURITY.md).
+
+The Launchpad user may launch any job with any run config, but is not trusted with keys: no run
+config may choose where Spark runs (``remote``, ``master``), what it loads (``spark.jars``, Java
+options), weaken its security settings, or name another keyring. Each is refused by the job's
+config schema before a run starts, for every job the code location defines, so a job added
+later is checked the same way. What a run may still tune is a short allowlist of plain values.
+
+The Spark Connect server's own controls are here too: a non-loopback host needs TLS in front,
+a client URL never carries a token or sends it in plain text off this machine, and ``stop``
+never signals a process that is not the server (a stale pid file).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from cdc_platform import connect_server
+from cdc_platform.defs.factory import build_definitions
+from cdc_platform.defs.resources import SparkResource
+from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.spark import (
+    RUN_TUNABLE,
+    ConnectAuth,
+    ConnectSetupError,
+    SparkConfigError,
+    SparkDeployment,
+    connect_endpoint,
+    run_conf,
+    spark_conf,
+)
+from cdc_platform.lib.storage import Location
+
+H0 = datetime(2024, 1, 1, tzinfo=UTC)
+
+
+# What an attacker would put under `resources:` in a run config.
+HOSTILE_RESOURCES: list[dict[str, Any]] = [
+    {"spark": {"config": {"remote": "sc://attacker.example:15002"}}},
+    {"spark": {"config": {"master": "spark://attacker.example:7077"}}},
+    {"spark": {"config": {"auth_secret": "known"}}},
+    {"spark": {"config": {"warehouse_root": "s3://attacker-bucket/wh"}}},
+    {"spark": {"config": {"warehouse_storage_options": {"endpoint": "http://evil"}}}},
+    {"spark": {"config": {"app_name": "x"}}},
+    {"keyring": {"config": {"path": "/tmp/attacker-keyring.json"}}},
+]
+# spark_config entries that must never be accepted from a run.
+HOSTILE_SPARK_CONF: list[dict[str, str]] = [
+    {"spark.jars": "/tmp/evil.jar"},
+    {"spark.jars.packages": "evil:evil:1.0"},
+    {"spark.driver.extraJavaOptions": "-javaagent:/tmp/evil.jar"},
+    {"spark.executor.extraJavaOptions": "-Duser.timezone=Asia/Tokyo"},
+    {"spark.io.encryption.enabled": "false"},
+    {"spark.authenticate": "false"},
+    {"spark.network.crypto.enabled": "false"},
+    {"spark.master": "spark://attacker.example:7077"},
+    {"spark.remote": "sc://attacker.example:15002"},
+    {"spark.sql.session.timeZone": "Asia/Tokyo"},
+    {"spark.hadoop.fs.s3a.endpoint": "http://attacker.example"},
+    {"spark.pyspark.python": "/tmp/evil-python"},
+    {"spark.sql.shuffle.partitions": "4 --conf spark.jars=/tmp/evil.jar"},
+    {"spark.driver.memory": "4g -javaagent:/tmp/evil.jar"},
+    {"spark.sql.shuffle.partitions": "4\nspark.jars=/tmp/evil.jar"},
+]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> list[dg.JobDefinition]:
+    """Every job of a code location with a plain and an encrypted table."""
+    root = tmp_path_factory.mktemp("attack")
+    (root / "landing").mkdir()
+    tables = (
+        TableConfig(name="orders", primary_key=("id",), start=H0),
+        TableConfig(
+            name="payments",
+            primary_key=("id",),
+            start=H0,
+            format="csv",
+            encryption="aes-256-cbc",
+            columns={"id": "long", "amount": "double"},
+        ),
+    )
+    platform = PlatformConfig(root / "landing", Location.of(root / "warehouse"), tables)
+    repo = build_definitions(platform).get_repository_def()
+    return [j for j in repo.get_all_jobs() if not j.name.startswith("__")]
+
+
+# A valid run config of each job that needs one: the hostile part is added to it, so a refusal
+# is the hostile part's, not a missing entry's. A new job that needs config must be added here.
+OPS = {
+    "adopt_table": {"adopt": {"config": {"table": "orders", "source": "x"}}},
+    "resync_table": {"resync": {"config": {"table": "orders", "snapshot": "x"}}},
+    "truncate_table": {"truncate": {"config": {"table": "orders"}}},
+    "unapply_files": {"unapply": {"config": {"table": "orders", "files": ["x"], "reason": "r"}}},
+    "readmit_files": {"readmit": {"config": {"table": "payments", "files": ["x"]}}},
+    **{
+        f"{t}_merge_plan": {f"{t}_plan_merge": {"config": {"first_partition": "2024-01-01-00:00"}}}
+        for t in ("orders", "payments")
+    },
+}
+
+
+def _base(job: dg.JobDefinition) -> dict[str, Any]:
+    return {"ops": OPS[job.name]} if job.name in OPS else {}
+
+
+def _accepted(job: dg.JobDefinition, run_config: dict[str, Any]) -> bool:
+    try:
+        dg.validate_run_config(job, run_config)
+    except dg.DagsterInvalidConfigError:
+        return False
+    return True
+
+
+def test_no_run_config_redirects_spark_or_the_keyring_on_any_job(jobs):
+    assert {"resync_table", "readmit_files", "truncate_table", "adopt_table"} <= {
+        j.name for j in jobs
+    }
+    checked = 0
+    for job in jobs:
+        assert _accepted(job, _base(job)), f"{job.name}: add its minimal run config to OPS"
+        for resources in HOSTILE_RESOURCES:
+            if not set(resources) & set(job.resource_defs):
+                continue
+            assert not _accepted(job, {**_base(job), "resources": resources}), job.name
+            checked += 1
+    assert checked >= len(jobs) * 2
+
+
+def test_no_run_uses_the_alert_webhook_so_its_run_config_reaches_nothing(jobs):
+    """Asset jobs accept config for every resource of the code location; the webhook is used
+    by sensors only (their resources are the code location's), never by a run's step."""
+    for job in jobs:
+        for node in job.graph.node_defs:
+            assert "alert_webhook" not in node.required_resource_keys, (job.name, node.name)
+
+
+def test_no_run_config_loads_code_or_weakens_security_through_spark_config(jobs):
+    spark_jobs = [j for j in jobs if "spark" in j.resource_defs]
+    assert spark_jobs
+    for conf in HOSTILE_SPARK_CONF:
+        with pytest.raises(SparkConfigError):
+            run_conf(conf)
+        with pytest.raises(ValueError):  # at resource construction: the run fails at start
+            SparkResource(spark_config=conf)
+    # The Launchpad's path: the run config validates as a dict of strings, and the resource
+    # refuses it when the run builds it, before any session exists.
+    job = next(j for j in spark_jobs if j.name == "resync_table")
+    hostile = {"spark": {"config": {"spark_config": HOSTILE_SPARK_CONF[0]}}}
+    assert _accepted(job, {**_base(job), "resources": hostile})
+    result = job.execute_in_process(
+        run_config={**_base(job), "resources": hostile}, raise_on_error=False
+    )
+    assert not result.success
+    failure = result.get_run_failure_event().event_specific_data
+    assert "spark.jars" in str(failure)
+
+
+def test_a_run_may_tune_only_plain_values_of_the_allowlist():
+    tuned = run_conf({"spark.sql.shuffle.partitions": 8, "spark.driver.memory": "4g"})
+    assert tuned == {"spark.sql.shuffle.partitions": "8", "spark.driver.memory": "4g"}
+    assert run_conf({"spark.sql.adaptive.enabled": "false"}) == {
+        "spark.sql.adaptive.enabled": "false"
+    }
+    assert all(k.startswith("spark.") for k in RUN_TUNABLE)
+
+
+def test_security_settings_win_over_any_conf():
+    """Even the deployment's own code path cannot turn them off by passing conf."""
+    off = {
+        "spark.io.encryption.enabled": "false",
+        "spark.authenticate": "false",
+        "spark.network.crypto.enabled": "false",
+        "spark.sql.session.timeZone": "Asia/Tokyo",
+    }
+    merged = spark_conf("local[2]", off)
+    assert merged["spark.io.encryption.enabled"] == "true"
+    assert merged["spark.authenticate"] == "true"
+    assert merged["spark.network.crypto.enabled"] == "true"
+    assert merged["spark.sql.session.timeZone"] == "UTC"
+
+
+def test_where_spark_runs_comes_from_the_deployments_environment():
+    assert SparkDeployment.from_env({}) == SparkDeployment()
+    cluster = SparkDeployment.from_env(
+        {"CDC_SPARK_MASTER": "spark://h:7077", "CDC_SPARK_AUTH_SECRET": "s3cr3t"}
+    )
+    assert (cluster.master, cluster.auth_secret, cluster.remote) == (
+        "spark://h:7077",
+        "s3cr3t",
+        None,
+    )
+    assert "s3cr3t" not in repr(cluster)
+    remote = SparkDeployment.from_env(
+        {"CDC_SPARK_REMOTE": "sc://127.0.0.1:1", "CDC_SPARK_CONNECT_AUTH": "/a/auth.json"}
+    )
+    assert remote.remote == "sc://127.0.0.1:1" and remote.connect_auth == Path("/a/auth.json")
+
+
+# -- the Spark Connect server's controls -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sc://attacker.example:15002",
+        "sc://10.0.0.5:15002",
+        "sc://0.0.0.0:15002",
+        "sc://attacker.example:15002/;use_ssl=false",
+    ],
+)
+def test_a_client_never_sends_the_token_in_plain_text_off_this_machine(url):
+    with pytest.raises(ConnectSetupError, match="TLS"):
+        connect_endpoint(url)
+
+
+def test_a_client_url_never_carries_its_own_token_and_tls_hosts_are_allowed():
+    with pytest.raises(ConnectSetupError, match="token"):
+        connect_endpoint("sc://127.0.0.1:15002/;token=guessed")
+    assert connect_endpoint("sc://spark.internal:443/;use_ssl=true") == (
+        "spark.internal",
+        443,
+        {"use_ssl": "true"},
+    )
+    assert connect_endpoint("sc://localhost:15002")[:2] == ("localhost", 15002)
+
+
+def test_the_server_refuses_a_non_loopback_host_without_tls_in_front(tmp_path):
+    with pytest.raises(ValueError, match="allow-remote-clients"):
+        connect_server.start(connect_server.free_port(), host="0.0.0.0", state_dir=tmp_path)
+    assert not (tmp_path / "auth.json").exists()
+
+
+def test_the_auth_file_is_private_and_renewed_at_each_start(tmp_path):
+    path = tmp_path / "auth.json"
+    first = ConnectAuth.renew(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert ConnectAuth.load(path) == first
+    second = ConnectAuth.renew(path)
+    assert second.token != first.token and second.proof != first.proof
+    assert first.token not in repr(first) and first.proof not in repr(first)
+    path.chmod(0o644)
+    with pytest.raises(ConnectSetupError, match="mode 600") as refused:
+        ConnectAuth.load(path)
+    assert second.token not in str(refused.value)
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    with pytest.raises(ConnectSetupError):
+        ConnectAuth.load(link)
+
+
+def test_stop_never_signals_a_process_that_is_not_the_server(tmp_path):
+    """A stale pid file whose pid now belongs to another process (here a `sleep`, and this
+    very test process): stop leaves it alone and says nothing was running."""
+    port = connect_server.free_port()
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        for pid in (bystander.pid, os.getpid()):
+            connect_server.pid_file(tmp_path, port).write_text(f"{pid}\n")
+            assert connect_server.server_pid(tmp_path, port) is None
+            assert connect_server.stop(port, tmp_path) is False
+            assert not connect_server.pid_file(tmp_path, port).exists()
+        time.sleep(0.2)
+        assert bystander.poll() is None  # still running: never signalled
+    finally:
+        bystander.kill()
+        bystander.wait()
