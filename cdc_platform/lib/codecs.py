@@ -16,6 +16,7 @@ Error messages never contain key material.
 from __future__ import annotations
 
 import codecs as _text_codecs
+import contextlib
 import io
 import os
 from collections.abc import Iterator, Sequence
@@ -24,6 +25,10 @@ from typing import BinaryIO
 import zstandard
 from cryptography.hazmat.primitives import padding
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+# A file to decode: its path, or a file already opened (and checked) by the caller, which then
+# owns it (``decode_file`` leaves it open; ``open_decoded_stream``'s stream closes it).
+Source = str | BinaryIO
 
 __all__ = [
     "LandingFileError",
@@ -103,7 +108,7 @@ def encode_file_bytes(
 
 
 def decode_file(
-    path: str,
+    path: Source,
     compression: str,
     encryption: str,
     keys: Sequence[bytes],
@@ -121,7 +126,7 @@ def decode_file(
     """
     _check_modes(compression, encryption)
     if encryption == "none":
-        with open(path, "rb") as fh:
+        with _opened(path) as fh:
             if compression == "none":
                 return fh.read()
             return b"".join(_zstd_chunks(_file_chunks(fh, 0)))
@@ -130,7 +135,7 @@ def decode_file(
     first_error: LandingFileError | None = None
     for key in candidates:
         try:
-            with open(path, "rb") as fh:
+            with _opened(path) as fh:
                 return b"".join(_plain_chunks(fh, key, compression))
         except LandingFileError as exc:  # the ZSTD stream did not decode with this key
             first_error = first_error or exc
@@ -139,7 +144,7 @@ def decode_file(
 
 
 def open_decoded_stream(
-    path: str,
+    path: Source,
     compression: str,
     encryption: str,
     keys: Sequence[bytes],
@@ -157,12 +162,17 @@ def open_decoded_stream(
     """
     _check_modes(compression, encryption)
     if compression == "none" and encryption == "none":
-        return open(path, "rb")
-    if encryption == "none":
-        key = None
-    else:
-        key = _candidate_keys(path, compression, keys, file_format, table, relative_path)[0]
-    fh = open(path, "rb")  # noqa: SIM115 - owned and closed by the returned stream
+        return open(path, "rb") if isinstance(path, str) else path
+    try:
+        if encryption == "none":
+            key = None
+        else:
+            key = _candidate_keys(path, compression, keys, file_format, table, relative_path)[0]
+    except BaseException:
+        if not isinstance(path, str):
+            path.close()
+        raise
+    fh = open(path, "rb") if isinstance(path, str) else path  # noqa: SIM115 - the stream owns it
     try:
         if key is None:
             chunks = _zstd_chunks(_file_chunks(fh, 0))
@@ -234,8 +244,19 @@ def _plausible(head: bytes, compression: str, file_format: str | None) -> bool:
     return head[:4] == PARQUET_MAGIC or looks_like_text(head)
 
 
+@contextlib.contextmanager
+def _opened(source: Source) -> Iterator[BinaryIO]:
+    """The file from its start: opened here (and closed) from a path; an open file as is."""
+    if isinstance(source, str):
+        with open(source, "rb") as fh:
+            yield fh
+    else:
+        source.seek(0)
+        yield source
+
+
 def _candidate_keys(
-    path: str,
+    path: Source,
     compression: str,
     keys: Sequence[bytes],
     file_format: str | None,
@@ -251,7 +272,7 @@ def _candidate_keys(
         )
     for i, key in enumerate(keys):
         _check_key(key, i)
-    with open(path, "rb") as fh:
+    with _opened(path) as fh:
         size = os.fstat(fh.fileno()).st_size
         if size < 2 * BLOCK:
             raise LandingFileError(

@@ -66,15 +66,20 @@ def arrow_type(type_name: str) -> pa.DataType:
 
 
 def read_csv_events(
-    data: bytes | bytearray | memoryview | IO[bytes], table: TableConfig, source: str
+    data: bytes | bytearray | memoryview | IO[bytes],
+    table: TableConfig,
+    source: str,
+    hide_values: bool | None = None,
 ) -> pa.Table:
     """One CSV landing file as an Arrow table of change events.
 
     Columns: the header's data columns in header order with their declared types, then
     ``cdc_operation_type`` (string), ``cdc_change_seq`` (int64), ``cdc_commit_timestamp``
     (timestamp us UTC), then ``_cdc_unmodified`` (list<string>). Raises LandingFileError
-    naming the 1-based data row when one row is at fault.
+    naming the 1-based data row when one row is at fault; the reason quotes no cell when
+    ``hide_values`` (default: for an encrypted table).
     """
+    hide = table.encryption != "none" if hide_values is None else hide_values
     header, stream = _read_header(data, source)
     _check_header(header, table, source)
 
@@ -113,14 +118,16 @@ def read_csv_events(
             raise LandingFileError(
                 f"{where}: expected {expected} cells, found {actual}{hint}", row, source
             ) from None
-        detail = "" if table.encryption != "none" else f": {exc}"
+        detail = "" if hide else f": {exc}"
         raise LandingFileError(f"malformed CSV{detail}", None, source) from None
 
     if raw.column_names != header:  # pyarrow read the same header row we did
         raise LandingFileError(
-            f"malformed CSV header: expected {header}, read {raw.column_names}", None, source
+            "malformed CSV header: pyarrow read another header row than the first line",
+            None,
+            source,
         )
-    return _convert(raw, header, table, source)
+    return _convert(raw, header, table, source, hide)
 
 
 # -- header ---------------------------------------------------------------------------------------
@@ -196,15 +203,28 @@ def _first_newline(buf: bytes, start: int, stop: int) -> int | None:
 
 
 def _check_header(header: list[str], table: TableConfig, source: str) -> None:
+    """The header names known columns, each once. A name the table does not declare is named
+    by its position, never quoted: a file that is not the table's CSV (another file swapped in,
+    a data row where the header should be, the keyring) would have its first line echoed."""
+
+    def label(name: str, i: int) -> str:
+        known = name in CDC_COLUMNS or name in table.columns
+        return f"'{name}'" if known else f"#{i + 1}"
+
     seen: set[str] = set()
-    for name in header:
+    for i, name in enumerate(header):
         if name in seen:
-            raise LandingFileError(f"column '{name}' appears twice in the header", None, source)
+            raise LandingFileError(
+                f"column {label(name, i)} appears twice in the header", None, source
+            )
         seen.add(name)
-    for name in header:
+    for i, name in enumerate(header):
         if name not in CDC_COLUMNS and name not in table.columns:
             raise LandingFileError(
-                f"column '{name}' is in the header but has no type in the config", None, source
+                f"column #{i + 1} of the header is not a column the config declares"
+                " (its name is not shown: the file may not be this table's)",
+                None,
+                source,
             )
     missing = [c for c in CDC_COLUMNS if c not in seen]
     if missing:
@@ -239,9 +259,10 @@ class _PrefixedStream(io.RawIOBase):
 # -- conversion -----------------------------------------------------------------------------------
 
 
-def _convert(raw: pa.Table, header: list[str], table: TableConfig, source: str) -> pa.Table:
+def _convert(
+    raw: pa.Table, header: list[str], table: TableConfig, source: str, hide: bool
+) -> pa.Table:
     n = raw.num_rows
-    hide = table.encryption != "none"  # reasons never quote a decrypted cell
     data_cols = [c for c in header if c not in CDC_COLUMNS]
     names: list[str] = []
     arrays: list[pa.Array] = []

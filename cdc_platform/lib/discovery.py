@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -37,8 +41,9 @@ from cdc_platform.lib.codecs import (
     open_decoded_stream,
 )
 from cdc_platform.lib.columns import CDC_COLUMNS, OP, SEQ, TS, is_reserved
-from cdc_platform.lib.config import PARTITION_FORMAT, PlatformConfig, TableConfig
-from cdc_platform.lib.landing import all_hour_folders, files_in_hour
+from cdc_platform.lib.config import PARTITION_FORMAT, ConfigError, PlatformConfig, TableConfig
+from cdc_platform.lib.landing import LandingFile, all_hour_folders, files_in_hour
+from cdc_platform.lib.safe_open import open_beneath
 from cdc_platform.lib.warehouse import current_table_name
 
 __all__ = [
@@ -54,12 +59,14 @@ __all__ = [
 
 # The names a config table may have (lib.config): letters, digits, '_', not a leading digit or '_'.
 _TABLE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_log = logging.getLogger(__name__)
 _PLAIN_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SAMPLE_BYTES = 64 * 1024  # of a CSV file's plaintext: its header and first rows
 _HEAD_BYTES = 4096
 _CDC_CONFIG_TYPES = {OP: "string", SEQ: "long", TS: "timestamp"}
 _ZSTD_SUFFIXES = (".zst", ".zstd")
 _AES_SUFFIXES = (".aes", ".enc")
+Opener = Callable[[], BinaryIO]
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ class DiscoveredTable:
         """A ``tables:`` entry for this table (indented to paste under ``tables:``)."""
         enc = self.encoding
         lines = [
-            f"# new table folder '{self.name}': first file {_relative(self.sample_file)}",
+            f"# new table folder '{self.name}': first file {_quoted(_relative(self.sample_file))}",
             f"- name: {_scalar(self.name)}",
             f"  primary_key: [{', '.join(_scalar(c) for c in self.primary_key)}]"
             f"  # GUESS: {self.primary_key_reason}; check it",
@@ -170,30 +177,42 @@ def unlisted_tables(landing_root: Path, known_names: Iterable[str]) -> list[str]
 
 def first_landing_file(landing_root: Path, table: str) -> tuple[datetime, str] | None:
     """(hour, absolute path) of the first landing file of the table's earliest hour with one."""
+    first = _first_file(landing_root, table)
+    return (first[0], first[1].path) if first is not None else None
+
+
+def _first_file(landing_root: Path, table: str) -> tuple[datetime, LandingFile, int] | None:
+    """(hour, listing, files skipped) of the first landing file of the earliest hour with one.
+    A file whose name has a control character (a newline, say) is skipped and counted: its
+    name would go into the snippet, the log and the alert."""
+    skipped = 0
     for hour, _folder in all_hour_folders(landing_root, table):
         readable = [f for f in files_in_hour(landing_root, table, hour) if f.set_aside is None]
-        if readable:
-            return hour, readable[0].path
+        named = [f for f in readable if os.path.basename(f.path).isprintable()]
+        skipped += len(readable) - len(named)
+        if named:
+            return hour, named[0], skipped
     return None
 
 
 # -- describing ------------------------------------------------------------------------------------
 
 
-def sniff_encoding(path: str | Path) -> Encoding:
+def sniff_encoding(path: str | Path, opener: Opener | None = None) -> Encoding:
     """The encoding of one landing file, from its first bytes (and, if encrypted, its name).
 
     Parquet starts ``PAR1``, a ZSTD frame with its magic number, CSV is UTF-8 text; anything
     else is taken as AES-256-CBC ciphertext, whose compression and format only the file name
-    can tell (``part-1.csv.zst.aes``, as Fivetran names its batch files).
+    can tell (``part-1.csv.zst.aes``, as Fivetran names its batch files). ``opener`` opens the
+    file (``describe``'s: checked against the listing, no symlink followed).
     """
-    with open(path, "rb") as fh:
+    with _open(path, opener) as fh:
         head = fh.read(_HEAD_BYTES)
     if not head or head[:4] == PARQUET_MAGIC:  # empty: reading it says what is wrong
         return Encoding("parquet")
     if looks_like_zstd(head):
         try:
-            with open_decoded_stream(str(path), "zstd", "none", []) as stream:
+            with open_decoded_stream(_open(path, opener), "zstd", "none", []) as stream:
                 plain = stream.read(len(PARQUET_MAGIC))
         except LandingFileError:  # a corrupt frame: only the name can tell the format
             fmt = "csv" if ".csv" in _suffixes(path) else "parquet"
@@ -220,24 +239,42 @@ def describe(landing_root: Path, name: str) -> DiscoveredTable:
     Raises FileNotFoundError when the table has no landing file (any more). A file that cannot
     be read is described with unknown columns and a note saying why, never an exception.
     """
-    first = first_landing_file(landing_root, name)
+    first = _first_file(landing_root, name)
     if first is None:
         raise FileNotFoundError(f"{Path(landing_root) / name}: no landing file in an hour folder")
-    hour, path = first
+    hour, listed, skipped = first
+    path = listed.path
+
+    def opener() -> BinaryIO:
+        # Through the checked descriptor: a file swapped for a symlink since the listing is
+        # refused, never read (its first line would go into the alert).
+        return open_beneath(str(landing_root), path, listed.file_id)
+
     notes: list[str] = []
+    if skipped:
+        notes.append(
+            f"{skipped} earlier file(s) not read: a control character in the name (rename them)"
+        )
     columns: list[tuple[str, str]] = []
     try:
-        encoding = sniff_encoding(path)
+        encoding = sniff_encoding(path, opener)
     except Exception as exc:  # unreadable: report it, never fail the sensor
         encoding = Encoding()
         notes.append(f"columns unknown: the file could not be read ({type(exc).__name__})")
     else:
         try:
-            columns, note = _read_columns(path, encoding)
+            columns, note = _read_columns(path, encoding, opener)
         except Exception as exc:  # any unreadable file: report it, never fail the sensor
             note = f"columns unknown: the file could not be read ({_one_line(exc)})"
         if note:
             notes.append(note)
+    unprintable = [i for i, (c, _) in enumerate(columns) if not c.isprintable()]
+    if unprintable:
+        notes.append(
+            f"column(s) #{', #'.join(str(i + 1) for i in unprintable)} not listed: a control"
+            " character in the name (rename them at the source)"
+        )
+        columns = [c for i, c in enumerate(columns) if i not in unprintable]
     pk, reason = guess_primary_key(name, [c for c, _ in columns])
     return DiscoveredTable(
         name=name,
@@ -251,16 +288,19 @@ def describe(landing_root: Path, name: str) -> DiscoveredTable:
     )
 
 
-def _read_columns(path: str, encoding: Encoding) -> tuple[list[tuple[str, str]], str | None]:
+def _read_columns(
+    path: str, encoding: Encoding, opener: Opener | None = None
+) -> tuple[list[tuple[str, str]], str | None]:
     """(columns, a note on what is unknown or guessed)."""
     if encoding.encryption != "none":
         return [], "columns unknown: the files are encrypted (AES-256-CBC); not decrypted here"
     if encoding.format == "parquet" and encoding.compression != "none":
         return [], "columns unknown: ZSTD-compressed Parquet (its footer is at the end of the file)"
     if encoding.format == "parquet":
-        schema = pq.read_schema(path)
+        with _open(path, opener) as fh:
+            schema = pq.read_schema(fh)
         return [(f.name, str(f.type)) for f in schema], None
-    with open_decoded_stream(path, encoding.compression, "none", []) as stream:
+    with open_decoded_stream(_open(path, opener), encoding.compression, "none", []) as stream:
         sample = stream.read(_SAMPLE_BYTES)
         complete = not stream.read(1)
     return _csv_columns(sample, complete)
@@ -350,20 +390,36 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
 
     A folder whose first file is CSV, compressed or encrypted is not added: the default
     (Parquet) would set every file aside. Nor is one whose name is taken (case-insensitively)
-    by a table or a ``<table>_current``. The ``cdc_new_tables`` sensor reports them all.
+    by a table, or is a name the platform writes (a ``<table>_current``): that one is skipped
+    with a warning saying why (``derived_name_reason``), and the config is refused
+    (ConfigError naming both) when a table of that name was already discovered and written.
+    The ``cdc_new_tables`` sensor reports them all.
     """
     template = platform.discover
     if template is None:
         return platform
     taken = {t.name.lower() for t in platform.tables}
-    taken |= {current_table_name(t.name).lower() for t in platform.tables if t.current_table}
+    derived = {current_table_name(t.name).lower(): t for t in platform.tables if t.current_table}
     added: list[TableConfig] = []
     for name in unlisted_tables(platform.landing_root, [t.name for t in platform.tables]):
         if name.lower() in taken:
             continue
-        first = first_landing_file(platform.landing_root, name)
+        owner = derived.get(name.lower())
+        if owner is not None:
+            _refuse_if_written(platform, name, owner)
+            _log.warning(derived_name_reason(name, owner))
+            continue
+        first = _first_file(platform.landing_root, name)
         try:
-            plain = first is not None and sniff_encoding(first[1]).is_plain_parquet
+            plain = (
+                first is not None
+                and sniff_encoding(
+                    first[1].path,
+                    partial(
+                        open_beneath, str(platform.landing_root), first[1].path, first[1].file_id
+                    ),
+                ).is_plain_parquet
+            )
         except OSError:  # unreadable now: not added (the sensor reports it)
             plain = False
         if not plain:
@@ -375,14 +431,50 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
     return replace(platform, tables=(*platform.tables, *added))
 
 
+def derived_name_reason(folder: str, owner: TableConfig) -> str:
+    """Why a landing folder is not discovered: the platform writes a table of that name."""
+    return (
+        f"landing folder {folder!r} is not discovered: table {owner.name!r} has "
+        f"current_table: true, and its current table is {current_table_name(owner.name)!r} "
+        "(a discovered table of that name would share its warehouse folder); rename the folder "
+        "or list it under another name"
+    )
+
+
+def _refuse_if_written(platform: PlatformConfig, folder: str, owner: TableConfig) -> None:
+    """A table of that name was already discovered and written (its change log is in the
+    warehouse): refuse the config, since the current table would overwrite that history."""
+    from cdc_platform.lib import delta
+    from cdc_platform.lib.warehouse import TablePaths
+
+    written = TablePaths.of(platform.warehouse_root, folder)
+    if delta.exists(written.changelog):
+        raise ConfigError(
+            f"table {owner.name!r}, field 'current_table': its current table "
+            f"{current_table_name(owner.name)!r} is the discovered table {folder!r}, whose "
+            f"history is in {written.history}; turn current_table off, or move that table "
+            "and its landing folder away first"
+        )
+
+
 # -- formatting ------------------------------------------------------------------------------------
 
 
 def _scalar(name: str) -> str:
-    """A name as a YAML scalar: plain when it reads back as itself, else double-quoted."""
+    """A name as a YAML scalar: plain when it reads back as itself, else JSON-quoted (valid
+    YAML: every control character, line break and non-ASCII character escaped, so a name
+    never breaks out of its line of the snippet)."""
     if _PLAIN_NAME_RE.match(name) and yaml.safe_load(name) == name:
         return name
-    return '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return _quoted(name)
+
+
+def _quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=True)
+
+
+def _open(path: str | Path, opener: Opener | None) -> BinaryIO:
+    return opener() if opener is not None else open(path, "rb")
 
 
 def _relative(path: str) -> str:

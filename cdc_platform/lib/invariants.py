@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib import changelog, delta, quarantine, revoked_files
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
 SAMPLE_SIZE = 5
+# What a check's sample says instead of key values for an encrypted table: its keys are
+# decrypted data, and samples reach the UI, logs and alerts.
+REDACTED = "redacted (encrypted table)"
 
 ONE_ACTIVE = "one_active_version_per_key"
 ACTIVE_IFF_OPEN = "active_iff_open_ended"
@@ -98,11 +102,11 @@ def touched_keys(
     added = [f for f in now if f.path not in before]
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     if not added:
-        return spark.createDataFrame([], schema).select(*primary_key)
+        return spark.createDataFrame([], schema).select(*cols(list(primary_key)))
     return (
         spark.read.schema(schema)
         .parquet(*delta.absolute_paths(paths.history, added))
-        .select(*primary_key)
+        .select(*cols(list(primary_key)))
         .distinct()
     )
 
@@ -112,8 +116,13 @@ def run_checks(
     paths: TablePaths,
     primary_key: Sequence[str],
     scope: DataFrame | None = None,
+    *,
+    hide_keys: bool = False,
 ) -> list[CheckOutcome]:
-    """Every invariant over the table, or over the keys in ``scope`` only."""
+    """Every invariant over the table, or over the keys in ``scope`` only.
+
+    ``hide_keys`` (an encrypted table): a failing check's sample holds ``REDACTED``, never a
+    key value; the counts are unchanged."""
     from pyspark import StorageLevel
 
     pk = list(primary_key)
@@ -137,7 +146,9 @@ def run_checks(
     # Every check below scans these rows (about ten Spark jobs): read the files once.
     table = table.persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        outcomes += _table_checks(spark, paths, pk, table, dt, whole_table=scope is None)
+        outcomes += _table_checks(
+            spark, paths, pk, table, dt, whole_table=scope is None, hide_keys=hide_keys
+        )
     finally:
         table.unpersist()
     order = {n: i for i, n in enumerate(CHECK_NAMES)}
@@ -151,6 +162,7 @@ def _table_checks(
     table: DataFrame,
     dt: DeltaTable,
     whole_table: bool,
+    hide_keys: bool = False,
 ) -> list[CheckOutcome]:
     """The invariants of the history rows in ``table`` (the whole table or a scope's keys)."""
     from pyspark.sql import functions as F
@@ -161,12 +173,17 @@ def _table_checks(
     def outcome(name: str, failing_rows: DataFrame, detail: str = "") -> CheckOutcome:
         keys = failing_rows.select(*cols(pk)).distinct()
         n = keys.count()
-        sample = [_key(r, pk) for r in keys.limit(SAMPLE_SIZE).collect()] if n else []
+        if hide_keys:
+            sample: list[Any] = [REDACTED] if n else []
+        else:
+            sample = [_key(r, pk) for r in keys.limit(SAMPLE_SIZE).collect()] if n else []
         return CheckOutcome(name, n == 0, n, sample, checked, detail)
 
     tmax = tmax_literal()
-    outcomes.append(outcome(PK_NOT_NULL, table.filter(" OR ".join(f"`{c}` IS NULL" for c in pk))))
-    keyed = table.filter(" AND ".join(f"`{c}` IS NOT NULL" for c in pk))
+    # Column objects, never SQL text: a key name is data (a backtick in it must not end it).
+    any_null = reduce(lambda a, b: a | b, [col(c).isNull() for c in pk])
+    outcomes.append(outcome(PK_NOT_NULL, table.filter(any_null)))
+    keyed = table.filter(~any_null)
     outcomes.append(
         outcome(
             ONE_ACTIVE, keyed.filter(F.col(ACTIVE)).groupBy(*cols(pk)).count().filter("count > 1")
@@ -299,7 +316,7 @@ def _reconciliation(
     steps = _steps(dedupe_events(events.join(keys, pk, "left_semi"), pk), pk, data_columns)
 
     t, kind, ver, step = "_cdc_tmp_t", "_cdc_tmp_kind", "_cdc_tmp_version", "_cdc_tmp_step"
-    image = _image([F.col(f"`{c}`").alias(c) for c in data_columns])
+    image = _image([col(c).alias(c) for c in data_columns])
     versions = table.select(
         *cols(pk),
         F.col(START).alias(t),
@@ -403,7 +420,7 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
 
     ev = events.select(
         *cols(pk),
-        *[F.col(f"`{c}`") for c in data_columns],
+        *[col(c) for c in data_columns],
         F.col(SEQ).alias("_cdc_tmp_seq"),
         F.date_trunc("millisecond", F.col(TS)).alias("_cdc_tmp_ms"),
         (F.upper(F.col(OP)) == "DELETE").alias("_cdc_tmp_del"),
@@ -418,7 +435,7 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
         F.last(
             F.when(
                 ~F.col("_cdc_tmp_del") & ~F.array_contains("_cdc_tmp_unmod", c),
-                F.struct(F.col(f"`{c}`").alias("v")),
+                F.struct(col(c).alias("v")),
             ),
             ignorenulls=True,
         )

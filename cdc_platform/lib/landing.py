@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cdc_platform.lib.config import PARTITION_FORMAT
+from cdc_platform.lib.safe_open import FileId
 
 HOUR = timedelta(hours=1)
 
@@ -32,6 +33,13 @@ class LandingFile:
     size: int
     mtime_ns: int
     set_aside: str | None = None  # why it is not read (symlink, in a sub-folder, ...), if so
+    # Which file the listing saw (``safe_open.FileId``): the reader opens nothing else there.
+    dev: int = 0
+    ino: int = 0
+
+    @property
+    def file_id(self) -> FileId:
+        return FileId(self.dev, self.ino)
 
 
 SYMLINK = "symlink: links in the landing zone are not followed"
@@ -104,7 +112,15 @@ def files_in_hour(landing_root: Path, table: str, hour: datetime) -> list[Landin
                 found.extend(_files_below(Path(entry.path)))
             elif entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
-                found.append(LandingFile(os.path.abspath(entry.path), st.st_size, st.st_mtime_ns))
+                found.append(
+                    LandingFile(
+                        os.path.abspath(entry.path),
+                        st.st_size,
+                        st.st_mtime_ns,
+                        dev=st.st_dev,
+                        ino=st.st_ino,
+                    )
+                )
             else:
                 found.append(_set_aside(Path(entry.path), NOT_A_FILE))
     return sorted(found)
