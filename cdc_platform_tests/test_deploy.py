@@ -416,6 +416,9 @@ def test_units_environment_workspace_and_readme_agree() -> None:
     start = shlex.split(connect["Service.ExecStart"][0])
     port, state = start[start.index("--port") + 1], start[start.index("--state-dir") + 1]
     assert connect["Service.PIDFile"] == [str(connect_server.pid_file(Path(state), int(port)))]
+    # Its clients read the auth file the server writes in its state folder.
+    auth = f"CDC_SPARK_CONNECT_AUTH={connect_server.auth_file(Path(state))}"
+    assert auth in ENV_EXAMPLE.read_text()
 
 
 def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
