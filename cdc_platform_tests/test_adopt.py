@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pyarrow as pa
@@ -37,6 +38,11 @@ COLUMNS = ["id", "status", "amount", "_fivetran_start", "_fivetran_end", "_fivet
 SYNCED_MAX = datetime(2024, 1, 1, 11, 30, 0, 123456, tzinfo=UTC)
 A = datetime(2024, 1, 1, 11, 30, 0, 123000, tzinfo=UTC)
 NOW = datetime(2024, 1, 2, tzinfo=UTC)
+
+
+def roots(lake: dict[str, Path]) -> dict[str, Any]:
+    """Adoption allowed from the test's folder (the warehouse and landing zone stay refused)."""
+    return {"adoption_roots": [lake["root"]], "landing_root": lake["landing"]}
 
 
 def soft_delete_mode_source() -> pa.Table:
@@ -78,7 +84,7 @@ def test_a_soft_delete_mode_delta_table_is_adopted_as_the_seeds_say(spark, lake)
     source = lake["root"] / "source"
     write_deltalake(str(source), soft_delete_mode_source())
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
-    r = adopt(spark, TABLE, lake["warehouse"], source, now=NOW)
+    r = adopt(spark, TABLE, lake["warehouse"], source, now=NOW, **roots(lake))
 
     assert (r.format, r.adopted_at, r.live_rows, r.deleted_rows) == ("delta", A, 2, 1)
     assert r.dropped_columns == ("_fivetran_synced", "_fivetran_deleted")
@@ -97,7 +103,9 @@ def test_a_soft_delete_mode_delta_table_is_adopted_as_the_seeds_say(spark, lake)
 
     # The same adoption again: nothing new, no commit.
     seen = (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog))
-    again = adopt(spark, TABLE, lake["warehouse"], source, now=NOW + timedelta(hours=1))
+    again = adopt(
+        spark, TABLE, lake["warehouse"], source, now=NOW + timedelta(hours=1), **roots(lake)
+    )
     assert again.events_new == 0
     assert (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog)) == seen
 
@@ -111,7 +119,7 @@ def test_a_partitioned_delta_table_keeps_its_partition_columns(spark, lake):
     )
     write_deltalake(str(source), rows, partition_by=["region", "status"])
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
-    adopt(spark, TABLE, lake["warehouse"], source, now=NOW)
+    adopt(spark, TABLE, lake["warehouse"], source, now=NOW, **roots(lake))
     got = normalize(history_rows(paths.history), [*COLUMNS, "region"])
     assert got == [
         (1, "new", 1.5, A, TMAX, True, "north east"),
@@ -125,7 +133,7 @@ def test_cdc_events_apply_on_top_of_an_adopted_table(spark, lake):
     source = lake["root"] / "source"
     write_deltalake(str(source), soft_delete_mode_source())
     landing, warehouse = lake["landing"], lake["warehouse"]
-    adopt(spark, TABLE, warehouse, source, now=NOW)
+    adopt(spark, TABLE, warehouse, source, now=NOW, **roots(lake))
     h12 = H0 + timedelta(hours=12)
     cdc = [
         ev("UPDATE", 1, h12 + timedelta(minutes=5), 1, status="shipped", amount=1.5),
@@ -161,7 +169,7 @@ def test_a_live_mode_parquet_folder_is_adopted_at_the_time_of_the_run(spark, lak
     source.mkdir()
     pq.write_table(pa.table({"id": [1, 2], "status": ["a", "b"]}), source / "part-0.parquet")
     pq.write_table(pa.table({"id": [5], "status": ["c"]}), source / "part-1.parquet")
-    r = adopt(spark, TABLE, lake["warehouse"], source, now=NOW)
+    r = adopt(spark, TABLE, lake["warehouse"], source, now=NOW, **roots(lake))
     assert (r.format, r.adopted_at, r.live_rows, r.deleted_rows) == ("parquet", NOW, 3, 0)
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
     assert normalize(history_rows(paths.history), ["id", "status", *COLUMNS[3:]]) == [
@@ -176,8 +184,14 @@ def test_a_live_mode_parquet_folder_is_adopted_at_the_time_of_the_run(spark, lak
     ("rows", "message"),
     [
         ({"key": [1], "status": ["a"]}, r"primary-key column\(s\) \['id'\] missing"),
-        ({"id": [1, None], "status": ["a", "b"]}, r"null primary key \(id\): .*part-0.parquet"),
-        ({"id": [1, 1, 2], "status": ["a", "b", "c"]}, r"on one row only: \{'id': 1\} on 2 rows"),
+        (
+            {"id": [1, None], "status": ["a", "b"]},
+            r"null primary key \(id\): .*part-0.parquet row 2$",
+        ),
+        (
+            {"id": [1, 1, 2], "status": ["a", "b", "c"]},
+            r"on one row only; one key is on .*part-0.parquet row 1 and .*part-0.parquet row 2$",
+        ),
         ({"id": [9], "status": [b"x"]}, r"column .status. has type binary but string.*neither"),
     ],
 )
@@ -186,7 +200,9 @@ def test_a_source_that_cannot_be_adopted_is_refused_with_its_reason(spark, lake,
     export = lake["root"] / "export"
     export.mkdir()
     pq.write_table(pa.table({"id": [1], "status": ["x"]}), export / "part-0.parquet")
-    adopt(spark, TABLE, warehouse, export, now=NOW)  # the table's status column is a string
+    adopt(
+        spark, TABLE, warehouse, export, now=NOW, **roots(lake)
+    )  # the table's status column is a string
     paths = TablePaths.of(warehouse, TABLE.name)
     seen = (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog))
 
@@ -194,21 +210,21 @@ def test_a_source_that_cannot_be_adopted_is_refused_with_its_reason(spark, lake,
     bad.mkdir()
     pq.write_table(pa.table(rows), bad / "part-0.parquet")
     with pytest.raises(AdoptionError, match=message):
-        adopt(spark, TABLE, warehouse, bad, now=NOW)
+        adopt(spark, TABLE, warehouse, bad, now=NOW, **roots(lake))
     assert (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog)) == seen
     with pytest.raises(AdoptionError, match="no such file or folder"):
-        adopt(spark, TABLE, warehouse, lake["root"] / "missing", now=NOW)
+        adopt(spark, TABLE, warehouse, lake["root"] / "missing", now=NOW, **roots(lake))
     with pytest.raises(AdoptionError, match="no Delta table there"):
-        adopt(spark, TABLE, warehouse, bad, "delta", now=NOW)
+        adopt(spark, TABLE, warehouse, bad, "delta", now=NOW, **roots(lake))
 
 
 def test_the_dagster_job_adopt_table(spark, tmp_path: Path):
     (tmp_path / "cdc_platform.yaml").write_text(
-        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        "landing_root: landing\nwarehouse_root: warehouse\nadoption_roots: [exports]\ntables:\n"
         '  - name: orders\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    source = tmp_path / "source"
+    source = tmp_path / "exports" / "source"
     write_deltalake(str(source), soft_delete_mode_source())
     defs = build_definitions(platform)
     instance = dg.DagsterInstance.ephemeral()
@@ -231,7 +247,9 @@ def test_the_dagster_job_adopt_table(spark, tmp_path: Path):
     paths = TablePaths.of(platform.warehouse_root, "orders")
     assert (3, "gone", 3.0, TMIN, TMIN, False) in rows_of(paths)
 
-    failed = run({"table": "orders", "source": str(tmp_path / "nope"), "format": "parquet"})
+    failed = run(
+        {"table": "orders", "source": str(tmp_path / "exports" / "nope"), "format": "parquet"}
+    )
     assert not failed.success
     (step_failure,) = [e for e in failed.all_events if e.is_step_failure]
     assert "nope: no such file or folder" in str(step_failure.event_specific_data.error)  # type: ignore[union-attr]

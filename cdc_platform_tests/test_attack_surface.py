@@ -13,10 +13,13 @@ never signals a process that is not the server (a stale pid file).
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import time
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,9 @@ import pytest
 from cdc_platform import connect_server
 from cdc_platform.defs.factory import build_definitions
 from cdc_platform.defs.resources import SparkResource
+from cdc_platform.lib import delta
 from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark import (
     RUN_TUNABLE,
     ConnectAuth,
@@ -38,6 +43,9 @@ from cdc_platform.lib.spark import (
     spark_conf,
 )
 from cdc_platform.lib.storage import Location
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import event as ev
+from cdc_platform_tests.helpers import write_parquet_events
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 
@@ -273,3 +281,134 @@ def test_stop_never_signals_a_process_that_is_not_the_server(tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+# -- every operator job, with hostile values in its own config ---------------------------------
+
+SECRET_KEY = base64.b64encode(b"k" * 32).decode()
+SECRET_CELL = "secret-cell-value-7f3a"
+
+
+@dataclass(frozen=True)
+class Lake:
+    root: Path
+    platform: PlatformConfig
+    paths: TablePaths
+    secret: Path  # a folder outside every root: a keyring and a CSV a source must never reach
+
+    def versions(self) -> tuple[int | None, int | None]:
+        return delta.version_or_none(self.paths.history), delta.version_or_none(
+            self.paths.changelog
+        )
+
+
+@pytest.fixture(scope="module")
+def hostile_lake(spark, tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    """One applied hour of `orders`, roots for snapshots and adoption, and secrets beside them,
+    with symlinks from inside each root to the secrets and to the warehouse."""
+    root = tmp_path_factory.mktemp("hostile")
+    landing, warehouse = root / "landing", root / "warehouse"
+    snapshots, adoptable, secret = root / "snapshots", root / "adoptable", root / "secret"
+    for folder in (landing, warehouse, snapshots, adoptable, secret):
+        folder.mkdir()
+    keyring = secret / "keyring.json"
+    keyring.write_text(json.dumps({"tables": {"orders": SECRET_KEY}}))
+    keyring.chmod(0o600)
+    (secret / "orders.csv").write_text(f"id,status\n1,{SECRET_CELL}\n")
+    table = TableConfig(name="orders", primary_key=("id",), start=H0)
+    platform = PlatformConfig(
+        landing,
+        Location.of(warehouse),
+        (table,),
+        snapshot_roots=(Location.of(snapshots),),
+        adoption_roots=(Location.of(adoptable),),
+    )
+    rows = [ev("INSERT", i, H0 + timedelta(minutes=i), i, status="a") for i in range(1, 4)]
+    write_parquet_events(landing, "orders", H0, rows)
+    materialize(spark, table, landing, platform.warehouse_root, [H0])
+    paths = TablePaths.of(platform.warehouse_root, "orders")
+    (snapshots / "to-secret").symlink_to(secret)
+    (adoptable / "to-secret").symlink_to(secret)
+    (adoptable / "to-history").symlink_to(Path(str(paths.history)))
+    return Lake(root, platform, paths, secret)
+
+
+def _hostile_paths(lake: Lake, root: str) -> list[str]:
+    """Places outside ``root`` spelled every way an attacker would try."""
+    r, s = lake.root, lake.secret
+    return [
+        str(s),
+        "/etc",
+        f"{r / root}/../secret",
+        "../secret",
+        "../../../../../../etc",
+        f"file://{s}",
+        "s3://another-bucket/orders",
+        f"{r / root}/to-secret",
+        f"{r / root}/to-secret/orders.csv",
+        str(lake.paths.history),
+        str(lake.paths.changelog),
+        str(lake.platform.landing_root / "orders"),
+        f"{r / root}/x\nsnapshot_roots: [/]",
+        f"{r / root}/it's`quoted`",
+    ]
+
+
+def _hostile_cases(lake: Lake) -> list[tuple[str, str, dict[str, Any]]]:
+    future, no_zone = "9999-01-01T00:00:00Z", "2024-01-01T00:00:00"
+    cases: list[tuple[str, str, dict[str, Any]]] = []
+    for name in ("orders`", "../orders", "orders\nx", "", "ORDERS", "orders; DROP TABLE x"):
+        cases.append(("truncate_table", "truncate", {"table": name}))
+        cases.append(("unapply_files", "unapply", {"table": name, "files": ["*"], "reason": "r"}))
+    for path in _hostile_paths(lake, "snapshots"):
+        cases.append(("resync_table", "resync", {"table": "orders", "snapshot": path}))
+    for path in _hostile_paths(lake, "adoptable"):
+        cases.append(("adopt_table", "adopt", {"table": "orders", "source": path}))
+    for at in (future, no_zone, "yesterday`"):
+        snapshot = str(lake.root / "snapshots")
+        cases.append(
+            ("resync_table", "resync", {"table": "orders", "snapshot": snapshot, "at": at})
+        )
+        cases.append(("truncate_table", "truncate", {"table": "orders", "before": at}))
+    # Before 1970: truncate's synthetic deletes are ordered by -before in ms, so it refuses them.
+    cases.append(
+        ("truncate_table", "truncate", {"table": "orders", "before": "1000-01-01T00:00:00Z"})
+    )
+    outside = [str(lake.secret / "keyring.json"), "../../secret/keyring.json", "/etc/passwd"]
+    outside += ["orders/../../secret/keyring.json", "adopt:*", "resync:*", "truncate:*"]
+    for files in outside:
+        cases.append(
+            ("unapply_files", "unapply", {"table": "orders", "files": [files], "reason": "r"})
+        )
+        cases.append(("readmit_files", "readmit", {"table": "orders", "files": [files]}))
+    for partition in ("../../x", "2024-01-01-00:00\n", "2024-01-01-00:00`"):
+        cases.append(("orders_merge_plan", "orders_plan_merge", {"first_partition": partition}))
+    return cases
+
+
+def test_every_operator_job_refuses_hostile_values_and_changes_nothing(hostile_lake):
+    """Traversal, absolute paths, URIs, symlinks out of a root or into the warehouse, quotes,
+    backticks, newlines, future, zone-less and pre-1970 times: each run fails with a message, writes
+    nothing, and no message or event carries a secret it could have reached."""
+    defs = build_definitions(hostile_lake.platform)
+    before = hostile_lake.versions()
+    cases = _hostile_cases(hostile_lake)
+    assert len(cases) > 60
+    for job_name, op, config in cases:
+        job = defs.get_job_def(job_name)
+        result = job.execute_in_process(
+            run_config={"ops": {op: {"config": config}}}, raise_on_error=False
+        )
+        assert not result.success, (job_name, config)
+        text = "\n".join(
+            str(e.message or "") + repr(e.event_specific_data) for e in result.all_events
+        )
+        for secret in (SECRET_KEY, SECRET_CELL, '"tables"'):
+            assert secret not in text, (job_name, config, secret)
+        assert hostile_lake.versions() == before, (job_name, config)
+    # The control: the same harness runs a job with sound values, and it writes.
+    control = {"table": "orders"}  # soft: close what was written up to now
+    result = defs.get_job_def("truncate_table").execute_in_process(
+        run_config={"ops": {"truncate": {"config": control}}}, raise_on_error=False
+    )
+    assert result.success and hostile_lake.versions() != before

@@ -102,7 +102,7 @@ def test_operations_mixed_into_random_deliveries(spark, tmp_path_factory, data):
             pa.table({"id": pa.array(ids, pa.int64()), "name": pa.array([image[k] for k in ids])}),
             folder / "snapshot.parquet",
         )
-        resync(spark, TABLE, landing, warehouse, folder, at)
+        resync(spark, TABLE, landing, warehouse, folder, at, snapshot_roots=[root])
         insert_seq, delete_seq = resync_seqs(at)
         starts = first_starts(applied)
         replaced = {k for k in keys if k in starts and truncate_to_ms(at) < starts[k]}

@@ -141,7 +141,10 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
             else None
         )
         scope_label = "keys touched by this run" if scope is not None else "whole table"
-        for o in invariants.run_checks(session, paths, table.primary_key, scope):
+        hide_keys = table.encryption != "none"  # decrypted key values stay out of the UI
+        for o in invariants.run_checks(
+            session, paths, table.primary_key, scope, hide_keys=hide_keys
+        ):
             if not o.passed:
                 context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s)")
             yield dg.AssetCheckResult(

@@ -10,7 +10,6 @@ operator job, on the hour partition of the operation's time.
 """
 
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Literal
 
 import dagster as dg
@@ -48,8 +47,9 @@ class TruncateConfig(dg.Config):
 class AdoptConfig(dg.Config):
     table: str = Field(description="The table, as named in the config.")
     source: str = Field(
-        description="The table to adopt: a Delta table or a folder of Parquet files (a path, "
-        "file:// or object-store URI), in live or soft-delete mode."
+        description="The table to adopt: a Delta table or a folder of Parquet files (an "
+        "absolute path, file:// or object-store URI under one of the config's adoption_roots), "
+        "in live or soft-delete mode."
     )
     format: Literal["auto", "delta", "parquet"] = Field(
         default="auto", description="auto: Delta if the source has a _delta_log, else Parquet."
@@ -59,8 +59,8 @@ class AdoptConfig(dg.Config):
 class ResyncConfig(dg.Config):
     table: str = Field(description="The table, as named in the config.")
     snapshot: str = Field(
-        description="The folder of snapshot files, in the table's landing format (a local or "
-        "mounted path, outside the table's hour folders)."
+        description="The folder of snapshot files, in the table's landing format: an absolute "
+        "path under one of the config's snapshot_roots (no symlink in it)."
     )
     at: str | None = Field(
         default=None,
@@ -149,6 +149,8 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                 platform.warehouse_root,
                 config.source,
                 config.format,
+                adoption_roots=platform.adoption_roots,
+                landing_root=platform.landing_root,
             )
         except (AdoptionError, ValueError) as exc:
             raise dg.Failure(str(exc)) from None
@@ -198,10 +200,11 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                 table,
                 platform.landing_root,
                 platform.warehouse_root,
-                Path(config.snapshot),
+                config.snapshot,  # as typed: checked against snapshot_roots, never resolved here
                 at,
                 keyring.load() if table.encryption != "none" else None,
                 started,
+                snapshot_roots=platform.snapshot_roots,
             )
         except (ResyncError, ValueError) as exc:
             raise dg.Failure(str(exc)) from None

@@ -42,7 +42,9 @@ def check_and_report(
     paths = TablePaths.of(platform.warehouse_root, table.name)
     session = spark.session(platform.warehouse_root)
     scope = invariants.touched_keys(session, paths, table.primary_key, version_before)
-    outcomes = invariants.run_checks(session, paths, table.primary_key, scope)
+    outcomes = invariants.run_checks(
+        session, paths, table.primary_key, scope, hide_keys=table.encryption != "none"
+    )
     failed = [o for o in outcomes if not o.passed and o.name != invariants.NO_QUARANTINE]
     for o in failed:
         context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s) {o.sample}")

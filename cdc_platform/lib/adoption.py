@@ -53,6 +53,7 @@ from cdc_platform.lib.reading import (
     normalize_type,
     widest,
 )
+from cdc_platform.lib.source_roots import SourceRootError, adoption_source
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
@@ -69,6 +70,7 @@ SOURCE_PREFIX = "adopt:"
 SEQ_BASE = -(2**62)
 SourceFormat = Literal["auto", "delta", "parquet"]
 _FILE = internal("adopt_file")
+_ROW = internal("adopt_row")  # 1-based, in its file
 _SAMPLE = 5
 
 
@@ -106,8 +108,16 @@ def adopt(
     source: Where,
     source_format: SourceFormat = "auto",
     now: datetime | None = None,
+    *,
+    adoption_roots: Sequence[Where],
+    landing_root: Where,
 ) -> AdoptResult:
     """Adopt the table at ``source`` into ``table``'s history (see the module docstring).
+
+    ``source`` must be under one of ``adoption_roots`` (the config's) and apart from the
+    warehouse and ``landing_root`` (``lib.source_roots``): a run's config never copies another
+    table's history or change log, or reads a bucket nobody allowed. Errors name the source's
+    files, rows and columns, never a value.
 
     ``now`` is the adoption's time when the source has no ``_fivetran_synced`` value, and the
     run's ``_fivetran_synced``. Raises AdoptionError, naming the rows, for a source that cannot
@@ -117,16 +127,20 @@ def adopt(
     from pyspark.sql import functions as F
 
     now = to_ms(now or datetime.now(UTC))
-    where = Location.of(source)
+    try:
+        where = adoption_source(source, adoption_roots, (warehouse_root, landing_root))
+    except SourceRootError as exc:
+        raise AdoptionError(str(exc)) from None
     fmt, rows = _read_source(spark, where, source_format)
     pk = list(table.primary_key)
     missing = [k for k in pk if k not in rows.columns]
     if missing:
         raise AdoptionError(
-            f"{where}: primary-key column(s) {missing} missing (columns: {rows.columns})"
+            f"{where}: primary-key column(s) {missing} missing (columns:"
+            f" {[c for c in rows.columns if c not in (_FILE, _ROW)]})"
         )
-    dropped = tuple(c for c in rows.columns if is_reserved(c) and c != _FILE)
-    data = [c for c in rows.columns if not is_reserved(c) and c != _FILE]
+    dropped = tuple(c for c in rows.columns if is_reserved(c) and c not in (_FILE, _ROW))
+    data = [c for c in rows.columns if not is_reserved(c) and c not in (_FILE, _ROW)]
     _check_keys(rows, where, pk)
     deleted = F.coalesce(col(DELETED), F.lit(False)) if DELETED in rows.columns else F.lit(False)
     # Epoch microseconds: a collected timestamp would come back in the Python process's zone.
@@ -204,7 +218,6 @@ def _read_source(
 ) -> tuple[str, DataFrame]:
     """The source's rows, with the file each came from in ``_FILE`` (for error messages)."""
     from deltalake import DeltaTable
-    from pyspark.sql import functions as F
 
     fmt = source_format
     if fmt == "auto":
@@ -232,7 +245,16 @@ def _read_source(
         files = [where.uri]
         reader = spark.read
     rows = reader.options(**NATIVE_READ_OPTIONS).parquet(*files)
-    return fmt, rows.withColumn(_FILE, F.input_file_name())
+    return fmt, _with_provenance(rows)
+
+
+def _with_provenance(rows: DataFrame) -> DataFrame:
+    """Each row's file and 1-based row number (for error messages: never its values)."""
+    from pyspark.sql import functions as F
+
+    return rows.withColumn(_FILE, F.col("_metadata.file_path")).withColumn(
+        _ROW, F.col("_metadata.row_index") + 1
+    )
 
 
 def _partitioned_rows(
@@ -242,7 +264,6 @@ def _partitioned_rows(
     files is read with its partition values (from the Delta log, typed) as literal columns."""
     from urllib.parse import unquote
 
-    from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
     parts = list(dt.metadata().partition_columns)
@@ -262,36 +283,42 @@ def _partitioned_rows(
         )
         for c, v in zip(parts, values, strict=True):
             rows = rows.withColumn(c, value_lit(v).cast(schema[c].dataType))
-        frames.append(rows.withColumn(_FILE, F.input_file_name()))
+        frames.append(_with_provenance(rows))
     out = frames[0]
     for frame in frames[1:]:
         out = out.unionByName(frame)
-    return out.select(*[col(f.name) for f in schema.fields], col(_FILE))
+    return out.select(*[col(f.name) for f in schema.fields], col(_FILE), col(_ROW))
 
 
 def _check_keys(rows: DataFrame, where: Location, pk: Sequence[str]) -> None:
-    """Every row has its whole key, and no key is on two rows: else an error naming them."""
+    """Every row has its whole key, and no key is on two rows: else an error naming the rows
+    by file and row number, never a key value (it may be an encrypted table's)."""
     from pyspark.sql import functions as F
 
     null_key = F.lit(False)
     for k in pk:
         null_key = null_key | col(k).isNull()
-    bad = rows.filter(null_key).select(_FILE, *cols(list(pk))).limit(_SAMPLE).collect()
+    bad = rows.filter(null_key).select(_FILE, _ROW).limit(_SAMPLE).collect()
     if bad:
-        sample = "; ".join(f"{r[_FILE]}: {dict(zip(pk, r[1:], strict=True))}" for r in bad)
+        sample = "; ".join(f"{r[_FILE]} row {r[_ROW]}" for r in bad)
         raise AdoptionError(f"{where}: rows with a null primary key ({', '.join(pk)}): {sample}")
     twice = (
         rows.groupBy(*cols(list(pk)))
-        .agg(F.count(F.lit(1)).alias("n"))
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.sort_array(F.collect_list(F.struct(col(_FILE), col(_ROW)))).alias("at"),
+        )
         .filter(col("n") > 1)
         .limit(_SAMPLE)
         .collect()
     )
     if twice:
         sample = "; ".join(
-            f"{dict(zip(pk, r[: len(pk)], strict=True))} on {r['n']} rows" for r in twice
+            " and ".join(f"{a[0]} row {a[1]}" for a in r["at"][:3])
+            + (f" ({r['n']} rows)" if r["n"] > 3 else "")
+            for r in twice
         )
-        raise AdoptionError(f"{where}: a key may be on one row only: {sample}")
+        raise AdoptionError(f"{where}: a key may be on one row only; one key is on {sample}")
 
 
 def _normalized(rows: DataFrame, data: Sequence[str]) -> DataFrame:

@@ -102,8 +102,13 @@ def append(
     ingested_at: datetime,
     revoked: Callable[[], set[str]] | None = None,
     forgotten: Where | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> AppendResult:
     """Add the events not already logged; one Spark job, one Delta commit (or none).
+
+    ``before_commit`` runs once the events were read and written, before the commit: if it
+    raises (the files Spark read by path changed meanwhile, ``reading.NativeGuard``), what was
+    written is discarded and nothing is committed.
 
     ``revoked`` gives the landing files un-applied so far; it is asked again on every commit
     attempt, so a file revoked while this append raced an un-apply is never logged again.
@@ -158,6 +163,12 @@ def append(
         n = delta.file_count_for(expected_rows, LOG_ROWS_PER_FILE)
         shaped = new.repartitionByRange(n, col(TS), *cols(pk)) if n > 1 else new.coalesce(1)
         adds = delta.write_files(shaped, path)
+        if before_commit is not None:
+            try:
+                before_commit()
+            except BaseException:
+                delta.discard(path, adds)
+                raise
         if not adds:
             return AppendResult(0, dt.version())
         count = sum(delta.num_records(a) for a in adds)

@@ -28,6 +28,7 @@ import yaml
 
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
 from cdc_platform.lib.history import TRACK_ALL, HistoryColumns
+from cdc_platform.lib.source_roots import checked_root, overlaps
 from cdc_platform.lib.storage import OBJECT_STORE_SCHEMES, EnvRef, Location, OptionValue
 from cdc_platform.lib.warehouse import current_table_name
 
@@ -120,6 +121,10 @@ class PlatformConfig:
     # Unlisted table folders get assets from this template (``lib.discovery``); None: they are
     # only reported by the ``cdc_new_tables`` sensor.
     discover: DiscoverTemplate | None = None
+    # The folders a re-sync snapshot, and the folders or object-store prefixes an adoption
+    # source, may be read from (``lib.source_roots``); none: those jobs refuse every run.
+    snapshot_roots: tuple[Location, ...] = ()
+    adoption_roots: tuple[Location, ...] = ()
 
     def table(self, name: str) -> TableConfig:
         for table in self.tables:
@@ -153,6 +158,8 @@ _TOP_FIELDS = {
     "check_schedule",
     "maintenance_schedule",
     "discover",
+    "snapshot_roots",
+    "adoption_roots",
 }
 _DISCOVER_FIELDS = {"primary_key", "start"}
 
@@ -217,6 +224,7 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
     )
     if warehouse_root.is_local:
         _check_roots_apart(landing_root, warehouse_root.path, where)
+    roots = (checked_root(landing_root, "landing_root"), checked_root(warehouse_root, "root"))
     return PlatformConfig(
         landing_root=landing_root,
         warehouse_root=warehouse_root,
@@ -225,7 +233,47 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
         maintenance_schedule=maintenance,
         source=source,
         discover=discover,
+        snapshot_roots=_source_roots(raw, "snapshot_roots", base_dir, where, roots, local=True),
+        adoption_roots=_source_roots(raw, "adoption_roots", base_dir, where, roots, local=False),
     )
+
+
+def _source_roots(
+    raw: dict[str, Any],
+    key: str,
+    base_dir: Path,
+    where: str,
+    platform_roots: tuple[Location, ...],
+    local: bool,
+) -> tuple[Location, ...]:
+    """``snapshot_roots`` (local folders) or ``adoption_roots`` (folders or object-store
+    prefixes): resolved, and none overlapping the landing or warehouse root."""
+    value = raw.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: field '{key}' must be a list of folders")
+    out = []
+    for item in value:
+        if local and _is_object_store(item):
+            raise ConfigError(
+                f"{where}: field '{key}': {item} is an object store; a snapshot is"
+                " read from a local or mounted folder"
+            )
+        try:
+            root = checked_root(
+                item if "://" in item else _resolve(item, base_dir, where, key), f"'{key}' entry"
+            )
+        except ValueError as exc:
+            raise ConfigError(f"{where}: field '{key}': {exc}") from None
+        for platform_root in platform_roots:
+            if overlaps(root, platform_root):
+                raise ConfigError(
+                    f"{where}: field '{key}': {root} overlaps {platform_root}: the landing and"
+                    " warehouse roots are never a source"
+                )
+        out.append(root)
+    return tuple(out)
 
 
 def _parse_discover(raw: Any, where: str) -> DiscoverTemplate:

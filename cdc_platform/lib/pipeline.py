@@ -25,6 +25,8 @@ from cdc_platform.lib.merge import MergeResult, apply_pending, fault_point
 from cdc_platform.lib.reading import (
     FileReport,
     LandingReader,
+    NativeGuard,
+    NativeReadChangedError,
     event_schema,
     inspect_files,
     read_events,
@@ -99,6 +101,8 @@ def materialize(
             partition_of[f.path] = hour_to_partition_key(hour)
             if f.set_aside is not None:
                 not_read[f.path] = f.set_aside
+            else:
+                reader.expect({f.path: f.file_id})  # read only if still this very file
     all_paths = sorted(partition_of)
 
     reports = [FileReport(p, 0, None, reason) for p, reason in sorted(not_read.items())]
@@ -136,25 +140,37 @@ def materialize(
             and r.schema is not None
             and all(unified.get(f.name, f.type) == f.type for f in r.schema)
         }
-        events = read_events(
-            spark, reader, [r.path for r in with_rows], event_schema(fields), native
-        )
+        # Spark reads these by path: checked before, and before the commit (``NativeGuard``).
+        guard = NativeGuard(reader, sorted(native))
+        native = {p: uri for p, uri in native.items() if p in guard.readable}
         # Every file with rows has a seq range: a missing seq sets the file aside.
         seq_range = (
             min(r.seq_min for r in with_rows if r.seq_min is not None),
             max(r.seq_max for r in with_rows if r.seq_max is not None),
         )
-        appended = changelog.append(
-            spark,
-            paths.changelog,
-            events,
-            table.primary_key,
-            seq_range,
-            events_read,
-            synced_at,
-            revoked=revoked_now,
-            forgotten=paths.forgotten_events,
-        )
+
+        def append(native: dict[str, str]) -> changelog.AppendResult:
+            events = read_events(
+                spark, reader, [r.path for r in with_rows], event_schema(fields), native
+            )
+            return changelog.append(
+                spark,
+                paths.changelog,
+                events,
+                table.primary_key,
+                seq_range,
+                events_read,
+                synced_at,
+                revoked=revoked_now,
+                forgotten=paths.forgotten_events,
+                before_commit=guard.verify if native else None,
+            )
+
+        try:
+            appended = append(native)
+        except NativeReadChangedError:
+            native = {}  # every file through the checked descriptor, in Python
+            appended = append(native)
         new_events = appended.new_events
     quarantine.record(
         paths.quarantine,

@@ -18,11 +18,12 @@ import io
 import logging
 import os
 import pickle
+import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
@@ -49,6 +50,7 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.csv_format import read_csv_events
 from cdc_platform.lib.keyring import Keyring
+from cdc_platform.lib.safe_open import FileId, open_beneath, path_ids
 from cdc_platform.lib.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
 if TYPE_CHECKING:
@@ -59,6 +61,8 @@ T = TypeVar("T")
 __all__ = [
     "FileReport",
     "LandingReader",
+    "NativeGuard",
+    "NativeReadChangedError",
     "event_schema",
     "inspect_files",
     "normalize_type",
@@ -326,8 +330,21 @@ class LandingReader:
     ) -> None:
         self.table = table
         self.landing_root = str(landing_root)
+        # Files are opened only below this folder, never through a symlink (``lib.safe_open``).
+        self.root = self.landing_root
         self.keyring = (keyring or Keyring.empty()).for_table(table.name)
         self.hide_values = table.encryption != "none"
+        # The file each path was when listed: a path holding another file since is not read.
+        self.expected: dict[str, FileId] = {}
+
+    def expect(self, listed: Mapping[str, FileId]) -> None:
+        """Read each of these paths only if it is still the file the listing saw."""
+        self.expected.update({os.path.abspath(p): i for p, i in listed.items()})
+
+    def open(self, path: str) -> BinaryIO:
+        """``path`` opened through ``safe_open.open_beneath``: below the root, no symlink, a
+        regular file, the one listed. Every read of a file's bytes goes through this."""
+        return open_beneath(self.root, path, self.expected.get(os.path.abspath(path)))
 
     def __repr__(self) -> str:
         return f"LandingReader({self.table.name!r})"
@@ -350,28 +367,28 @@ class LandingReader:
     def load(self, path: str, columns: Sequence[str] | None = None) -> pa.Table:
         """The file's rows as Arrow, types normalized; raises LandingFileError with a reason."""
         t = self.table
-        if os.path.islink(path):  # listed as a file, replaced by a link since: never follow it
-            raise LandingFileError("symlink: links in the landing zone are not followed")
         try:
             if not t.is_encoded:
-                tbl = pq.read_table(path, columns=list(columns) if columns else None)
+                with self.open(path) as fh:
+                    tbl = pq.read_table(fh, columns=list(columns) if columns else None)
             else:
                 keys = (
                     self.keyring.keys_for(t.name, self.relative(path))
                     if t.encryption != "none"
                     else []
                 )
-                data = decode_file(
-                    path,
-                    t.compression,
-                    t.encryption,
-                    keys,
-                    file_format=t.format,
-                    table=t.name,
-                    relative_path=self.relative(path),
-                )
+                with self.open(path) as fh:
+                    data = decode_file(
+                        fh,
+                        t.compression,
+                        t.encryption,
+                        keys,
+                        file_format=t.format,
+                        table=t.name,
+                        relative_path=self.relative(path),
+                    )
                 if t.format == "csv":
-                    tbl = read_csv_events(data, t, source=path)
+                    tbl = read_csv_events(data, t, source=path, hide_values=self.hide_values)
                 else:
                     tbl = pq.read_table(
                         io.BytesIO(data), columns=list(columns) if columns else None
@@ -384,21 +401,26 @@ class LandingReader:
         self._check_names(tbl.schema)
         return self._normalize(tbl)
 
+    def label(self, name: str, position: int) -> str:
+        """How a reason names a column of a file: by name (a landing file's own schema)."""
+        return f"'{name}'"
+
     def _check_names(self, schema: pa.Schema) -> None:
         """Column names the table can hold: each once (ignoring case), none reserved or empty."""
-        seen: dict[str, str] = {}
-        for f in schema:
+        seen: dict[str, tuple[str, int]] = {}
+        for i, f in enumerate(schema):
+            name = self.label(f.name, i)
             if not f.name:
-                raise LandingFileError("a column has an empty name")
+                raise LandingFileError(f"column #{i + 1} has an empty name")
             other = seen.get(f.name.lower())
-            if other == f.name:
-                raise LandingFileError(f"column '{f.name}' appears twice")
+            if other is not None and other[0] == f.name:
+                raise LandingFileError(f"column {name} appears twice")
             if other is not None:
                 raise LandingFileError(
-                    f"columns '{other}' and '{f.name}' differ only in case"
+                    f"columns {self.label(*other)} and {name} differ only in case"
                     " (Delta column names are case-insensitive)"
                 )
-            seen[f.name.lower()] = f.name
+            seen[f.name.lower()] = (f.name, i)
             if f.name == UNMODIFIED:
                 if not (pa.types.is_null(f.type) or normalize_type(f.type) == UNMODIFIED_TYPE):
                     raise LandingFileError(
@@ -406,16 +428,16 @@ class LandingReader:
                     )
             elif is_reserved(f.name):
                 raise LandingFileError(
-                    f"column '{f.name}' uses a reserved system prefix (_fivetran_, _cdc_)"
+                    f"column {name} uses a reserved system prefix (_fivetran_, _cdc_)"
                 )
             elif f.name not in CDC_COLUMNS:
                 why = unsupported_type(f.type)
                 if why:
-                    raise LandingFileError(f"column '{f.name}' has type {f.type}: {why}")
+                    raise LandingFileError(f"column {name} has type {f.type}: {why}")
 
     def _normalize(self, tbl: pa.Table) -> pa.Table:
         cols = []
-        for name, column in zip(tbl.column_names, tbl.columns, strict=True):
+        for i, (name, column) in enumerate(zip(tbl.column_names, tbl.columns, strict=True)):
             if name == OP:
                 convert: Callable[[pa.Array], pa.Array] = lambda a: pc.utf8_upper(  # noqa: E731  # pyright: ignore[reportAttributeAccessIssue]
                     _to_type(a, pa.string())
@@ -427,11 +449,15 @@ class LandingReader:
             else:
                 target = normalize_type(column.type)
                 convert = lambda a, target=target: _to_type(a, target)  # noqa: E731
-            cols.append(self._convert(name, column.combine_chunks(), convert))
+            cols.append(self._convert(name, column.combine_chunks(), convert, i))
         return pa.table(cols, names=tbl.column_names)
 
     def _convert(
-        self, name: str, values: pa.Array, convert: Callable[[pa.Array], pa.Array]
+        self,
+        name: str,
+        values: pa.Array,
+        convert: Callable[[pa.Array], pa.Array],
+        position: int = 0,
     ) -> pa.Array:
         try:
             return convert(values)
@@ -446,10 +472,11 @@ class LandingReader:
             what = "is out of range (years 1 to 9999)"
         else:
             what = f"cannot be read as {normalize_type(values.type)} without losing it"
+        label = self.label(name, position)
         if row is None:
-            raise LandingFileError(f"column '{name}': a value {what}")
+            raise LandingFileError(f"column {label}: a value {what}")
         shown = self.show(values[row].as_py())
-        raise LandingFileError(f"row {row + 1}, column '{name}': {shown} {what}", row + 1)
+        raise LandingFileError(f"row {row + 1}, column {label}: {shown} {what}", row + 1)
 
     # -- pass 1: inspect ----------------------------------------------------------------------
 
@@ -461,11 +488,12 @@ class LandingReader:
         in Spark SQL (``validate_native``). Any other file gets None: it is inspected in
         Python (``inspect``), which names whatever is wrong with it.
         """
-        if self.table.is_encoded or os.path.islink(path):
+        if self.table.is_encoded:
             return None
         try:
-            pf = pq.ParquetFile(path)
-            schema, meta = pf.schema_arrow, pf.metadata
+            with self.open(path) as fh:
+                pf = pq.ParquetFile(fh)
+                schema, meta = pf.schema_arrow, pf.metadata
             self._check_names(schema)
         except Exception:  # whatever it is, the full inspection names it
             return None
@@ -482,7 +510,7 @@ class LandingReader:
         needed = [*self.table.primary_key, *CDC_COLUMNS]
         try:
             if self.reads_footer_first():
-                schema = _read_parquet_schema(path)
+                schema = self._read_parquet_schema(path)
                 self._check_names(schema)
                 missing = [c for c in needed if c not in schema.names]
                 if missing:
@@ -514,6 +542,13 @@ class LandingReader:
             seq_max=bounds["max"],
         )
 
+    def _read_parquet_schema(self, path: str) -> pa.Schema:
+        try:
+            with self.open(path) as fh:
+                return pq.read_schema(fh)
+        except (pa.ArrowException, OSError) as exc:
+            raise LandingFileError(f"not a readable Parquet file{self._detail(exc)}") from None
+
     # -- pass 2: read -------------------------------------------------------------------------
 
     def read_conformed(self, path: str, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
@@ -531,15 +566,6 @@ class LandingReader:
             else:
                 arrays.append(pa.nulls(n, field.type))
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
-
-
-def _read_parquet_schema(path: str) -> pa.Schema:
-    if os.path.islink(path):
-        raise LandingFileError("symlink: links in the landing zone are not followed")
-    try:
-        return pq.read_schema(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise LandingFileError(f"not a readable Parquet file: {exc}") from None
 
 
 def validate_rows(
@@ -653,10 +679,12 @@ def validate_native(
     from pyspark.sql.pandas.types import from_arrow_schema
 
     pk = list(reader.table.primary_key)
+    guard = NativeGuard(reader, [r.path for r in reports])
     groups: dict[tuple[tuple[str, str], ...], list[FileReport]] = {}
     for r in reports:
         assert r.schema is not None
-        groups.setdefault(_checked_signature(r.schema, pk), []).append(r)
+        if r.path in guard.readable:  # else inspected in Python below, which says why
+            groups.setdefault(_checked_signature(r.schema, pk), []).append(r)
     summary = None
     for signature, members in groups.items():
         first_schema = members[0].schema
@@ -669,17 +697,17 @@ def validate_native(
         )
         part = _validation_summary(df, pk, [n for n, _ in signature[len(pk) + 3 :]])
         summary = part if summary is None else summary.unionByName(part)
-    assert summary is not None
     by_file = {os.path.normpath(os.path.abspath(r.path)): r for r in reports}
     out: dict[str, FileReport] = {}
     try:
-        rows = summary.collect()
+        rows = summary.collect() if summary is not None else []
     except Exception as exc:  # e.g. corrupt pages behind a readable footer
         _log.warning("native validation failed (%s); inspecting in Python", type(exc).__name__)
         rows = []
+    changed = set(guard.changed())  # Spark may have read another file: inspect in Python
     for row in rows:
         r = by_file.get(_local_path(row[_FILE]))
-        if r is None or row["conv"]:
+        if r is None or row["conv"] or r.path in changed:
             continue
         first = row["first"]
         if first is None:
@@ -703,6 +731,58 @@ def validate_native(
     if rest:
         out.update(zip(rest, _per_file(spark, rest, reader.inspect), strict=True))
     return out
+
+
+class NativeReadChangedError(LandingFileError):
+    """A file Spark read by path changed while it read it (a symlink swapped in and out)."""
+
+
+class NativeGuard:
+    """What makes Spark's by-path reads of plain Parquet safe against a swapped path.
+
+    Spark's reader opens a path itself, in the JVM, following symlinks: ``O_NOFOLLOW`` and the
+    checked descriptor cannot reach it. So every component of each path below the reader's
+    root is taken by ``lstat`` (device, inode, type, ctime) before Spark gets the path, and
+    again once Spark has read it (``changed``; ``verify`` raises): no component may be or
+    have become a symlink, the file must still be the listed one, and nothing may have been
+    renamed away and back meanwhile (a rename changes the inode's ctime, which nobody can set
+    back). The validation (pass 1) inspects a changed file in Python instead; the read (pass 2)
+    calls ``verify`` before its change-log commit (``changelog.append(before_commit=...)``),
+    and a change discards what was written and reads every file through the checked
+    descriptor instead (``pipeline.materialize``). A false alarm (a file delivered into the
+    same hour folder meanwhile changes its ctime) only costs that slower read.
+    """
+
+    def __init__(self, reader: LandingReader, paths: Sequence[str]) -> None:
+        self.reader = reader
+        self.ids = {p: self._ids(p) for p in paths}
+
+    @property
+    def readable(self) -> set[str]:
+        """The paths fit for Spark to read: real files below the root, still the listed ones."""
+        return {p for p, ids in self.ids.items() if ids is not None}
+
+    def changed(self) -> list[str]:
+        return [p for p, ids in self.ids.items() if ids is not None and self._ids(p) != ids]
+
+    def verify(self) -> None:
+        if self.changed():
+            raise NativeReadChangedError(
+                "a landing file changed while Spark read it by path; reading it again"
+            )
+
+    def _ids(self, path: str) -> tuple[tuple[int, int, int, int], ...] | None:
+        try:
+            ids = path_ids(self.reader.root, path)
+        except (LandingFileError, OSError):
+            return None
+        dev, ino, mode, _ = ids[-1]
+        listed = self.reader.expected.get(os.path.abspath(path))
+        if any(stat.S_ISLNK(m) for _, _, m, _ in ids) or not stat.S_ISREG(mode):
+            return None
+        if listed is not None and (listed.dev, listed.ino) != (dev, ino):
+            return None
+        return ids
 
 
 # Dates and timestamps are read as written: files from other writers than Spark 2 carry no

@@ -26,6 +26,7 @@ applied in part would close every key of the missing part.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -39,13 +40,16 @@ from cdc_platform.lib import changelog, delta, revoked_files
 from cdc_platform.lib.codecs import LandingFileError
 from cdc_platform.lib.columns import (
     ACTIVE,
+    CDC_COLUMNS,
     CURRENT,
     OP,
     SEQ,
     SOURCE_FILE,
+    SOURCE_ROW,
     START,
     TS,
     TS_TYPE,
+    UNMODIFIED,
     col,
     cols,
     timestamp_lit,
@@ -63,6 +67,8 @@ from cdc_platform.lib.reading import (
     unify_schema,
 )
 from cdc_platform.lib.revocation import GONE, remove_events
+from cdc_platform.lib.safe_open import FileId
+from cdc_platform.lib.source_roots import SourceRootError, snapshot_folder
 from cdc_platform.lib.storage import Where
 from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
@@ -107,7 +113,12 @@ def source_name(at: datetime) -> str:
 class SnapshotReader(LandingReader):
     """Reads snapshot files as events: every row an ``INSERT`` with the re-sync's seq, at its
     own ``cdc_commit_timestamp`` or, without one, at R. Decoding and validation are the
-    landing reader's (so a snapshot may be CSV, compressed or encrypted like the table)."""
+    landing reader's (so a snapshot may be CSV, compressed or encrypted like the table).
+
+    A snapshot folder is named by a run, so a file in it may be anything but the table's: its
+    files are opened only below ``folder`` (no symlink, the listed file), no reason ever quotes
+    a cell, and a column whose name is not one of ``known`` (the table's) is named by its
+    position, never by what the file says (a header line can be a secret)."""
 
     def __init__(
         self,
@@ -116,10 +127,21 @@ class SnapshotReader(LandingReader):
         keyring: Keyring | None,
         at: datetime,
         seq: int,
+        folder: Path | None = None,
+        known: Sequence[str] = (),
     ) -> None:
         super().__init__(table, landing_root, keyring)
         self.at = at
         self.seq = seq
+        self.hide_values = True
+        if folder is not None:
+            self.root = str(folder)
+        self.known = frozenset(
+            [*table.primary_key, *table.columns, *CDC_COLUMNS, UNMODIFIED, *known]
+        )
+
+    def label(self, name: str, position: int) -> str:
+        return f"'{name}'" if name in self.known else f"#{position + 1}"
 
     def reads_footer_first(self) -> bool:
         return False  # the change columns are made up by ``load``, not in the footer
@@ -133,8 +155,8 @@ class SnapshotReader(LandingReader):
             bad = pc.index(wrong, True).as_py()  # pyright: ignore[reportAttributeAccessIssue]
             if bad >= 0:
                 raise LandingFileError(
-                    f"row {bad + 1}: cdc_operation_type {self.show(ops[bad].as_py())}: a "
-                    "snapshot holds row images, every row an INSERT",
+                    f"row {bad + 1}: cdc_operation_type is not INSERT: a snapshot holds row"
+                    " images, every row an INSERT",
                     bad + 1,
                 )
         ts = (
@@ -148,15 +170,17 @@ class SnapshotReader(LandingReader):
         return tbl.append_column(TS, ts)
 
 
-def snapshot_files(folder: Path) -> list[str]:
-    """The data files under ``folder``, recursively (markers, hidden files and links left out)."""
-    found = []
+def snapshot_files(folder: Path) -> dict[str, FileId]:
+    """The data files under ``folder``, recursively, sorted, each with the file it is now
+    (markers, hidden files, links and anything but regular files left out)."""
+    found = {}
     for parent, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if is_data_file(d))
         for name in sorted(names):
             path = os.path.join(parent, name)
-            if is_data_file(name) and not os.path.islink(path):
-                found.append(path)
+            st = os.lstat(path)
+            if is_data_file(name) and stat.S_ISREG(st.st_mode):
+                found[path] = FileId.of(st)
     return found
 
 
@@ -165,12 +189,18 @@ def resync(
     table: TableConfig,
     landing_root: Path,
     warehouse_root: Where,
-    snapshot: Path,
+    snapshot: Path | str,
     at: datetime | None = None,
     keyring: Keyring | None = None,
     now: datetime | None = None,
+    *,
+    snapshot_roots: Sequence[Where],
 ) -> ResyncResult:
-    """Apply the snapshot in ``snapshot`` as a re-sync at ``at`` (see the module docstring)."""
+    """Apply the snapshot in ``snapshot`` as a re-sync at ``at`` (see the module docstring).
+
+    ``snapshot`` must be under one of ``snapshot_roots`` (the config's), apart from the landing
+    and warehouse roots (``lib.source_roots``): a run's config never makes the service read
+    another folder."""
     from pyspark.sql import functions as F
 
     now = to_ms(now or datetime.now(UTC))
@@ -184,10 +214,14 @@ def resync(
             "come after every CDC event logged until then; give a time that has passed, or "
             "none for now"
         )
-    folder = Path(snapshot)
+    try:
+        folder = snapshot_folder(snapshot, snapshot_roots, (landing_root, warehouse_root))
+    except SourceRootError as exc:
+        raise ResyncError(str(exc)) from None
     if not folder.is_dir():
         raise ResyncError(f"{folder}: no such folder (the snapshot is a folder of files)")
-    files = snapshot_files(folder)
+    listed = snapshot_files(folder)
+    files = list(listed)
     if not files:
         raise ResyncError(
             f"{folder}: no snapshot file (a snapshot of an empty table is one file with no rows)"
@@ -195,13 +229,16 @@ def resync(
     pk = list(table.primary_key)
     paths = TablePaths.of(warehouse_root, table.name)
     insert_seq, delete_seq = resync_seqs(at)
-    reader = SnapshotReader(table, landing_root, keyring, at, insert_seq)
+    logged_fields = changelog.key_and_data_fields(paths.changelog)
+    known = logged_fields.names if logged_fields is not None else ()
+    reader = SnapshotReader(table, landing_root, keyring, at, insert_seq, folder, known)
+    reader.expect(listed)
 
     reports = inspect_files(spark, reader, files, native=False)
     bad = [f"{r.path}: {r.error}" for r in reports if not r.ok]
     if bad:
         raise ResyncError("the snapshot was not applied: " + "; ".join(bad))
-    fields, clashes = unify_schema(changelog.key_and_data_fields(paths.changelog), reports)
+    fields, clashes = unify_schema(logged_fields, reports)
     if clashes:
         raise ResyncError(
             "the snapshot was not applied: "
@@ -251,21 +288,27 @@ def resync(
 
 
 def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path) -> None:
+    """A key on two rows refuses the snapshot, naming the rows (file and row number), never
+    the key's value: it may be an encrypted table's, and the message reaches the UI."""
     from pyspark.sql import functions as F
 
     twice = (
         events.groupBy(*cols(list(pk)))
-        .agg(F.count(F.lit(1)).alias("n"), F.collect_set(SOURCE_FILE).alias("files"))
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.sort_array(F.collect_list(F.struct(col(SOURCE_FILE), col(SOURCE_ROW)))).alias("at"),
+        )
         .filter(col("n") > 1)
         .limit(_SAMPLE)
         .collect()
     )
     if twice:
         sample = "; ".join(
-            f"{dict(zip(pk, r[: len(pk)], strict=True))} on {r['n']} rows ({', '.join(r['files'])})"
+            " and ".join(f"{a[0]} row {a[1]}" for a in r["at"][:3])
+            + (f" ({r['n']} rows)" if r["n"] > 3 else "")
             for r in twice
         )
-        raise ResyncError(f"{folder}: a snapshot holds one row per key: {sample}")
+        raise ResyncError(f"{folder}: a snapshot holds one row per key; one key is on {sample}")
 
 
 def _history(spark: SparkSession, paths: TablePaths) -> DataFrame | None:

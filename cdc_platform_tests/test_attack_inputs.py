@@ -1,0 +1,349 @@
+"""The operator surface as an attacker sees it (issue 20, items 2, 3, 5 and 6).
+
+Two attackers: whoever can type a run config in the Launchpad (a snapshot or adoption source
+that is any path or URI: traversal, absolute paths, other buckets, the warehouse itself,
+symlinks) and whoever can write the landing zone (names with newlines or backticks, a file or
+folder swapped for a symlink between the listing and the read). Each test gives the hostile
+value and checks that nothing outside what the config allows is read, and that no error,
+alert or check sample carries a secret. Library-level calls: most need no Spark at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from deltalake import DeltaTable, write_deltalake
+
+from cdc_platform.lib import discovery, invariants
+from cdc_platform.lib.adoption import AdoptionError, adopt
+from cdc_platform.lib.config import ConfigError, TableConfig, parse_config
+from cdc_platform.lib.discovery import describe
+from cdc_platform.lib.landing import files_in_hour, hour_folder
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.reading import LandingReader, NativeGuard
+from cdc_platform.lib.resync import ResyncError, SnapshotReader, resync
+from cdc_platform.lib.source_roots import SourceRootError, adoption_source, snapshot_folder
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import event as ev
+from cdc_platform_tests.helpers import write_parquet_events
+
+H5 = datetime(2024, 1, 1, 5, tzinfo=UTC)
+TS = datetime(2024, 1, 1, 5, 1, tzinfo=UTC)
+SECRET = "k3y-MATERIAL-do-not-leak"
+KEYRING = '{"tables": {"orders": ["' + SECRET + '"]}}\n'
+CSV_TABLE = TableConfig(
+    name="orders",
+    primary_key=("id",),
+    start=H5,
+    format="csv",
+    columns={"id": "long", "status": "string"},
+)
+
+
+@pytest.fixture()
+def site(tmp_path: Path) -> dict[str, Path]:
+    """A landing zone, a warehouse, an allowed folder of snapshots/exports and a private
+    folder holding a secret (as /etc/cdc-platform holds the keyring)."""
+    out = {n: tmp_path / n for n in ("landing", "warehouse", "allowed", "private")}
+    for p in out.values():
+        p.mkdir()
+    (out["private"] / "keyring.json").write_text(KEYRING)
+    return out
+
+
+# -- item 2: re-sync snapshots come from under snapshot_roots only ---------------------------
+
+
+def hostile_snapshots(site: dict[str, Path]) -> list[tuple[str, str]]:
+    allowed = site["allowed"]
+    (allowed / "link").symlink_to(site["private"], target_is_directory=True)
+    return [
+        (str(site["private"]), "not under any of the allowed roots"),
+        (f"{allowed}/../private", "'..' segments are not allowed"),
+        ("allowed/snap", "give an absolute path"),
+        (f"file://{site['private']}", "not under any of the allowed roots"),
+        ("s3://bucket/snap", "a local or mounted folder"),
+        (str(allowed / "link"), "is a symlink"),
+        (str(site["warehouse"] / "orders"), "overlaps the platform's own folder"),
+        (str(site["landing"] / "orders"), "overlaps the platform's own folder"),
+        (str(allowed.parent), "overlaps the platform's own folder"),  # holds the warehouse
+    ]
+
+
+def test_a_snapshot_outside_the_snapshot_roots_is_never_read(site) -> None:
+    forbidden = (site["landing"], site["warehouse"])
+    with pytest.raises(SourceRootError, match="sets no 'snapshot_roots'"):
+        snapshot_folder(site["allowed"], [], forbidden)
+    for value, why in hostile_snapshots(site):
+        with pytest.raises(SourceRootError, match=why):
+            snapshot_folder(value, [site["allowed"]], forbidden)
+    (site["allowed"] / "snap").mkdir()
+    assert snapshot_folder(str(site["allowed"] / "snap"), [site["allowed"]], forbidden) == (
+        site["allowed"] / "snap"
+    )
+
+
+def test_resync_refuses_a_run_when_no_snapshot_root_is_configured(site) -> None:
+    with pytest.raises(ResyncError, match="snapshot_roots"):
+        resync(
+            None,  # type: ignore[arg-type]  # refused before any Spark work
+            CSV_TABLE,
+            site["landing"],
+            site["warehouse"],
+            str(site["private"]),
+            snapshot_roots=[],
+        )
+
+
+def test_a_file_that_is_not_the_tables_is_named_never_quoted(site) -> None:
+    """The keyring read as a CSV snapshot (or a landing file): its header is the key."""
+    folder = site["allowed"] / "snap"
+    folder.mkdir()
+    shutil.copy(site["private"] / "keyring.json", folder / "keyring.json")
+    bad_cell = folder / "cells.csv"
+    bad_cell.write_text(
+        "id,status,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp\n"
+        f"{SECRET},x,INSERT,1,2024-01-01T00:00:00Z\n"
+    )
+    at = datetime(2024, 1, 2, tzinfo=UTC)
+    reader = SnapshotReader(CSV_TABLE, site["landing"], None, at, 0, folder)
+    for path in (folder / "keyring.json", bad_cell):
+        report = reader.inspect(str(path))
+        assert report.error and SECRET not in report.error, report.error
+    assert "column #1" in str(reader.inspect(str(folder / "keyring.json")).error)
+    assert "row 1, column 'id'" in str(reader.inspect(str(bad_cell)).error)
+    landing = hour_folder(site["landing"], "orders", H5)
+    landing.mkdir(parents=True)
+    shutil.copy(site["private"] / "keyring.json", landing / "part-1.csv")
+    error = LandingReader(CSV_TABLE, site["landing"]).inspect(str(landing / "part-1.csv")).error
+    assert error and SECRET not in error and "column #1" in error
+
+
+# -- item 3: adoption sources come from under adoption_roots only ----------------------------
+
+
+def test_an_adoption_source_outside_the_adoption_roots_is_never_read(site) -> None:
+    wh, landing = site["warehouse"], site["landing"]
+    forbidden = (wh, landing)
+    allowed = [site["allowed"], "s3://exports/orders"]
+    (site["allowed"] / "export").mkdir()
+    (site["allowed"] / "export" / "stolen").symlink_to(site["private"] / "keyring.json")
+    hostile = [
+        (str(wh / "other_table"), "overlaps the platform's own folder"),
+        (str(wh / "_cdc" / "changelog" / "other_table"), "overlaps the platform's own folder"),
+        (str(landing / "orders"), "overlaps the platform's own folder"),
+        (f"{site['allowed']}/../warehouse/other", "'..' segments are not allowed"),
+        ("allowed/export", "give an absolute path or a URI"),
+        (str(site["allowed"] / "export"), "stolen is a symlink"),
+        ("s3://other-bucket/orders", "not under any of the allowed roots"),
+        ("s3://exports/orders-private", "not under any of the allowed roots"),
+        ("s3://exports/orders/../secrets", "'.' and '..' segments"),
+        ("s3://exports/orders/%2e%2e/secrets", "'.' and '..' segments"),
+        ("gs://exports/orders", "not under any of the allowed roots"),
+        ("ftp://exports/orders", "not supported"),
+    ]
+    with pytest.raises(SourceRootError, match="sets no 'adoption_roots'"):
+        adoption_source(str(site["allowed"]), [], forbidden)
+    for value, why in hostile:
+        with pytest.raises(SourceRootError, match=why):
+            adoption_source(value, allowed, forbidden)
+    assert adoption_source("s3a://exports/orders/2024/", allowed, forbidden).uri == (
+        "s3://exports/orders/2024"
+    )
+    with pytest.raises(AdoptionError, match="adoption_roots"):
+        adopt(
+            None,  # type: ignore[arg-type]  # refused before any Spark work
+            CSV_TABLE,
+            wh,
+            str(wh / "other_table"),
+            adoption_roots=[],
+            landing_root=landing,
+        )
+
+
+def test_the_config_keeps_the_roots_apart_from_the_platforms_own(tmp_path: Path) -> None:
+    def parse(**extra: Any) -> Any:
+        raw = {"landing_root": "landing", "warehouse_root": "warehouse", **extra}
+        raw["tables"] = [{"name": "t", "primary_key": ["id"], "start": "2024-01-01-00:00"}]
+        return parse_config(raw, tmp_path)
+
+    assert parse().snapshot_roots == () and parse().adoption_roots == ()
+    roots = parse(snapshot_roots=["snaps"], adoption_roots=["exports", "s3://b/p/"])
+    assert [r.uri for r in roots.snapshot_roots] == [str(tmp_path / "snaps")]
+    assert [r.uri for r in roots.adoption_roots] == [str(tmp_path / "exports"), "s3://b/p"]
+    for extra, why in [
+        ({"snapshot_roots": ["warehouse/x"]}, "overlaps"),
+        ({"snapshot_roots": ["."]}, "overlaps"),
+        ({"snapshot_roots": ["s3://b/snaps"]}, "object store"),
+        ({"adoption_roots": ["landing"]}, "overlaps"),
+        ({"adoption_roots": ["s3://b/p/../q"]}, "'..' segments"),
+        ({"adoption_roots": "exports"}, "must be a list"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            parse(**extra)
+
+
+def test_adoption_errors_name_rows_never_key_values(spark, site) -> None:
+    export = site["allowed"] / "export"
+    export.mkdir()
+    pq.write_table(pa.table({"id": [SECRET, SECRET], "v": [1, 2]}), export / "part-0.parquet")
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    with pytest.raises(AdoptionError) as err:
+        adopt(
+            spark,
+            table,
+            site["warehouse"],
+            str(export),
+            adoption_roots=[site["allowed"]],
+            landing_root=site["landing"],
+        )
+    assert SECRET not in str(err.value)
+    assert "part-0.parquet row 1 and" in str(err.value)
+
+
+# -- item 5: a file or folder swapped for a symlink after the listing is never read -------------
+
+
+def test_a_file_swapped_after_the_listing_is_not_read(site) -> None:
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    path = write_parquet_events(
+        site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1)], name="p.parquet"
+    )
+    (listed,) = files_in_hour(site["landing"], "orders", H5)
+    reader = LandingReader(table, site["landing"])
+    reader.expect({listed.path: listed.file_id})
+    secret = site["private"] / "p.parquet"
+    pq.write_table(pa.table({"id": [SECRET]}), secret)
+
+    os.replace(path, site["private"] / "kept.parquet")  # the file itself -> a symlink
+    path.symlink_to(secret)
+    assert "symlink" in str(reader.inspect(str(path)).error)
+    assert reader.native_report(str(path)) is None
+
+    path.unlink()  # -> another regular file (same name, another inode)
+    shutil.copy(secret, path)
+    assert "replaced since it was listed" in str(reader.inspect(str(path)).error)
+
+    path.unlink()  # the hour folder -> a symlink to a folder holding a file of that name
+    folder = path.parent
+    folder.rename(folder.with_name("hour=05.moved"))
+    folder.symlink_to(site["private"], target_is_directory=True)
+    for report in (
+        reader.inspect(str(path)),
+        LandingReader(table, site["landing"]).inspect(str(path)),
+    ):
+        assert report.error and "symlink" in report.error and SECRET not in report.error
+
+
+def test_spark_by_path_reads_are_checked_before_and_after(site) -> None:
+    """Spark opens a path itself: a folder renamed away and back meanwhile is seen (ctime)."""
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    path = write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1)])
+    reader = LandingReader(table, site["landing"])
+    time.sleep(0.05)  # past the coarse clock tick that stamped the folder's creation
+    guard = NativeGuard(reader, [str(path)])
+    assert guard.readable == {str(path)} and guard.changed() == []
+    folder = path.parent
+    folder.rename(folder.with_name("away"))
+    folder.with_name("away").rename(folder)  # back again: same inode, new ctime
+    assert guard.changed() == [str(path)]
+    with pytest.raises(Exception, match="changed while Spark read it"):
+        guard.verify()
+
+
+def test_a_materialization_never_reads_through_a_folder_swapped_after_listing(
+    spark, site, monkeypatch
+) -> None:
+    """The swap is done by the attacker right after the listing (a wrapper around it)."""
+    from cdc_platform.lib import pipeline
+
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    path = write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1, v="ok")])
+    decoy = site["private"] / "decoy"
+    decoy.mkdir()
+    write_parquet_events(decoy, "x", H5, [ev("INSERT", 2, TS, 2, v=SECRET)], name=path.name)
+    stolen = next(decoy.rglob(path.name))
+    listing = pipeline.files_in_hour
+
+    def list_then_swap(*args: Any) -> Any:
+        files = listing(*args)
+        path.parent.rename(path.parent.with_name("hour=05.moved"))
+        path.parent.symlink_to(stolen.parent, target_is_directory=True)
+        return files
+
+    monkeypatch.setattr(pipeline, "files_in_hour", list_then_swap)
+    out = materialize(spark, table, site["landing"], site["warehouse"], [H5])
+    assert [q.reason for q in out.quarantined] == [
+        "symlink: links in the landing zone are not followed"
+    ]
+    assert (out.files_read, out.events_read, out.read_natively) == (1, 0, ())
+
+
+def test_discovery_never_reads_a_file_swapped_after_listing(site, monkeypatch) -> None:
+    """The new_table alert carries the columns: they must not be the keyring's first line."""
+    path = write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1)])
+    secret_csv = site["private"] / "secret.csv"
+    secret_csv.write_text(f"{SECRET},b\n1,2\n")
+    listing = discovery.files_in_hour
+
+    def list_then_swap(*args: Any) -> Any:
+        files = listing(*args)
+        if path.exists() and not path.is_symlink():
+            os.replace(path, site["private"] / "kept.parquet")
+            path.symlink_to(secret_csv)
+        return files
+
+    monkeypatch.setattr(discovery, "files_in_hour", list_then_swap)
+    found = describe(site["landing"], "orders")
+    assert SECRET not in repr(found) and SECRET not in found.config_snippet()
+    assert found.columns == []
+
+
+# -- item 6: hostile names ------------------------------------------------------------------
+
+
+def test_hostile_landing_names_never_inject_yaml_into_the_snippet(site) -> None:
+    evil = "part\n  - name: pwned\n    primary_key: [x]\n    start: '2024-01-01-00:00'\n#"
+    write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1)], name=evil)
+    columns = {"id": [1], 'we"ird\\': [1], "new\nline": [2], "cdc_operation_type": ["INSERT"]}
+    columns |= {"cdc_change_seq": [1], "cdc_commit_timestamp": [TS]}
+    hour_later = hour_folder(site["landing"], "orders", H5.replace(hour=6))
+    hour_later.mkdir(parents=True)
+    pq.write_table(pa.table(columns), hour_later / "ok.parquet")
+    found = describe(site["landing"], "orders")
+    entries = yaml.safe_load("tables:\n" + found.config_snippet())["tables"]
+    assert [e["name"] for e in entries] == ["orders"] and "pwned" not in found.config_snippet()
+    assert set(entries[0]) == {"name", "primary_key", "start"}
+    assert any("control character in the name" in n for n in found.notes)
+    assert all("\n" not in c for c, _ in found.columns)
+    assert 'we"ird\\' in [c for c, _ in found.columns]
+
+
+def test_a_backtick_in_a_key_name_is_a_name_and_encrypted_keys_are_redacted(spark, site) -> None:
+    key = "we`ird` OR true OR `x"
+    table = TableConfig(name="orders", primary_key=(key,), start=H5)
+    rows = [ev("INSERT", 1, TS, SECRET, key_column=key, v=1)]
+    write_parquet_events(site["landing"], "orders", H5, rows)
+    materialize(spark, table, site["landing"], site["warehouse"], [H5])
+    paths = TablePaths.of(site["warehouse"], "orders")
+    # Two active versions of the key: the checks run (the name was SQL text: a parse error)
+    # and fail, and the sample of an encrypted table's check never shows the key.
+    history = DeltaTable(str(paths.history)).to_pyarrow_table()
+    write_deltalake(str(paths.history), pa.concat_tables([history, history]), mode="overwrite")
+    failed = {
+        o.name: o
+        for o in invariants.run_checks(spark, paths, table.primary_key, hide_keys=True)
+        if not o.passed
+    }
+    assert failed[invariants.ONE_ACTIVE].failing == 1
+    assert all(o.sample == [invariants.REDACTED] for o in failed.values())
+    assert SECRET not in repr(failed)
