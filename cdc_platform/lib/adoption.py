@@ -20,7 +20,7 @@ same source again logs nothing new. CDC events then apply on top, late ones incl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
@@ -161,7 +161,7 @@ def adopt(
 
     typed = _normalized(rows.select(*cols(data), deleted.alias(DELETED)), data)
     paths = TablePaths.of(warehouse_root, table.name)
-    typed = _widened(paths, typed, where)
+    typed = _widened(paths, typed, where, table.may_widen)
     is_deleted = col(DELETED)
     # A string literal: Python's year-1 datetime reaches the JVM shifted by the calendar change.
     tmin = F.lit(TMIN_SQL).cast("timestamp")
@@ -189,6 +189,8 @@ def adopt(
     ).collect()[0]
     total, deleted_rows = int(counts["n"]), int(counts["deleted"] or 0)
     new_events = 0
+    # A re-run after its events were un-applied logs them again (the user asks for it).
+    revoked_files.remove(paths.revoked_files, [source_name(where)])
     if total:
         new_events = changelog.append(
             spark,
@@ -330,7 +332,9 @@ def _normalized(rows: DataFrame, data: Sequence[str]) -> DataFrame:
     )
 
 
-def _widened(paths: TablePaths, typed: DataFrame, where: Location) -> DataFrame:
+def _widened(
+    paths: TablePaths, typed: DataFrame, where: Location, may_widen: Callable[[str], bool]
+) -> DataFrame:
     """The rows with each column the change log has already in the type both widen to (the
     log, and then the history table, widen to it as for any landing file); an error naming
     the column when there is none."""
@@ -350,6 +354,14 @@ def _widened(paths: TablePaths, typed: DataFrame, where: Location) -> DataFrame:
             raise AdoptionError(
                 f"{where}: column '{f.name}' has type {t} but {have[f.name]} in table "
                 f"{paths.history}, and neither widens to the other ({WIDENINGS})"
+            )
+        if wider != have[f.name] and not may_widen(f.name):
+            raise AdoptionError(
+                f"{where}: column '{f.name}' has type {t} but {have[f.name]} in table "
+                f"{paths.history}: adopting it would widen the column to {wider} for good, "
+                "which the table's widen_types does not allow (never a primary-key column by "
+                "default); set `widen_types: all` (a key column) or `data` on the table to "
+                "accept it"
             )
         if wider != t:
             casts[f.name] = from_arrow_schema(pa.schema([pa.field(f.name, wider)]))[0].dataType

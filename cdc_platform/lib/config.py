@@ -40,6 +40,7 @@ PARTITION_FORMAT = "%Y-%m-%d-%H:%M"
 FORMATS = ("parquet", "csv")
 COMPRESSIONS = ("none", "zstd")
 ENCRYPTIONS = ("none", "aes-256-cbc")
+WIDEN_TYPES = ("data", "never", "all")
 # Column types a CSV table may declare (Spark SQL type names).
 CSV_TYPES = (
     "string",
@@ -85,10 +86,20 @@ class TableConfig:
     # Selective history: which data columns open a new version when they change
     # (``track_history_columns`` / ``ignore_history_columns``); default every column.
     history_columns: HistoryColumns = TRACK_ALL
+    # Which columns a landing file may widen for good (``WIDEN_TYPES``): ``data`` (the
+    # default) its data columns, never a primary-key column; ``all`` key columns too;
+    # ``never`` none. A file that needs a widening not allowed is set aside, saying so.
+    widen_types: str = "data"
 
     @property
     def start_partition_key(self) -> str:
         return self.start.strftime(PARTITION_FORMAT)
+
+    def may_widen(self, column: str) -> bool:
+        """Whether a file may widen ``column``'s type in the change log and the tables."""
+        if self.widen_types == "all":
+            return True
+        return self.widen_types == "data" and column not in self.primary_key
 
     @property
     def is_encoded(self) -> bool:
@@ -149,6 +160,7 @@ _TABLE_FIELDS = {
     "current_table",
     "track_history_columns",
     "ignore_history_columns",
+    "widen_types",
 }
 _TOP_FIELDS = {
     "landing_root",
@@ -495,6 +507,7 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         sensor_interval_seconds=positive_int("sensor_interval_seconds", 60),
         current_table=boolean("current_table"),
         history_columns=_history_columns(raw, pk, fail),
+        widen_types=choice("widen_types", WIDEN_TYPES),
     )
 
 

@@ -108,7 +108,9 @@ def materialize(
     reports = [FileReport(p, 0, None, reason) for p, reason in sorted(not_read.items())]
     reports += inspect_files(spark, reader, [p for p in all_paths if p not in not_read])
     readable = [r for r in reports if r.ok]
-    fields, clashes = unify_schema(changelog.key_and_data_fields(paths.changelog), readable)
+    fields, clashes = unify_schema(
+        changelog.key_and_data_fields(paths.changelog), readable, table.may_widen
+    )
     good = [r for r in readable if r.path not in clashes]
 
     set_aside = [

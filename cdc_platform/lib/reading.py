@@ -936,7 +936,9 @@ def _widens_to_string(t: pa.DataType) -> bool:
 
 
 def unify_schema(
-    established: pa.Schema | None, reports: Sequence[FileReport]
+    established: pa.Schema | None,
+    reports: Sequence[FileReport],
+    may_widen: Callable[[str], bool] | None = None,
 ) -> tuple[list[pa.Field], dict[str, str]]:
     """The key and data columns after these files, and the files set aside for a type clash.
 
@@ -946,6 +948,10 @@ def unify_schema(
     is widened to the table's is set aside, not coerced. A
     column of Arrow type ``null`` (every value null, no declared type) is no evidence of a
     type: it never clashes, and is only added once some file gives it a real type.
+
+    ``may_widen`` says which columns a file may widen (the table's ``widen_types``; None:
+    every column): a file that would widen another column is set aside, saying how to
+    accept it. Widening is for good, so it is the operator's decision.
     """
     skip = {*CDC_COLUMNS, UNMODIFIED}
     fields: dict[str, pa.DataType] = {}
@@ -978,6 +984,21 @@ def unify_schema(
                 clash = (
                     f"column '{f.name}' has type {f.type} in this file but {have} in the table, "
                     f"and neither widens to the other ({WIDENINGS})"
+                )
+            elif (
+                have is not None
+                and may_widen is not None
+                and not pa.types.is_null(have)
+                and not pa.types.is_null(f.type)
+                and widest(have, f.type) != have
+                and not may_widen(f.name)
+            ):
+                clash = (
+                    f"column '{f.name}' has type {f.type} in this file but {have} in the table: "
+                    f"it would widen the column to {widest(have, f.type)} for good, which the "
+                    "table's widen_types does not allow (never a primary-key column by "
+                    "default). To accept it, set `widen_types: all` (a key column) or `data` "
+                    "on the table in the config, then materialize this file's hour again"
                 )
             if clash:
                 break
