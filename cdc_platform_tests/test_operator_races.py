@@ -8,8 +8,8 @@ a user removes events, and only the events the user's decision named.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,8 +24,8 @@ from cdc_platform.lib.resync import ResyncError, resync
 from cdc_platform.lib.timestamps import CLOCK_SKEW
 from cdc_platform.lib.truncation import truncate
 from cdc_platform.lib.warehouse import TablePaths
-from cdc_platform_tests.helpers import write_parquet_events
 from cdc_platform_tests.helpers import event as ev
+from cdc_platform_tests.helpers import write_parquet_events
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = H0 + timedelta(hours=1)
@@ -82,7 +82,15 @@ def test_as_of_the_dawn_of_time_reads_adopted_soft_deleted_rows(spark, lake):
         pa.table({"id": [1, 2], "status": ["a", "gone"], "_fivetran_deleted": [False, True]}),
         source / "part-0.parquet",
     )
-    adopt(spark, TABLE, lake["warehouse"], source, now=S0)
+    adopt(
+        spark,
+        TABLE,
+        lake["warehouse"],
+        source,
+        now=S0,
+        adoption_roots=[lake["root"]],
+        landing_root=lake["landing"],
+    )
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
     dawn = "0001-01-01T00:00:00Z"
     spark_rows = read.as_of(paths, dawn, spark=spark).select("id", "status").collect()
@@ -121,6 +129,343 @@ def test_a_resync_or_an_adoption_in_the_future_is_refused(spark, lake):
         pa.table({"id": [1], "status": ["a"], "_fivetran_synced": synced}),
         source / "part-0.parquet",
     )
-    with pytest.raises(AdoptionError, match="_fivetran_synced is 9999-01-01.*in the future"):
-        adopt(spark, TABLE, warehouse, source, now=S0)
+    with pytest.raises(AdoptionError, match=r"_fivetran_synced is 9999-01-01.*in the future"):
+        adopt(
+            spark,
+            TABLE,
+            warehouse,
+            source,
+            now=S0,
+            adoption_roots=[lake["root"]],
+            landing_root=lake["landing"],
+        )
     assert not delta.exists(paths.changelog)  # nothing was written
+
+
+# -- item 7: operator jobs fence on the change-log version they decided on -----------------------
+
+D1, D2, D3 = (datetime(2020, 1, d, tzinfo=UTC) for d in (1, 2, 3))
+RESYNCED = TableConfig(name="t", primary_key=("id",), start=D2)
+
+
+def test_a_resync_never_removes_an_event_logged_after_it_decided(spark, lake, monkeypatch):
+    """The snapshot's row for key a is older than every version of a, so the re-sync decides
+    to replace a's history. Right after that decision another run logs a late event of a,
+    older than the snapshot row: a's history is then no longer replaced. The re-sync's removal
+    must fail on the moved change log and decide again; removing every event of a from the
+    latest log (as the retry did) lost the late event for good (forgotten)."""
+    from cdc_platform.lib import resync as resync_module
+
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    cdc = [ev("INSERT", 1, D2, "a", counter=10), ev("UPDATE", 2, D3, "a", counter=30)]
+    write_parquet_events(landing, RESYNCED.name, D2, cdc, name="jan2.parquet")
+    materialize(spark, RESYNCED, landing, warehouse, [D2])
+    late = ev("INSERT", 3, D1 - timedelta(hours=1), "a", counter=1)
+    folder = lake["root"] / "snapshot"
+    folder.mkdir()
+    stamp = pa.array([D1], pa.timestamp("us", tz="UTC"))
+    pq.write_table(
+        pa.table({"id": ["a"], "counter": [5], "cdc_commit_timestamp": stamp}),
+        folder / "part-0.parquet",
+    )
+    real = resync_module._history
+    calls: list[int] = []
+
+    def racing(spark_, paths_):
+        history = real(spark_, paths_)
+        if not calls:  # decided on this read: another run logs a late event of key a now
+            write_parquet_events(landing, RESYNCED.name, D2, [late], name="late.parquet")
+            materialize(spark, RESYNCED, landing, warehouse, [D2])
+        calls.append(1)
+        return history
+
+    monkeypatch.setattr(resync_module, "_history", racing)
+    r = resync(
+        spark,
+        RESYNCED,
+        landing,
+        warehouse,
+        folder,
+        D3 + timedelta(hours=6),
+        snapshot_roots=[lake["root"]],
+    )
+    paths = TablePaths.of(warehouse, RESYNCED.name)
+    assert r.keys_replaced == 0  # decided again: a has a version older than the snapshot row
+    assert ("a", 3) in logged(paths)
+    assert {("a", 1), ("a", 2)} <= set(logged(paths))
+    outcomes = invariants.run_checks(spark, paths, RESYNCED.primary_key)
+    assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
+
+
+# -- item 9: events a lost attempt forgot are not forgotten when the retry keeps them ------------
+
+
+def test_events_a_lost_hard_truncate_attempt_forgot_come_back_when_re_admitted(
+    spark, lake, monkeypatch
+):
+    """The first attempt decides key 1 goes and forgets its events; before its commit another
+    run updates key 1 (written after T now), so the commit fails and the retry keeps key 1.
+    Its events must not stay forgotten: un-applying their file and re-admitting it gives the
+    same change log back (they were filtered out as forgotten, lost)."""
+    from cdc_platform.lib import changelog
+    from cdc_platform.lib.revocation import readmit, unapply
+
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    hour0 = [ev("INSERT", 1, H0 + MS, 1, status="new"), ev("INSERT", 2, H0 + 2 * MS, 2)]
+    write_parquet_events(landing, TABLE.name, H0, hour0, name="h0.parquet")
+    materialize(spark, TABLE, landing, warehouse, [H0], synced_at=S0)
+    paths = TablePaths.of(warehouse, TABLE.name)
+    real = changelog.forget
+    calls: list[int] = []
+
+    def racing(*args, **kwargs):
+        real(*args, **kwargs)
+        if not calls:  # forgotten, not committed yet: another run updates key 1 now
+            update = ev("UPDATE", 5, H1, 1, status="paid")
+            write_parquet_events(landing, TABLE.name, H1, [update], name="h1.parquet")
+            materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
+        calls.append(1)
+
+    monkeypatch.setattr(changelog, "forget", racing)
+    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    monkeypatch.undo()
+    assert len(calls) == 2 and r.keys == 1  # key 2 only: key 1 was written after T
+    before = logged(paths)
+    assert before == [(1, 1), (1, 5)]
+
+    h0 = f"{TABLE.name}/year=2024/month=01/day=01/hour=00/h0.parquet"
+    unapply(spark, TABLE, landing, warehouse, [h0], "bad delivery", "run-1", S1 + 2 * MS)
+    assert logged(paths) == [(1, 5)]
+    readmit(spark, TABLE, landing, warehouse, [h0], synced_at=S1 + 3 * MS)
+    assert logged(paths) == before
+    checks_pass(spark, paths)
+
+
+# -- item 7: operator jobs hold the table's pool slot ---------------------------------------------
+
+
+def test_an_operator_job_waits_for_the_tables_pool_slot_then_gives_up(spark, tmp_path):
+    """A materialization holds ``cdc_table_orders`` (limit 1, as in dagster.yaml): the
+    ``truncate_table`` run waits for it, then fails naming the run that holds it, without
+    touching the table; once the slot is free the job runs, holding the slot meanwhile, and
+    frees it at the end."""
+    import dagster as dg
+
+    from cdc_platform.defs import operations
+    from cdc_platform.defs.factory import build_definitions
+    from cdc_platform.lib.config import load_config
+    from cdc_platform_tests.helpers import dagster_resources
+
+    (tmp_path / "cdc_platform.yaml").write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        '  - name: orders\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
+    )
+    defs = build_definitions(load_config(tmp_path / "cdc_platform.yaml"))
+    job = defs.resolve_job_def("truncate_table")
+    pool = "cdc_table_orders"
+    overrides = {"concurrency": {"pools": {"default_limit": 1, "granularity": "op"}}}
+    with dg.instance_for_test(overrides=overrides) as instance:
+        storage = instance.event_log_storage
+        storage.initialize_concurrency_limit_to_default(pool)
+        assert storage.claim_concurrency_slot(pool, "sensor-run", "orders", 0).is_claimed
+
+        def run() -> dg.ExecuteInProcessResult:
+            return job.execute_in_process(
+                run_config={"ops": {"truncate": {"config": {"table": "orders"}}}},
+                resources=dagster_resources(),
+                instance=instance,
+                raise_on_error=False,
+            )
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(operations, "POOL_WAIT_SECONDS", 1.0)
+            m.setattr(operations, "_POLL_SECONDS", 0.2)
+            failed = run()
+        assert not failed.success
+        (step_failure,) = [e for e in failed.all_events if e.is_step_failure]
+        message = str(step_failure.event_specific_data.error)  # type: ignore[union-attr]
+        assert "still being written by run(s) sensor-run" in message
+        assert [s.run_id for s in storage.get_concurrency_info(pool).claimed_slots] == [
+            "sensor-run"
+        ]
+
+        storage.free_concurrency_slot_for_step("sensor-run", "orders")
+        held: list[list[str]] = []
+        real = operations.pool_slot
+
+        @contextmanager
+        def watching(*args, **kwargs):
+            with real(*args, **kwargs):
+                held.append([s.run_id for s in storage.get_concurrency_info(pool).claimed_slots])
+                yield
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(operations, "pool_slot", watching)
+            ok = run()
+        assert ok.success and held == [[ok.run_id]]
+        assert storage.get_concurrency_info(pool).claimed_slots == []
+
+
+# -- item 10: an operation's own events are taken back only by name, and never re-admitted ------
+
+
+def test_globs_never_match_an_operations_events_and_re_admitting_them_is_refused(spark, lake):
+    """``files: ["*"]`` took back the adoption's, re-sync's and truncate's events too, which no
+    re-admit logs again. Now only an exact name matches them; re-admitting one is refused with
+    what to run instead, and running that operation again logs its events again."""
+    from cdc_platform.lib import adoption, revoked_files, truncation
+    from cdc_platform.lib import resync as resync_module
+    from cdc_platform.lib.revocation import (
+        ADOPT_PREFIX,
+        RESYNC_PREFIX,
+        TRUNCATE_PREFIX,
+        NotReadmittableError,
+        match,
+        readmit,
+        unapply,
+    )
+
+    assert (ADOPT_PREFIX, RESYNC_PREFIX, TRUNCATE_PREFIX) == (
+        adoption.SOURCE_PREFIX,
+        resync_module.SOURCE_PREFIX,
+        truncation.SOURCE_PREFIX,
+    )
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    h0 = f"{TABLE.name}/year=2024/month=01/day=01/hour=00/h0.parquet"
+    synthetic = {
+        truncation.source_name(T),
+        "adopt:file:///exports/orders",
+        "resync:at=2024-01-02T00:00:00.000Z",
+        "../snapshots/part-0.parquet",
+    }
+    assert match(["*"], {h0, *synthetic}, TABLE.name, landing) == [h0]
+    for name in synthetic:
+        assert match([name], {h0, *synthetic}, TABLE.name, landing) == [name]
+    with pytest.raises(LookupError, match="named exactly"):
+        match(["truncate:*"], synthetic, TABLE.name, landing)
+
+    source = lake["root"] / "export"
+    source.mkdir()
+    pq.write_table(pa.table({"id": [1, 2], "status": ["a", "b"]}), source / "part-0.parquet")
+
+    def adopt_it(now: datetime) -> int:
+        r = adopt(
+            spark,
+            TABLE,
+            warehouse,
+            source,
+            now=now,
+            adoption_roots=[lake["root"]],
+            landing_root=landing,
+        )
+        return r.events_new
+
+    assert adopt_it(S0) == 2
+    paths = TablePaths.of(warehouse, TABLE.name)
+    adopted = logged(paths)
+    (name,) = {r["_cdc_source_file"] for r in delta.read_arrow(paths.changelog).to_pylist()}
+    with pytest.raises(LookupError, match="named exactly"):
+        unapply(spark, TABLE, landing, warehouse, ["*"], "everything", "r1", S0)
+    unapply(spark, TABLE, landing, warehouse, [name], "wrong source", "r1", S0)
+    assert logged(paths) == []
+    with pytest.raises(NotReadmittableError, match="run adopt_table again with source"):
+        readmit(spark, TABLE, landing, warehouse, [name])
+    assert revoked_files.revoked_names(paths.revoked_files) == {name}
+    assert adopt_it(S0) == 2  # was 0, silently: the revocation filtered every event out
+    assert logged(paths) == adopted
+    assert revoked_files.revoked_names(paths.revoked_files) == set()
+    checks_pass(spark, paths)
+
+
+# -- item 14: a name the platform writes never overwrites a table it reads or discovered ---------
+
+
+def test_a_current_table_never_overwrites_a_discovered_table_of_its_name(spark, lake, caplog):
+    """``orders_current`` was a discovered table (its history in the warehouse) when ``orders``
+    gets ``current_table: true``: the config is refused naming both, and the current table's
+    refresh refuses to overwrite that folder. With nothing written yet, discovery skips the
+    folder and says why."""
+    from dataclasses import replace
+
+    from cdc_platform.lib import current_table
+    from cdc_platform.lib.config import ConfigError, DiscoverTemplate, PlatformConfig
+    from cdc_platform.lib.discovery import with_discovered_tables
+    from cdc_platform.lib.storage import Location
+
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    for name in ("orders", "orders_current"):
+        write_parquet_events(landing, name, H0, [ev("INSERT", 1, H0, 1)], name="h0.parquet")
+    plain = PlatformConfig(
+        landing_root=landing,
+        warehouse_root=Location.of(warehouse),
+        tables=(TABLE,),
+        discover=DiscoverTemplate(primary_key=("id",), start=H0),
+    )
+    with_current = replace(plain, tables=(replace(TABLE, current_table=True),))
+    assert [t.name for t in with_discovered_tables(with_current).tables] == ["orders"]
+    assert "'orders_current' is not discovered: table 'orders' has current_table" in caplog.text
+
+    discovered = with_discovered_tables(plain).tables
+    assert [t.name for t in discovered] == ["orders", "orders_current"]
+    for table in discovered:
+        materialize(spark, table, landing, warehouse, [H0])
+    with pytest.raises(ConfigError, match="'orders_current' is the discovered table"):
+        with_discovered_tables(with_current)
+    paths = TablePaths.of(warehouse, "orders")
+    seen = delta.version_or_none(paths.current)
+    with pytest.raises(current_table.CurrentTableClashError, match="not overwritten"):
+        current_table.refresh(spark, paths, ("id",))
+    assert delta.version_or_none(paths.current) == seen
+
+
+# -- item 11: widening is the operator's decision -------------------------------------------------
+
+
+def test_widen_types_defaults_to_data_columns_only(tmp_path):
+    from cdc_platform.lib.config import ConfigError, load_config
+
+    def table(extra: str) -> str:
+        (tmp_path / "c.yaml").write_text(
+            "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+            '  - name: orders\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n' + extra
+        )
+        return str(tmp_path / "c.yaml")
+
+    orders = load_config(table("")).table("orders")
+    assert orders.widen_types == "data"
+    assert (orders.may_widen("amount"), orders.may_widen("id")) == (True, False)
+    everything = load_config(table("    widen_types: all\n")).table("orders")
+    assert everything.may_widen("id")
+    nothing = load_config(table("    widen_types: never\n")).table("orders")
+    assert not nothing.may_widen("amount")
+    with pytest.raises(ConfigError, match="widen_types"):
+        load_config(table("    widen_types: auto\n"))
+
+
+def test_forgotten_rows_count_only_once_their_removal_committed(tmp_path):
+    """The ledger's rows of a removal count only if the change-log commit after the version it
+    decided on carries its token: a crash between writing them and a commit that lost leaves
+    rows that never count (and rows written before this rule count, as they did)."""
+    from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+    from cdc_platform.lib import changelog
+
+    log = tmp_path / "changelog"
+    write_deltalake(str(log), pa.table({"id": [1]}))  # version 0
+    DeltaTable(str(log)).create_write_transaction(
+        [],
+        mode="append",
+        schema=pa.schema([("id", pa.int64())]),
+        commit_properties=CommitProperties(custom_metadata={changelog.REMOVAL_KEY: "won"}),
+    )  # version 1: the removal that decided on version 0
+
+    def ledger_file(token: str | None, after: int) -> delta.DataFile:
+        stats = (
+            {} if token is None else {changelog.REMOVAL: token, changelog.AFTER_LOG_VERSION: after}
+        )
+        return delta.DataFile("data/x.parquet", 1, 1, stats, stats)
+
+    assert changelog.removal_committed(log, ledger_file("won", 0))
+    assert not changelog.removal_committed(log, ledger_file("lost", 0))  # v1 is another's
+    assert not changelog.removal_committed(log, ledger_file("pending", 1))  # no v2 yet
+    assert changelog.removal_committed(log, ledger_file(None, 0))  # an older ledger's row

@@ -30,6 +30,7 @@ from cdc_platform.defs.alerts import (
 from cdc_platform.defs.discovery import build_new_tables_sensor
 from cdc_platform.defs.lifecycle import build_lifecycle_jobs
 from cdc_platform.defs.maintenance import build_maintenance_job
+from cdc_platform.defs.operations import pool_name
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
@@ -52,11 +53,6 @@ class TableDefinitions:
     checks: dg.AssetChecksDefinition
     sensor: dg.SensorDefinition
     current: dg.AssetsDefinition | None = None  # `<table>_current`, if the config asks for it
-
-
-def pool_name(table: TableConfig) -> str:
-    """One concurrency pool per table (limit 1 in dagster.yaml): one writer per table at a time."""
-    return f"cdc_table_{table.name}"
 
 
 def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> TableDefinitions:

@@ -15,7 +15,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import check_and_report, table_named
+from cdc_platform.defs.operations import check_and_report, table_named, table_pool_slot
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib import delta
 from cdc_platform.lib.adoption import AdoptionError, adopt
@@ -64,7 +64,8 @@ class ResyncConfig(dg.Config):
     )
     at: str | None = Field(
         default=None,
-        description="The re-sync's time R, ISO-8601 with a zone. Default: when the run starts.",
+        description="The re-sync's time R, ISO-8601 with a zone, not in the future (a minute "
+        "of clock skew allowed). Default: when the run starts.",
     )
 
 
@@ -89,45 +90,46 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         context: dg.OpExecutionContext, config: TruncateConfig, spark: SparkResource
     ) -> None:
         table = table_named(platform, config.table)
-        started = datetime.now(UTC)
-        # None: the millisecond after the catch-up merge (what it writes is truncated too).
-        before = parse_before(config.before, started) if config.before else None
-        paths = TablePaths.of(platform.warehouse_root, table.name)
-        version_before = delta.version_or_none(paths.history)
-        try:
-            r = truncate(
-                spark.session(platform.warehouse_root),
-                table,
-                platform.warehouse_root,
-                before,
-                config.soft,
-                started,
+        with table_pool_slot(context, table):
+            started = datetime.now(UTC)
+            # None: the millisecond after the catch-up merge (what it writes is truncated too).
+            before = parse_before(config.before, started) if config.before else None
+            paths = TablePaths.of(platform.warehouse_root, table.name)
+            version_before = delta.version_or_none(paths.history)
+            try:
+                r = truncate(
+                    spark.session(platform.warehouse_root),
+                    table,
+                    platform.warehouse_root,
+                    before,
+                    config.soft,
+                    started,
+                )
+            except ValueError as exc:
+                raise dg.Failure(str(exc)) from None
+            kind = "soft" if r.soft else "hard"
+            if not r.table_existed:
+                context.log.info(f"{table.name}: no table yet, nothing to truncate")
+                return
+            done = "closed" if r.soft else "removed"
+            context.log.info(
+                f"{table.name}: {kind} truncate before {r.before.isoformat()}: {r.keys} key(s) "
+                f"{done}, history version {r.merge.history_version}"
             )
-        except ValueError as exc:
-            raise dg.Failure(str(exc)) from None
-        kind = "soft" if r.soft else "hard"
-        if not r.table_existed:
-            context.log.info(f"{table.name}: no table yet, nothing to truncate")
-            return
-        done = "closed" if r.soft else "removed"
-        context.log.info(
-            f"{table.name}: {kind} truncate before {r.before.isoformat()}: {r.keys} key(s) "
-            f"{done}, history version {r.merge.history_version}"
-        )
-        meta = {
-            "operation": TRUNCATE_JOB,
-            "before": r.before.isoformat(),
-            "soft": r.soft,
-            f"keys_{done}": r.keys,
-            "events_logged": r.events_logged,
-            "events_removed": r.events_removed,
-            "versions_closed": r.merge.versions_closed,
-            "files_removed": r.merge.files_removed,
-            "files_added": r.merge.files_added,
-            "delta_version": r.merge.history_version,
-        }
-        hour = r.before.replace(minute=0, second=0, microsecond=0)
-        check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+            meta = {
+                "operation": TRUNCATE_JOB,
+                "before": r.before.isoformat(),
+                "soft": r.soft,
+                f"keys_{done}": r.keys,
+                "events_logged": r.events_logged,
+                "events_removed": r.events_removed,
+                "versions_closed": r.merge.versions_closed,
+                "files_removed": r.merge.files_removed,
+                "files_added": r.merge.files_added,
+                "delta_version": r.merge.history_version,
+            }
+            hour = r.before.replace(minute=0, second=0, microsecond=0)
+            check_and_report(context, spark, platform, table, version_before, (hour,), meta)
 
     @dg.job(
         name=TRUNCATE_JOB,
@@ -140,39 +142,40 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     @dg.op(name="adopt")
     def adopt_op(context: dg.OpExecutionContext, config: AdoptConfig, spark: SparkResource) -> None:
         table = table_named(platform, config.table)
-        paths = TablePaths.of(platform.warehouse_root, table.name)
-        version_before = delta.version_or_none(paths.history)
-        try:
-            r = adopt(
-                spark.session(platform.warehouse_root),
-                table,
-                platform.warehouse_root,
-                config.source,
-                config.format,
-                adoption_roots=platform.adoption_roots,
-                landing_root=platform.landing_root,
+        with table_pool_slot(context, table):
+            paths = TablePaths.of(platform.warehouse_root, table.name)
+            version_before = delta.version_or_none(paths.history)
+            try:
+                r = adopt(
+                    spark.session(platform.warehouse_root),
+                    table,
+                    platform.warehouse_root,
+                    config.source,
+                    config.format,
+                    adoption_roots=platform.adoption_roots,
+                    landing_root=platform.landing_root,
+                )
+            except (AdoptionError, ValueError) as exc:
+                raise dg.Failure(str(exc)) from None
+            context.log.info(
+                f"{table.name}: adopted {r.live_rows} live and {r.deleted_rows} soft-deleted row(s) "
+                f"from {r.source} at {r.adopted_at.isoformat()}; {r.events_new} event(s) new, "
+                f"history version {r.merge.history_version}"
             )
-        except (AdoptionError, ValueError) as exc:
-            raise dg.Failure(str(exc)) from None
-        context.log.info(
-            f"{table.name}: adopted {r.live_rows} live and {r.deleted_rows} soft-deleted row(s) "
-            f"from {r.source} at {r.adopted_at.isoformat()}; {r.events_new} event(s) new, "
-            f"history version {r.merge.history_version}"
-        )
-        meta = {
-            "operation": ADOPT_JOB,
-            "source": r.source,
-            "format": r.format,
-            "adopted_at": r.adopted_at.isoformat(),
-            "live_rows": r.live_rows,
-            "deleted_rows": r.deleted_rows,
-            "events_new": r.events_new,
-            "dropped_columns": dg.MetadataValue.json(list(r.dropped_columns)),
-            "versions_opened": r.merge.versions_opened,
-            "delta_version": r.merge.history_version,
-        }
-        hour = r.adopted_at.replace(minute=0, second=0, microsecond=0)
-        check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+            meta = {
+                "operation": ADOPT_JOB,
+                "source": r.source,
+                "format": r.format,
+                "adopted_at": r.adopted_at.isoformat(),
+                "live_rows": r.live_rows,
+                "deleted_rows": r.deleted_rows,
+                "events_new": r.events_new,
+                "dropped_columns": dg.MetadataValue.json(list(r.dropped_columns)),
+                "versions_opened": r.merge.versions_opened,
+                "delta_version": r.merge.history_version,
+            }
+            hour = r.adopted_at.replace(minute=0, second=0, microsecond=0)
+            check_and_report(context, spark, platform, table, version_before, (hour,), meta)
 
     @dg.job(
         name=ADOPT_JOB,
@@ -190,44 +193,45 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         keyring: KeyringResource,
     ) -> None:
         table = table_named(platform, config.table)
-        started = datetime.now(UTC)
-        at = parse_before(config.at, started, "at")
-        paths = TablePaths.of(platform.warehouse_root, table.name)
-        version_before = delta.version_or_none(paths.history)
-        try:
-            r = resync(
-                spark.session(platform.warehouse_root),
-                table,
-                platform.landing_root,
-                platform.warehouse_root,
-                config.snapshot,  # as typed: checked against snapshot_roots, never resolved here
-                at,
-                keyring.load() if table.encryption != "none" else None,
-                started,
-                snapshot_roots=platform.snapshot_roots,
+        with table_pool_slot(context, table):
+            started = datetime.now(UTC)
+            at = parse_before(config.at, started, "at")
+            paths = TablePaths.of(platform.warehouse_root, table.name)
+            version_before = delta.version_or_none(paths.history)
+            try:
+                r = resync(
+                    spark.session(platform.warehouse_root),
+                    table,
+                    platform.landing_root,
+                    platform.warehouse_root,
+                    config.snapshot,  # as typed: checked against snapshot_roots, never resolved here
+                    at,
+                    keyring.load() if table.encryption != "none" else None,
+                    started,
+                    snapshot_roots=platform.snapshot_roots,
+                )
+            except (ResyncError, ValueError) as exc:
+                raise dg.Failure(str(exc)) from None
+            context.log.info(
+                f"{table.name}: re-synced {r.rows} row(s) from {r.files} file(s) at "
+                f"{r.at.isoformat()}: {r.keys_closed} key(s) closed, {r.keys_replaced} replaced, "
+                f"history version {r.merge.history_version}"
             )
-        except (ResyncError, ValueError) as exc:
-            raise dg.Failure(str(exc)) from None
-        context.log.info(
-            f"{table.name}: re-synced {r.rows} row(s) from {r.files} file(s) at "
-            f"{r.at.isoformat()}: {r.keys_closed} key(s) closed, {r.keys_replaced} replaced, "
-            f"history version {r.merge.history_version}"
-        )
-        meta = {
-            "operation": RESYNC_JOB,
-            "at": r.at.isoformat(),
-            "snapshot": config.snapshot,
-            "files": r.files,
-            "rows": r.rows,
-            "keys_closed": r.keys_closed,
-            "keys_replaced": r.keys_replaced,
-            "events_new": r.events_new,
-            "versions_opened": r.merge.versions_opened,
-            "versions_closed": r.merge.versions_closed,
-            "delta_version": r.merge.history_version,
-        }
-        hour = r.at.replace(minute=0, second=0, microsecond=0)
-        check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+            meta = {
+                "operation": RESYNC_JOB,
+                "at": r.at.isoformat(),
+                "snapshot": config.snapshot,
+                "files": r.files,
+                "rows": r.rows,
+                "keys_closed": r.keys_closed,
+                "keys_replaced": r.keys_replaced,
+                "events_new": r.events_new,
+                "versions_opened": r.merge.versions_opened,
+                "versions_closed": r.merge.versions_closed,
+                "delta_version": r.merge.history_version,
+            }
+            hour = r.at.replace(minute=0, second=0, microsecond=0)
+            check_and_report(context, spark, platform, table, version_before, (hour,), meta)
 
     @dg.job(
         name=RESYNC_JOB,

@@ -1,5 +1,13 @@
-"""What the operator jobs (un-apply, re-admit, truncate) share: finding the table a run names,
-and reporting what the run did to it.
+"""What the operator jobs (un-apply, re-admit, truncate, adopt, re-sync) share: finding the
+table a run names, holding its pool slot while they write it, and reporting what they did.
+
+**One writer per table.** Every operator job that writes a table runs inside
+``table_pool_slot``: it claims the table's concurrency pool (``cdc_table_<name>``, limit 1 in
+``dagster.yaml``), as the table's materializations and maintenance do, so none of them runs
+beside another. The job names its table in run config, so its op cannot declare the pool: the
+slot is claimed from the instance at run time, waiting (logged) for the run that holds it, up
+to ``POOL_WAIT_SECONDS``. Each operation also fences its commits on the change-log version it
+decided on (``lib``), so an event logged by anything else meanwhile is never removed unseen.
 
 A run that changed a table reports a materialization of the hour partitions it concerns (so
 the UI shows the table changed and ``<table>_current`` refreshes), or an observation when no
@@ -7,6 +15,9 @@ partition does, and runs the invariants over the keys it recomputed: a failing i
 the run (the run-failure alert fires).
 """
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -17,6 +28,87 @@ from cdc_platform.lib import invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.landing import hour_to_partition_key
 from cdc_platform.lib.warehouse import TablePaths
+
+# How long an operator job waits for its table's pool slot (a backfill may hold it a while),
+# and how often it says so in the run's log.
+POOL_WAIT_SECONDS = 3600.0
+POOL_LOG_EVERY_SECONDS = 60.0
+_POLL_SECONDS = 2.0
+
+
+def pool_name(table: TableConfig) -> str:
+    """One concurrency pool per table (limit 1 in dagster.yaml): one writer per table at a time."""
+    return f"cdc_table_{table.name}"
+
+
+@contextmanager
+def table_pool_slot(
+    context: dg.OpExecutionContext, table: TableConfig, wait_seconds: float | None = None
+) -> Iterator[None]:
+    """Hold ``table``'s pool slot for the block (see the module docstring)."""
+    step_key = context.get_step_execution_context().step.key
+    with pool_slot(
+        context.instance,
+        pool_name(table),
+        context.run.run_id,
+        step_key,
+        context.log,
+        POOL_WAIT_SECONDS if wait_seconds is None else wait_seconds,
+    ):
+        yield
+
+
+@contextmanager
+def pool_slot(
+    instance: dg.DagsterInstance,
+    pool: str,
+    run_id: str,
+    step_key: str,
+    log: Any,
+    wait_seconds: float,
+    poll_seconds: float | None = None,
+) -> Iterator[None]:
+    """Claim a slot of ``pool`` for ``(run_id, step_key)`` as Dagster's executor does for an op
+    with a static pool (``instance_concurrency_context.py``), waiting while another run holds
+    it; free it (or the pending claim) on the way out, whatever happens. After
+    ``wait_seconds`` the run fails, naming the holder. An instance whose storage has no
+    concurrency pools (an in-memory one) runs the block without a slot, saying so."""
+    storage = instance.event_log_storage
+    if not storage.supports_global_concurrency_limits:
+        log.warning(f"{pool}: this Dagster instance has no concurrency pools; running without one")
+        yield
+        return
+    storage.initialize_concurrency_limit_to_default(pool)
+    if storage.get_concurrency_info(pool).limit is None:
+        log.warning(f"{pool}: the pool has no limit (dagster.yaml sets pools.default_limit: 1)")
+        yield
+        return
+    poll = _POLL_SECONDS if poll_seconds is None else poll_seconds
+    started = time.monotonic()
+    next_log = started
+    try:
+        while True:
+            if storage.claim_concurrency_slot(pool, run_id, step_key, 0).is_claimed:
+                break
+            now = time.monotonic()
+            holders = sorted({s.run_id for s in storage.get_concurrency_info(pool).claimed_slots})
+            if now - started >= wait_seconds:
+                raise dg.Failure(
+                    f"{pool}: the table is still being written by run(s) {', '.join(holders)} "
+                    f"after {wait_seconds:.0f} s of waiting; nothing was done: launch this job "
+                    "again once they finished"
+                )
+            if now >= next_log:
+                log.info(
+                    f"{pool}: waiting for run(s) {', '.join(holders)} to finish writing the table "
+                    f"({now - started:.0f} s of at most {wait_seconds:.0f} s)"
+                )
+                next_log = now + POOL_LOG_EVERY_SECONDS
+            time.sleep(max(0.0, min(poll, wait_seconds - (now - started))))
+        log.info(f"{pool}: holding the table's slot")
+        yield
+    finally:
+        storage.free_concurrency_slot_for_step(run_id, step_key)
 
 
 def table_named(platform: PlatformConfig, name: str) -> TableConfig:

@@ -13,11 +13,16 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import check_and_report, table_named
+from cdc_platform.defs.operations import check_and_report, table_named, table_pool_slot
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib import delta
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.revocation import NoMatchingFileError, readmit, unapply
+from cdc_platform.lib.revocation import (
+    NoMatchingFileError,
+    NotReadmittableError,
+    readmit,
+    unapply,
+)
 from cdc_platform.lib.warehouse import TablePaths
 
 UNAPPLY_JOB = "unapply_files"
@@ -44,41 +49,42 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         context: dg.OpExecutionContext, config: UnapplyConfig, spark: SparkResource
     ) -> None:
         table = table_named(platform, config.table)
-        paths = TablePaths.of(platform.warehouse_root, table.name)
-        before = delta.version_or_none(paths.history)
-        try:
-            r = unapply(
-                spark.session(platform.warehouse_root),
-                table,
-                platform.landing_root,
-                platform.warehouse_root,
-                config.files,
-                config.reason,
-                context.run.run_id,
-                datetime.now(UTC),
+        with table_pool_slot(context, table):
+            paths = TablePaths.of(platform.warehouse_root, table.name)
+            before = delta.version_or_none(paths.history)
+            try:
+                r = unapply(
+                    spark.session(platform.warehouse_root),
+                    table,
+                    platform.landing_root,
+                    platform.warehouse_root,
+                    config.files,
+                    config.reason,
+                    context.run.run_id,
+                    datetime.now(UTC),
+                )
+            except (NoMatchingFileError, ValueError) as exc:
+                raise dg.Failure(str(exc)) from None
+            context.log.info(
+                f"{table.name}: revoked {len(r.files)} file(s) ({len(r.newly_revoked)} newly), "
+                f"removed {r.events_removed} event(s) of {r.keys_retracted} key(s), "
+                f"history version {r.merge.history_version}"
             )
-        except (NoMatchingFileError, ValueError) as exc:
-            raise dg.Failure(str(exc)) from None
-        context.log.info(
-            f"{table.name}: revoked {len(r.files)} file(s) ({len(r.newly_revoked)} newly), "
-            f"removed {r.events_removed} event(s) of {r.keys_retracted} key(s), "
-            f"history version {r.merge.history_version}"
-        )
-        meta = {
-            "operation": "unapply_files",
-            "reason": config.reason,
-            "files": dg.MetadataValue.json(list(r.files)),
-            "newly_revoked": len(r.newly_revoked),
-            "events_removed": r.events_removed,
-            "keys_retracted": r.keys_retracted,
-            "changelog_files_rewritten": r.changelog_files_rewritten,
-            "keys_affected": r.merge.keys_affected,
-            "versions_closed": r.merge.versions_closed,
-            "files_removed": r.merge.files_removed,
-            "files_added": r.merge.files_added,
-            "delta_version": r.merge.history_version,
-        }
-        check_and_report(context, spark, platform, table, before, r.hours, meta)
+            meta = {
+                "operation": "unapply_files",
+                "reason": config.reason,
+                "files": dg.MetadataValue.json(list(r.files)),
+                "newly_revoked": len(r.newly_revoked),
+                "events_removed": r.events_removed,
+                "keys_retracted": r.keys_retracted,
+                "changelog_files_rewritten": r.changelog_files_rewritten,
+                "keys_affected": r.merge.keys_affected,
+                "versions_closed": r.merge.versions_closed,
+                "files_removed": r.merge.files_removed,
+                "files_added": r.merge.files_added,
+                "delta_version": r.merge.history_version,
+            }
+            check_and_report(context, spark, platform, table, before, r.hours, meta)
 
     @dg.op(name="readmit")
     def readmit_op(
@@ -88,32 +94,33 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         keyring: KeyringResource,
     ) -> None:
         table = table_named(platform, config.table)
-        paths = TablePaths.of(platform.warehouse_root, table.name)
-        before = delta.version_or_none(paths.history)
-        try:
-            r = readmit(
-                spark.session(platform.warehouse_root),
-                table,
-                platform.landing_root,
-                platform.warehouse_root,
-                config.files,
-                keyring.load() if table.encryption != "none" else None,
+        with table_pool_slot(context, table):
+            paths = TablePaths.of(platform.warehouse_root, table.name)
+            before = delta.version_or_none(paths.history)
+            try:
+                r = readmit(
+                    spark.session(platform.warehouse_root),
+                    table,
+                    platform.landing_root,
+                    platform.warehouse_root,
+                    config.files,
+                    keyring.load() if table.encryption != "none" else None,
+                )
+            except (NoMatchingFileError, NotReadmittableError) as exc:
+                raise dg.Failure(str(exc)) from None
+            o = r.outcome
+            context.log.info(
+                f"{table.name}: re-admitted {len(r.files)} file(s); "
+                f"{o.events_new if o else 0} event(s) logged again over {len(r.hours)} hour(s)"
             )
-        except NoMatchingFileError as exc:
-            raise dg.Failure(str(exc)) from None
-        o = r.outcome
-        context.log.info(
-            f"{table.name}: re-admitted {len(r.files)} file(s); "
-            f"{o.events_new if o else 0} event(s) logged again over {len(r.hours)} hour(s)"
-        )
-        meta: dict[str, Any] = {
-            "operation": "readmit_files",
-            "files": dg.MetadataValue.json(list(r.files)),
-            "events_new": o.events_new if o else 0,
-            "keys_affected": o.merge.keys_affected if o else 0,
-            "delta_version": o.merge.history_version if o else before,
-        }
-        check_and_report(context, spark, platform, table, before, r.hours, meta)
+            meta: dict[str, Any] = {
+                "operation": "readmit_files",
+                "files": dg.MetadataValue.json(list(r.files)),
+                "events_new": o.events_new if o else 0,
+                "keys_affected": o.merge.keys_affected if o else 0,
+                "delta_version": o.merge.history_version if o else before,
+            }
+            check_and_report(context, spark, platform, table, before, r.hours, meta)
 
     @dg.job(
         name=UNAPPLY_JOB,

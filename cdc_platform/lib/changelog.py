@@ -8,13 +8,14 @@ records: "I contain every changelog file up to version N".
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-from deltalake.exceptions import TableNotFoundError
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from cdc_platform.lib import delta
 from cdc_platform.lib.columns import (
@@ -30,7 +31,7 @@ from cdc_platform.lib.columns import (
     timestamp_lit,
 )
 from cdc_platform.lib.reading import normalize_type
-from cdc_platform.lib.storage import Where
+from cdc_platform.lib.storage import Location, Where
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
@@ -42,6 +43,23 @@ SYSTEM = set(CHANGELOG_SYSTEM_COLUMNS)
 # late key's refold reads the recent files only.
 LOG_ROWS_PER_FILE = delta.ROWS_PER_FILE // 4
 _RN = internal("rn")
+# The forgotten-events ledger ties each row to the removal that forgot it: the change-log
+# version the removal decided on (it commits strictly as the next one) and a token that commit
+# carries in its commit info. A row counts only once that commit happened (``removal_committed``).
+AFTER_LOG_VERSION = "_cdc_after_log_version"
+REMOVAL = "_cdc_removal"
+REMOVAL_KEY = "cdc_platform.removal"
+_COMMITTED: set[tuple[str, int, str]] = set()  # removals seen committed (they stay committed)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The change-log version an operator decided on (None: no change log yet). An append
+    fenced on it commits only on exactly that version, in one attempt: if the log moved since
+    the decision it raises ``CommitFailedError``, so the caller's retry decides again from a
+    fresh read (``delta.with_commit_retries``) and no event logged meanwhile goes unseen."""
+
+    version: int | None
 
 
 @dataclass(frozen=True)
@@ -103,6 +121,7 @@ def append(
     revoked: Callable[[], set[str]] | None = None,
     forgotten: Where | None = None,
     before_commit: Callable[[], None] | None = None,
+    fence: Fence | None = None,
 ) -> AppendResult:
     """Add the events not already logged; one Spark job, one Delta commit (or none).
 
@@ -128,6 +147,13 @@ def append(
     def attempt() -> AppendResult:
         dt = delta.ensure_table(path, schema, description="cdc_platform change log")
         dt = delta.widen_table(spark, path, dt, schema)  # a column the batch widened
+        if fence is not None and dt.version() != fence.version:
+            # Moved since the decision (or this batch changed its schema: a commit of its own,
+            # after which the caller decides again on the new version).
+            raise CommitFailedError(
+                f"{path}: the change log is at version {dt.version()}, not {fence.version} "
+                "as when the operation decided"
+            )
         # Revoked files go before the duplicates are resolved, so that a kept file's copy of
         # an event a revoked file also delivered is the one logged.
         gone = revoked() if revoked is not None else set()
@@ -142,6 +168,7 @@ def append(
             )
             new = new.join(logged, [*pk, SEQ], "left_anti")
         gone = _seq_overlapping(forgotten, lo, hi) if forgotten is not None else []
+        gone = [f for f in gone if removal_committed(path, f)]
         if forgotten is not None and gone:
             ledger = spark.read.parquet(*delta.absolute_paths(forgotten, gone))
             new = new.join(ledger.select(*cols([*pk, SEQ])), [*pk, SEQ], "left_anti")
@@ -186,6 +213,8 @@ def append(
             raise
         return AppendResult(count, version)
 
+    if fence is not None:
+        return attempt()
     return delta.with_commit_retries(attempt, f"change log append to {path}")[0]
 
 
@@ -204,13 +233,30 @@ def _seq_overlapping(ledger: Where, lo: int, hi: int) -> list[delta.DataFile]:
     return _overlapping(delta.snapshot_files(delta.open_table(ledger)), lo, hi)
 
 
-def forget(path: Where, events: DataFrame, primary_key: Sequence[str]) -> None:
+def forget(
+    path: Where,
+    events: DataFrame,
+    primary_key: Sequence[str],
+    after_log_version: int | None = None,
+    removal: str | None = None,
+) -> None:
     """Add ``events``' ``(key, cdc_change_seq)`` to the ledger at ``path``: no materialization
     logs them again (a hard truncate or a re-sync removed them; an hour read again, say for a
-    late file, must not bring them back). One commit; written before the change log loses them, so a crash in between
-    only leaves the ledger ahead."""
+    late file, must not bring them back). One commit, written before the change log loses them
+    (a crash in between leaves no removed event unforgotten), tied to that removal: the
+    change-log version it decided on and its token (``removal_committed``), so the rows of a
+    removal that lost its race, and was decided again, never count."""
+    from pyspark.sql import functions as F
+
     pk = list(primary_key)
     rows = events.select(*cols([*pk, SEQ])).distinct()
+    if removal is not None:
+        rows = rows.withColumns(
+            {
+                AFTER_LOG_VERSION: F.lit(after_log_version).cast("long"),
+                REMOVAL: F.lit(removal).cast("string"),
+            }
+        )
     dt = delta.ensure_table(
         path, delta.arrow_schema_of(rows), description="cdc_platform events removed for good"
     )
@@ -221,6 +267,42 @@ def forget(path: Where, events: DataFrame, primary_key: Sequence[str]) -> None:
     except BaseException:
         delta.discard(path, adds)
         raise
+
+
+def unforget(path: Where, removal: str) -> None:
+    """Drop the ledger rows of a removal whose commit lost its race (it decides again)."""
+    if delta.exists(path):
+        delta.open_table(path).delete(delta.in_predicate(REMOVAL, [removal]))
+
+
+def removal_committed(log: Where, ledger_file: delta.DataFile) -> bool:
+    """Whether the removal that wrote ``ledger_file`` of the forgotten-events ledger committed
+    its change-log rewrite: the commit after the version it decided on carries its token. Rows
+    written before removals were tied to their commit (no token) count, as before."""
+    token = ledger_file.min_values.get(REMOVAL)
+    after = ledger_file.min_values.get(AFTER_LOG_VERSION)
+    if not isinstance(token, str) or ledger_file.max_values.get(REMOVAL) != token:
+        return True
+    if not isinstance(after, int):
+        return True
+    loc = Location.of(log)
+    key = (loc.uri, after + 1, token)
+    if key in _COMMITTED:
+        return True
+    try:
+        with loc.filesystem().open_input_stream(f"_delta_log/{after + 1:020d}.json") as fh:
+            lines = fh.read().decode().splitlines()
+    except OSError:  # not committed yet, or its log entry expired long after it committed
+        current = delta.version_or_none(loc)
+        return current is not None and after + 1 <= current
+    for line in lines:
+        info = json.loads(line).get("commitInfo") if line.strip() else None
+        if info is not None:
+            if info.get(REMOVAL_KEY) == token:
+                _COMMITTED.add(key)
+                return True
+            return False
+    return False
 
 
 def files_since(path: Where, dt: DeltaTable, applied_version: int | None) -> list[delta.DataFile]:

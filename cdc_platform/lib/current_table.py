@@ -39,6 +39,13 @@ class CurrentTableResult:
     attempts: int
 
 
+DESCRIPTION = "cdc_platform current table (active rows, SCD1)"
+
+
+class CurrentTableClashError(RuntimeError):
+    """The current table's folder holds another table (a name the platform derives collides)."""
+
+
 def refresh(
     spark: SparkSession, paths: TablePaths, primary_key: Sequence[str]
 ) -> CurrentTableResult:
@@ -69,10 +76,15 @@ def _refresh_once(
     dt = (
         delta.open_table(paths.current)
         if delta.exists(paths.current)
-        else delta.ensure_table(
-            paths.current, user, description="cdc_platform current table (active rows, SCD1)"
-        )
+        else delta.ensure_table(paths.current, user, description=DESCRIPTION)
     )
+    if dt.metadata().description != DESCRIPTION:
+        # Another table's (a discovered `<table>_current`, say): never overwritten, vacuumed.
+        raise CurrentTableClashError(
+            f"{paths.current} holds a Delta table this platform did not write as the current "
+            f"table of {paths.history} ({dt.metadata().description or 'no description'}): it "
+            "is not overwritten. Turn current_table off for the table, or move that table away"
+        )
     # Columns are only ever added, as in the history table: the table's own, then new ones.
     existing = delta.table_arrow_schema(dt)
     # A column the history table widened takes its wider type (the commit below sets it).

@@ -180,6 +180,30 @@ def apply_pending(
     return replace(result, attempts=attempts)
 
 
+def caught_up(
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    synced_at: datetime,
+    history_columns: HistoryColumns = TRACK_ALL,
+) -> DeltaTable | None:
+    """The change log as the history table now reflects it, after merging what was pending:
+    the version an operator job decides on (None: no change log yet). Raises
+    ``CommitFailedError`` when events were logged during the catch-up, so the caller's retry
+    (``delta.with_commit_retries``) catches up and decides again."""
+    from deltalake.exceptions import CommitFailedError
+
+    apply_pending(spark, paths, primary_key, synced_at, history_columns)
+    if not delta.exists(paths.changelog):
+        return None
+    log = delta.open_table(paths.changelog)
+    history = delta.open_table(paths.history) if delta.exists(paths.history) else None
+    applied = history.transaction_version(APP_ID) if history is not None else None
+    if changelog.files_since(paths.changelog, log, applied):
+        raise CommitFailedError(f"{paths.changelog}: events were logged during the catch-up")
+    return log
+
+
 def widen_to_changelog(spark: SparkSession, paths: TablePaths, log: DeltaTable) -> bool:
     """Give the history table and its side tables the column types the change-log snapshot
     ``log`` has (wider, after a file widened a column there), each in one strict commit before

@@ -57,7 +57,7 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import is_data_file
-from cdc_platform.lib.merge import MergeResult, apply_pending
+from cdc_platform.lib.merge import MergeResult, apply_pending, caught_up
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.reading import (
     LandingReader,
@@ -74,6 +74,7 @@ from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
+    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
@@ -238,7 +239,7 @@ def resync(
     bad = [f"{r.path}: {r.error}" for r in reports if not r.ok]
     if bad:
         raise ResyncError("the snapshot was not applied: " + "; ".join(bad))
-    fields, clashes = unify_schema(logged_fields, reports)
+    fields, clashes = unify_schema(logged_fields, reports, table.may_widen)
     if clashes:
         raise ResyncError(
             "the snapshot was not applied: "
@@ -250,39 +251,56 @@ def resync(
     if events is not None:
         _check_one_row_per_key(events, pk, folder)
 
-    if delta.exists(paths.changelog):  # catch up: what the table holds is compared below
-        apply_pending(spark, paths, pk, now, table.history_columns)
-    history = _history(spark, paths)
+    # A re-run after its events were un-applied logs them again (the user asks for it).
+    own_sources = [source_name(at), *(reader.relative(p) for p in with_rows)]
+    revoked_files.remove(paths.revoked_files, own_sources)
     snapshot_keys = events.select(*cols(pk), col(TS)) if events is not None else None
-    closing = None
-    replaced_keys = None
-    if history is not None:
-        live = history.filter(col(CURRENT) & col(ACTIVE)).select(*cols(pk))
-        closing = live if snapshot_keys is None else live.join(snapshot_keys, pk, "left_anti")
-        if snapshot_keys is not None:
-            first = history.groupBy(*cols(pk)).agg(F.min(col(START)).alias(START))
-            replaced_keys = (
-                snapshot_keys.join(first, pk).filter(col(TS) < col(START)).select(*cols(pk))
-            )
-    keys_replaced = _remove_history_of(spark, paths, pk, replaced_keys)
     shape = changelog.spark_schema(event_schema(fields))
-    deletes = _deletes(closing, pk, shape, at, delete_seq)
-    keys_closed = deletes.count() if deletes is not None else 0
-    logged = events
-    if deletes is not None and keys_closed:
-        logged = deletes if logged is None else logged.unionByName(deletes)
-    new_events = 0
-    if logged is not None and rows + keys_closed:
-        new_events = changelog.append(
-            spark,
-            paths.changelog,
-            logged,
-            pk,
-            (insert_seq, delete_seq),
-            rows + keys_closed,
-            now,
-            revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
-        ).new_events
+    replaced: list[int] = []  # keys whose history a committed removal took (any attempt)
+
+    def attempt() -> tuple[int, int]:
+        """Decide which keys close and which are replaced on the change-log version the table
+        has caught up with, then remove and append strictly on it: an event logged meanwhile
+        makes a commit fail and the attempt decide again, so it is never removed (nor
+        forgotten) unseen, and no key it brought is left open."""
+        log = caught_up(spark, paths, pk, now, table.history_columns)
+        history = _history(spark, paths)
+        closing = None
+        replaced_keys = None
+        if history is not None:
+            live = history.filter(col(CURRENT) & col(ACTIVE)).select(*cols(pk))
+            closing = live if snapshot_keys is None else live.join(snapshot_keys, pk, "left_anti")
+            if snapshot_keys is not None:
+                first = history.groupBy(*cols(pk)).agg(F.min(col(START)).alias(START))
+                replaced_keys = (
+                    snapshot_keys.join(first, pk).filter(col(TS) < col(START)).select(*cols(pk))
+                )
+        version = log.version() if log is not None else None
+        if log is not None:
+            keys_replaced, version = _remove_history_of(spark, paths, pk, replaced_keys, log)
+            replaced.append(keys_replaced)
+        deletes = _deletes(closing, pk, shape, at, delete_seq)
+        keys_closed = deletes.count() if deletes is not None else 0
+        logged = events
+        if deletes is not None and keys_closed:
+            logged = deletes if logged is None else logged.unionByName(deletes)
+        new_events = 0
+        if logged is not None and rows + keys_closed:
+            new_events = changelog.append(
+                spark,
+                paths.changelog,
+                logged,
+                pk,
+                (insert_seq, delete_seq),
+                rows + keys_closed,
+                now,
+                revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
+                fence=changelog.Fence(version),
+            ).new_events
+        return keys_closed, new_events
+
+    (keys_closed, new_events), _ = delta.with_commit_retries(attempt, f"re-sync of {paths.history}")
+    keys_replaced = sum(replaced)
     merge = apply_pending(spark, paths, pk, now, table.history_columns)
     return ResyncResult(at, len(files), rows, keys_closed, keys_replaced, new_events, merge)
 
@@ -324,41 +342,41 @@ def _history(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
 
 
 def _remove_history_of(
-    spark: SparkSession, paths: TablePaths, pk: Sequence[str], keys: DataFrame | None
-) -> int:
-    """Take every event of ``keys`` out of the change log (the merge then drops their
-    versions); returns how many keys."""
+    spark: SparkSession,
+    paths: TablePaths,
+    pk: Sequence[str],
+    keys: DataFrame | None,
+    log: DeltaTable,
+) -> tuple[int, int]:
+    """Take every event of ``keys`` out of the change-log snapshot ``log`` (the merge then
+    drops their versions), committing strictly on it (``CommitFailedError`` if the log moved:
+    the caller decides again). Returns (keys, the change log's version now)."""
     from pyspark.sql import functions as F
 
     if keys is None:
-        return 0
+        return 0, log.version()
     gone = keys.distinct().withColumn(GONE, F.lit(True)).cache()
     try:
         if gone.isEmpty():
-            return 0
+            return 0, log.version()
 
         def mark(events: DataFrame) -> DataFrame:
             return events.join(gone, list(pk), "left").select(
                 *cols(events.columns), F.coalesce(col(GONE), F.lit(False)).alias(GONE)
             )
 
-        def attempt() -> tuple[int, int, int]:
-            dt = delta.open_table(paths.changelog)
-            return remove_events(
-                spark,
-                paths,
-                pk,
-                dt,
-                delta.snapshot_files(dt),
-                mark,
-                "cdc_platform.resync_replaced",
-                forget=True,
-            )
-
-        (_, keys_removed, _), _ = delta.with_commit_retries(
-            attempt, f"change log rewrite of {paths.changelog}"
+        decided = log.version()  # the commit below moves ``log`` on to its own version
+        _, keys_removed, rewritten = remove_events(
+            spark,
+            paths,
+            pk,
+            log,
+            delta.snapshot_files(log),
+            mark,
+            "cdc_platform.resync_replaced",
+            forget=True,
         )
-        return keys_removed
+        return keys_removed, decided + 1 if rewritten else decided
     finally:
         gone.unpersist()
 

@@ -27,11 +27,14 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from deltalake.exceptions import CommitFailedError
 
 from cdc_platform.lib import changelog, delta, revoked_files
 from cdc_platform.lib.columns import SOURCE_FILE, col, cols, internal
@@ -51,11 +54,20 @@ if TYPE_CHECKING:
 
 # The column ``remove_events``' callers set on each change-log event: true if it goes.
 GONE = internal("gone")
+# The sources of an operation's own events (``adoption``, ``resync``, ``truncation`` import
+# this module, so their prefixes are spelled here too; a test checks they agree).
+ADOPT_PREFIX = "adopt:"
+RESYNC_PREFIX = "resync:at="
+TRUNCATE_PREFIX = "truncate:before="
 _HOUR_PARTS = re.compile(r"/year=(\d+)/month=(\d+)/day=(\d+)/hour=(\d+)/[^/]+$")
 
 
 class NoMatchingFileError(LookupError):
     """A file name or glob given to un-apply or re-admit matches no file of the table."""
+
+
+class NotReadmittableError(ValueError):
+    """Re-admit named an operation's events (adopt, re-sync, truncate): re-run it instead."""
 
 
 @dataclass(frozen=True)
@@ -87,27 +99,61 @@ def hour_of(file: str) -> datetime | None:
         return None
 
 
+def is_landing_file(name: str, table: str) -> bool:
+    """Whether a ``_cdc_source_file`` names a landing file of ``table`` (``<table>/...``), as
+    opposed to an operation's own events (``adopt:``, ``resync:at=``, ``truncate:before=``, a
+    re-sync snapshot's files), which no materialization logs again."""
+    return name.replace(os.sep, "/").startswith(f"{table}/")
+
+
+def operation_of(name: str) -> str:
+    """What to run to log an operation's events again (re-admitting them logs nothing)."""
+    if name.startswith(ADOPT_PREFIX):
+        return f"run adopt_table again with source {name.removeprefix(ADOPT_PREFIX)}"
+    if name.startswith(RESYNC_PREFIX):
+        return f"run resync_table again with its snapshot and at {name.removeprefix(RESYNC_PREFIX)}"
+    if name.startswith(TRUNCATE_PREFIX):
+        return (
+            "run truncate_table (soft) again to close the keys live now; it closes those "
+            "written before its before, and the un-apply rewrote the keys it had closed"
+        )
+    return "it is a re-sync snapshot's file: run resync_table again with its snapshot and at"
+
+
 def match(
     patterns: Sequence[str], candidates: set[str], table: str, landing_root: Path
 ) -> list[str]:
     """The candidates each pattern names: a path or glob relative to the landing root
     (``orders/year=2024/*/*/*/bad-*.parquet``), to the table's folder (``year=2024/...``), or
-    absolute under the landing root. ``*`` also matches ``/``. Raises if one matches nothing."""
+    absolute under the landing root. ``*`` also matches ``/``. An operation's own source
+    (``adopt:...``, ``resync:at=...``, ``truncate:before=...``, a snapshot file) is matched only
+    when named exactly, never by a glob: taking it back cannot be undone by re-admitting it.
+    Raises if one matches nothing."""
     if not patterns:
         raise NoMatchingFileError(f"no file given for table {table!r}")
     root = os.path.abspath(landing_root)
+    landing = {c for c in candidates if is_landing_file(c, table)}
+    operations = candidates - landing
     out: set[str] = set()
     for raw in patterns:
-        p = raw.strip()
+        exact = raw.strip()
+        p = exact
         if os.path.isabs(p):
             p = os.path.relpath(os.path.abspath(p), root)
         p = p.removeprefix("./")
         forms = {p, f"{table}/{p}"}
-        hit = {c for c in candidates if any(fnmatch.fnmatchcase(c, f) for f in forms)}
+        hit = {c for c in landing if any(fnmatch.fnmatchcase(c, f) for f in forms)}
+        hit |= {c for c in operations if c == exact}
         if not hit:
+            globbed = sorted(c for c in operations if any(fnmatch.fnmatchcase(c, f) for f in forms))
+            hint = (
+                f"; an operation's events match only when named exactly: {globbed[:5]}"
+                if globbed
+                else ""
+            )
             raise NoMatchingFileError(
                 f"{raw!r} matches no landing file of table {table!r} (paths are relative to the "
-                f"landing root {root} or to its {table}/ folder)"
+                f"landing root {root} or to its {table}/ folder){hint}"
             )
         out |= hit
     return sorted(out)
@@ -257,8 +303,12 @@ def remove_events(
     rewritten = [f for f in files if f.path in holding]
     history = delta.open_table(paths.history) if delta.exists(paths.history) else None
     applied = history.transaction_version(APP_ID) if history is not None else None
-    if forget:
-        changelog.forget(paths.forgotten_events, events.filter(col(GONE)), pk)
+    # Tied to this commit (``changelog.removal_committed``): if it loses its race, the retry
+    # decides again and may keep some of these events, which must not stay forgotten.
+    removal = uuid.uuid4().hex if forget else None
+    if removal is not None:
+        changelog.forget(paths.forgotten_events, events.filter(col(GONE)), pk, version, removal)
+    # Tied to the version too: a removal that never committed only costs a recomputation.
     record_retracted_keys(paths, events.filter(col(GONE)).select(*cols(pk)), version, applied)
     kept_rows = sum(f.num_records or 0 for f in rewritten) - removed
     kept = (
@@ -273,11 +323,16 @@ def remove_events(
             adds,
             delta.removes_for(rewritten),
             arrow_schema,
-            metadata={metadata_key: removed},
+            metadata={
+                metadata_key: removed,
+                **({changelog.REMOVAL_KEY: removal} if removal else {}),
+            },
             strict=True,
         )
-    except BaseException:
+    except BaseException as exc:
         delta.discard(paths.changelog, adds)
+        if removal is not None and isinstance(exc, CommitFailedError):  # surely not committed
+            changelog.unforget(paths.forgotten_events, removal)
         raise
     return removed, int(row["keys"]), len(rewritten)
 
@@ -300,7 +355,8 @@ def readmit(
     keyring: Keyring | None = None,
     synced_at: datetime | None = None,
 ) -> ReadmitResult:
-    """Lift the named files' revocation and materialize the hours they are in.
+    """Lift the named files' revocation and materialize the hours they are in. An
+    operation's source is refused (NotReadmittableError, saying what to run instead).
 
     Naming a file that is no longer revoked (a re-run after a crash) is not an error: its
     hour is materialized again, which applies whatever is not applied yet.
@@ -311,6 +367,13 @@ def readmit(
         files = match(patterns, revoked, table.name, landing_root)
     except NoMatchingFileError:
         files = match(patterns, _landing_files(landing_root, table.name), table.name, landing_root)
+    operations = [f for f in files if not is_landing_file(f, table.name)]
+    if operations:
+        raise NotReadmittableError(
+            "an operation's events are not re-admitted (no landing file holds them, so nothing "
+            "would log them again); the revocation stays: "
+            + "; ".join(f"{f}: {operation_of(f)}" for f in operations)
+        )
     revoked_files.remove(paths.revoked_files, files)
     hours = sorted({h for f in files if (h := hour_of(f)) is not None})
     outcome = (

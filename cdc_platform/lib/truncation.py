@@ -44,7 +44,7 @@ from cdc_platform.lib.columns import (
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import HistoryColumns
-from cdc_platform.lib.merge import APP_ID, MergeResult, apply_pending, is_closed_file
+from cdc_platform.lib.merge import MergeResult, apply_pending, caught_up, is_closed_file
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.revocation import GONE, remove_events
 from cdc_platform.lib.storage import Where
@@ -112,15 +112,23 @@ def truncate(
     if not delta.exists(paths.changelog):
         return TruncateResult(before, soft, 0, 0, 0, MergeResult(), table_existed=False)
     if soft:
-        # Catch up first: a crash may have left events logged but not merged.
-        apply_pending(spark, paths, pk, now, table.history_columns)
-        latest = _latest_rows(spark, paths)
-        closing = (
-            None
-            if latest is None
-            else latest.filter(col(ACTIVE) & (col(SYNCED) < timestamp_lit(before)))
-        )
-        keys, logged = _log_deletes(spark, paths, pk, closing, before, now)
+        # A re-run after its events were un-applied logs them again (the user asks for it).
+        revoked_files.remove(paths.revoked_files, [source_name(before)])
+
+        def attempt() -> tuple[int, int]:
+            # Decided on the version the table has caught up with (a crash may have left
+            # events logged but not merged), and appended on exactly that version.
+            log = caught_up(spark, paths, pk, now, table.history_columns)
+            latest = _latest_rows(spark, paths)
+            closing = (
+                None
+                if latest is None
+                else latest.filter(col(ACTIVE) & (col(SYNCED) < timestamp_lit(before)))
+            )
+            fence = changelog.Fence(log.version() if log is not None else None)
+            return _log_deletes(spark, paths, pk, closing, before, now, fence)
+
+        (keys, logged), _ = delta.with_commit_retries(attempt, f"soft truncate of {paths.history}")
         removed = 0
     else:
         logged = 0
@@ -150,9 +158,11 @@ def _log_deletes(
     rows: DataFrame | None,
     before: datetime,
     now: datetime,
+    fence: changelog.Fence,
 ) -> tuple[int, int]:
-    """Append a delete at ``before`` for the key of each of ``rows``; returns (keys, events new
-    to the log). The events have every change-log column (null where a delete has no value)."""
+    """Append a delete at ``before`` for the key of each of ``rows``, on the change-log version
+    ``fence`` the keys were decided on; returns (keys, events new to the log). The events have
+    every change-log column (null where a delete has no value)."""
     from pyspark.sql import functions as F
 
     count = 0 if rows is None else rows.count()
@@ -183,6 +193,7 @@ def _log_deletes(
         count,
         now,
         revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
+        fence=fence,
     )
     return count, appended.new_events
 
@@ -202,7 +213,6 @@ def _remove_keys(
     Each attempt decides on a change log the history table has caught up with, and commits
     strictly on it: an event logged meanwhile (a key this attempt never saw) makes the commit
     fail and the attempt start again, so it is never removed (nor forgotten) unseen."""
-    from deltalake.exceptions import CommitFailedError
     from pyspark.sql import functions as F
 
     key_cols = cols(list(pk))
@@ -228,12 +238,8 @@ def _remove_keys(
         return flagged.filter(col(GONE))
 
     def attempt() -> tuple[int, int, int]:
-        apply_pending(spark, paths, pk, now, history_columns)
-        dt = delta.open_table(paths.changelog)
-        history = delta.open_table(paths.history) if delta.exists(paths.history) else None
-        applied = history.transaction_version(APP_ID) if history is not None else None
-        if changelog.files_since(paths.changelog, dt, applied):
-            raise CommitFailedError(f"{paths.changelog}: events were logged during the catch-up")
+        dt = caught_up(spark, paths, pk, now, history_columns)
+        assert dt is not None  # the caller checked that the change log exists
         going = keys_going(dt, _latest_rows(spark, paths)).cache()
         try:
 
