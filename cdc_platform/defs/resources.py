@@ -17,7 +17,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.spark import RUN_TUNABLE, SparkDeployment, run_conf
-from cdc_platform.lib.storage import Location
+from cdc_platform.lib.storage import Location, Where
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -61,7 +61,7 @@ class SparkResource(dg.ConfigurableResource):
         """Refused when the run starts, before any session exists."""
         return run_conf(value)
 
-    def session(self, warehouse: Location | None = None) -> SparkSession:
+    def session(self, warehouse: Where | None = None) -> SparkSession:
         """The session, built on first use where the deployment says, with the Hadoop settings
         of the code location's ``warehouse`` when it is an object store."""
         if self._session is None:
@@ -69,7 +69,8 @@ class SparkResource(dg.ConfigurableResource):
 
             conf = run_conf(self.spark_config)
             deployment = SparkDeployment.from_env()
-            storage = () if warehouse is None or warehouse.is_local else (warehouse,)
+            location = None if warehouse is None else Location.of(warehouse)
+            storage = () if location is None or location.is_local else (location,)
             with _started_lock:
                 if deployment.remote:
                     # A Connect session is this process's own client of the server: reuse
