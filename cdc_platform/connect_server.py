@@ -78,15 +78,41 @@ def _port_arg(port: int) -> str:
 
 
 def server_pid(state_dir: Path, port: int) -> int | None:
-    """The server's pid if its pid file names a live process that is this server on this port
-    (its command line says so): a stale pid file whose pid was reused names no server."""
+    """The server's pid if its pid file names a live process of this user that is this server
+    on this port (its command line says so): a stale pid file whose pid was reused names none."""
     try:
         pid = int(pid_file(state_dir, port).read_text().strip())
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None
+    return pid if _is_our_server(pid, port) else None
+
+
+def _is_our_server(pid: int, port: int) -> bool:
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
     args = {a.decode(errors="replace") for a in cmdline}
-    return pid if SERVER_CLASS in args and _port_arg(port) in args else None
+    return owner == os.getuid() and SERVER_CLASS in args and _port_arg(port) in args
+
+
+def _signal(pid: int, port: int, sig: signal.Signals) -> bool:
+    """Signal ``pid`` only if it is still the server: through a pidfd, so the pid cannot be
+    reused between the check and the signal."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if not _is_our_server(pid, port):
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def log_files(state_dir: Path) -> list[Path]:
@@ -145,7 +171,9 @@ def start(
         "spark.driver.bindAddress": host,
     }
     args = [str(spark_home() / "sbin" / "start-connect-server.sh"), "--master", master]
-    args += ["--properties-file", str(secrets_file), "--conf", _port_arg(port)]
+    # The deployment's spark-defaults.conf still applies beside the secrets' file.
+    args += ["--properties-file", str(secrets_file), "--load-spark-defaults"]
+    args += ["--conf", _port_arg(port)]
     for key, value in settings.items():
         args += ["--conf", f"{key}={value}"]
     subprocess.run(args, env=_env(state, port), check=True, stdout=subprocess.DEVNULL)
@@ -169,12 +197,12 @@ def stop(port: int = DEFAULT_PORT, state_dir: Path | str = DEFAULT_STATE_DIR) ->
     if pid is None:
         pid_file(state, port).unlink(missing_ok=True)  # stale: its pid is no server of ours
         return False
-    os.kill(pid, signal.SIGTERM)
+    _signal(pid, port, signal.SIGTERM)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and server_pid(state, port) == pid:
         time.sleep(0.3)
     if server_pid(state, port) == pid:
-        os.kill(pid, signal.SIGKILL)
+        _signal(pid, port, signal.SIGKILL)
     pid_file(state, port).unlink(missing_ok=True)
     return True
 

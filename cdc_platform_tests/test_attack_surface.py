@@ -17,6 +17,7 @@ import base64
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -28,7 +29,6 @@ import pytest
 
 from cdc_platform import connect_server
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.defs.resources import SparkResource
 from cdc_platform.lib import delta
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.pipeline import materialize
@@ -157,8 +157,6 @@ def test_no_run_config_loads_code_or_weakens_security_through_spark_config(jobs)
     for conf in HOSTILE_SPARK_CONF:
         with pytest.raises(SparkConfigError):
             run_conf(conf)
-        with pytest.raises(ValueError):  # at resource construction: the run fails at start
-            SparkResource(spark_config=conf)
     # The Launchpad's path: the run config validates as a dict of strings, and the resource
     # refuses it when the run builds it, before any session exists.
     job = next(j for j in spark_jobs if j.name == "resync_table")
@@ -168,8 +166,8 @@ def test_no_run_config_loads_code_or_weakens_security_through_spark_config(jobs)
         run_config={**_base(job), "resources": hostile}, raise_on_error=False
     )
     assert not result.success
-    failure = result.get_run_failure_event().event_specific_data
-    assert "spark.jars" in str(failure)
+    failure = str(result.get_run_failure_event().event_specific_data)
+    assert "spark.jars" in failure and "/tmp/evil.jar" not in failure
 
 
 def test_a_run_may_tune_only_plain_values_of_the_allowlist():
@@ -412,3 +410,83 @@ def test_every_operator_job_refuses_hostile_values_and_changes_nothing(hostile_l
         run_config={"ops": {"truncate": {"config": control}}}, raise_on_error=False
     )
     assert result.success and hostile_lake.versions() != before
+
+
+def test_no_run_config_reads_the_deployments_environment(hostile_lake, monkeypatch):
+    """Dagster resolves ``{env: NAME}`` in any string of a run config; echoed back by an error
+    (a bad time, an unknown table) or stored (a reason), it would hand the Launchpad user any
+    secret of the deployment's environment. Such a run is refused before any step runs."""
+    secret = "env-secret-" + os.urandom(8).hex()
+    monkeypatch.setenv("CDC_TEST_DEPLOYMENT_SECRET", secret)
+    ref = {"env": "CDC_TEST_DEPLOYMENT_SECRET"}
+    defs = build_definitions(hostile_lake.platform)
+    before = hostile_lake.versions()
+    runs = [
+        ("truncate_table", {"ops": {"truncate": {"config": {"table": "orders", "before": ref}}}}),
+        ("truncate_table", {"ops": {"truncate": {"config": {"table": ref}}}}),
+        (
+            "unapply_files",
+            {"ops": {"unapply": {"config": {"table": "orders", "files": ["x"], "reason": ref}}}},
+        ),
+        ("resync_table", {"ops": {"resync": {"config": {"table": "orders", "snapshot": ref}}}}),
+        (
+            "truncate_table",
+            {
+                "ops": {"truncate": {"config": {"table": "orders"}}},
+                "resources": {"spark": {"config": {"spark_config": {"spark.driver.memory": ref}}}},
+            },
+        ),
+    ]
+    for job_name, run_config in runs:
+        job = defs.get_job_def(job_name)
+        assert _accepted(job, run_config)  # Dagster itself takes it: the platform refuses it
+        result = job.execute_in_process(run_config=run_config, raise_on_error=False)
+        assert not result.success, run_config
+        text = "\n".join(
+            str(e.message or "") + repr(e.event_specific_data) for e in result.all_events
+        )
+        assert secret not in text and "environment variables" in text, run_config
+        assert hostile_lake.versions() == before
+
+
+SECRET_PROBE = """
+import os
+from pathlib import Path
+from cdc_platform.lib.spark import build_spark_session
+secret = os.environ.pop("PROBE_SECRET")
+session = build_spark_session(
+    "local[1]", {"spark.hadoop.fs.s3a.secret.key": secret, "spark.ui.retainedJobs": "7"}, "probe"
+)
+lines = []
+for proc in Path("/proc").iterdir():
+    try:
+        lines.append((proc / "cmdline").read_bytes().replace(b"\\0", b" ").decode())
+    except (OSError, ValueError):
+        pass
+conf = session.sparkContext.getConf()
+print("conf", conf.get("spark.hadoop.fs.s3a.secret.key") == secret, conf.get("spark.ui.retainedJobs"))
+print("jvms", sum("SparkSubmit" in c for c in lines), "leaks", sum(secret in c for c in lines))
+session.stop()
+"""
+
+
+def test_secret_settings_never_reach_a_command_line():
+    """pyspark puts builder settings on the spark-submit and java command lines, which every
+    local user reads with ``ps``: secret settings reach the JVM in a private properties file."""
+    secret = "s3-secret-" + os.urandom(8).hex()
+    out = subprocess.run(
+        [sys.executable, "-c", SECRET_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+            "PROBE_SECRET": secret,  # the environment: only this user reads it
+        },
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "conf True 7" in out.stdout  # the JVM has both settings
+    jvms, leaks = out.stdout.split("jvms ")[1].split(" leaks ")
+    assert int(jvms) >= 1 and int(leaks) == 0, out.stdout
+    assert secret not in out.stderr

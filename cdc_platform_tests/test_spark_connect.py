@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -196,6 +197,29 @@ def test_the_server_serves_only_clients_with_its_token_and_proves_itself(connect
     for leaked in (secrets["token"], secrets["proof"]):
         for out in (no_token, impostor):
             assert leaked not in out.stdout + out.stderr
+    # Once the proven connection drops, no call goes out on the channel again (a process that
+    # took the port meanwhile would get the next plan): the session is refused, not retried.
+    dropped = _client("probe", url, str(auth), "dropped")
+    assert "refused after the drop: " in dropped.stdout, dropped.stderr[-2000:]
+
+
+def test_localhost_never_reaches_another_listener_on_ipv6_loopback(connect_state):
+    """gRPC may resolve ``localhost`` to ``::1`` first, where any local user can listen while the
+    server binds 127.0.0.1: the client dials the server's address, and the squatter hears nothing."""
+    url, state = connect_state
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        squatter = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        squatter.bind(("::1", port))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    with squatter:
+        squatter.listen(8)
+        squatter.settimeout(0.5)
+        auth = str(connect_server.auth_file(state))
+        assert _client("probe", f"sc://localhost:{port}", auth, "right").stdout.strip() == "served"
+        with pytest.raises(TimeoutError):
+            squatter.accept()
 
 
 def test_pipeline_over_spark_connect_equals_local_mode(
@@ -268,12 +292,22 @@ def _probe(url: str, auth_path: str, mode: str) -> None:
     if mode == "no-token":
         SparkSession.builder.remote(url).getOrCreate().range(1).count()
     try:
-        proof = auth.proof if mode == "right" else "not-the-servers-proof"
+        proof = "not-the-servers-proof" if mode == "wrong-proof" else auth.proof
         session = build_connect_session(url, auth=ConnectAuth(auth.token, proof))
     except ConnectSetupError as exc:
         print(f"refused: {exc}")
         return
     session.range(3).count()
+    if mode == "dropped":
+        import grpc
+
+        builder = session._client._builder  # type: ignore[attr-defined]
+        builder._state(grpc.ChannelConnectivity.TRANSIENT_FAILURE)  # what gRPC reports
+        try:
+            session.range(3).count()
+        except Exception as exc:
+            print(f"refused after the drop: {type(exc).__name__}")
+            return
     print("served")
 
 

@@ -13,10 +13,15 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr
 
 from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.spark import RUN_TUNABLE, SparkDeployment, run_conf
+from cdc_platform.lib.spark import (
+    RUN_TUNABLE,
+    SparkDeployment,
+    connect_session_usable,
+    run_conf,
+)
 from cdc_platform.lib.storage import Location, Where
 
 if TYPE_CHECKING:
@@ -55,11 +60,11 @@ class SparkResource(dg.ConfigurableResource):
 
     _session: SparkSession | None = PrivateAttr(default=None)
 
-    @field_validator("spark_config")
-    @classmethod
-    def _only_tuning(cls, value: dict[str, str]) -> dict[str, str]:
-        """Refused when the run starts, before any session exists."""
-        return run_conf(value)
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        """Refused when the run starts, before any session exists: a run config that reads the
+        environment, or Spark settings off the allowlist (the message names keys, no value)."""
+        refuse_env_references(context)
+        run_conf(self.spark_config)
 
     def session(self, warehouse: Where | None = None) -> SparkSession:
         """The session, built on first use where the deployment says, with the Hadoop settings
@@ -77,6 +82,9 @@ class SparkResource(dg.ConfigurableResource):
                     # one a SparkResource started, else start (and later stop) a new one.
                     already_running = False
                     session = next((s for s in _started if _is_connect(s)), None)
+                    if session is not None and not connect_session_usable(session):
+                        _started.remove(session)  # its proven connection dropped
+                        session = None
                     session = session or deployment.session(conf, storage=storage)
                 else:
                     already_running = SparkSession.getActiveSession() is not None
@@ -104,6 +112,29 @@ class SparkResource(dg.ConfigurableResource):
                 session.stop()
 
 
+def refuse_env_references(context: dg.InitResourceContext) -> None:
+    """Dagster resolves ``{env: NAME}`` in any string of a run config: a Launchpad user could
+    read the deployment's secrets into a field that is echoed back (a time, a table name, a
+    reason). No run config of this platform needs one, so a run holding one is refused."""
+    run = context.dagster_run
+    found = _env_references(run.run_config if run is not None else {}, "")
+    if found:
+        raise dg.Failure(
+            f"run config may not read environment variables (found {{env: ...}} at "
+            f"{', '.join(found)}): the deployment's environment is not the Launchpad's"
+        )
+
+
+def _env_references(value: Any, where: str) -> list[str]:
+    if isinstance(value, dict):
+        if "env" in value and len(value) == 1:
+            return [where or "the root"]
+        return [p for k, v in value.items() for p in _env_references(v, f"{where}.{k}".strip("."))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _env_references(v, f"{where}[{i}]")]
+    return []
+
+
 def _is_connect(session: Any) -> bool:
     from cdc_platform.lib.spark import is_connect
 
@@ -119,6 +150,9 @@ class KeyringResource(dg.ConfigurableResource):
     """
 
     _keyring: Keyring | None = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        refuse_env_references(context)
 
     def load(self) -> Keyring:
         if self._keyring is None:

@@ -29,13 +29,17 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import stat
 import sys
-from collections.abc import Iterable, Mapping
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from cdc_platform.lib.storage import Location, spark_hadoop_conf
 
@@ -230,14 +234,56 @@ def build_spark_session(
         os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK)
     from pyspark.sql import SparkSession
 
+    merged = spark_conf(master, conf, storage)
+    hidden = {k: v for k, v in merged.items() if SECRET_CONF.search(k)}
     builder = SparkSession.builder.appName(app_name)
-    for key, value in spark_conf(master, conf, storage).items():
-        builder = builder.config(key, value)
-    session = builder.getOrCreate()
+    for key, value in merged.items():
+        if key not in hidden:
+            builder = builder.config(key, value)
+    with _secret_properties(hidden):
+        session = builder.getOrCreate()
     quiet_logs(session)
     if not is_local(master):
         ship_package(session)
     return session
+
+
+# Spark's own redaction pattern: settings whose names say they hold a secret.
+SECRET_CONF = re.compile(r"(?i)secret|password|token|access[.]?key")
+
+
+@contextmanager
+def _secret_properties(hidden: Mapping[str, str]) -> Iterator[None]:
+    """While a JVM starts, hand it the secret settings in a properties file only this user can
+    read (deleted once it has started): pyspark puts builder settings on the spark-submit and
+    java command lines, which every local user can read (``ps``). ``--load-spark-defaults``
+    keeps the deployment's ``spark-defaults.conf`` loaded as well."""
+    if not hidden:
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix="cdc-spark-"))  # mode 700
+    props = folder / "secret.properties"
+    fd = os.open(props, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}={_escape_property(v)}\n" for k, v in hidden.items())
+    before = os.environ.get("PYSPARK_SUBMIT_ARGS")
+    os.environ["PYSPARK_SUBMIT_ARGS"] = (
+        f"--properties-file {shlex.quote(str(props))} --load-spark-defaults pyspark-shell"
+    )
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYSPARK_SUBMIT_ARGS", None)
+        else:
+            os.environ["PYSPARK_SUBMIT_ARGS"] = before
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _escape_property(value: str) -> str:
+    """A value as Java's Properties reads it back (backslashes, line breaks, leading space)."""
+    out = value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    return "\\" + out if out[:1].isspace() else out
 
 
 def package_zip(folder: Path | None = None) -> Path:
@@ -421,23 +467,17 @@ def build_connect_session(
 
     host, port, params = connect_endpoint(remote)
     if auth is None:
-        builder = SparkSession.builder.appName(app_name).remote(remote)
+        session = SparkSession.builder.appName(app_name).remote(remote).getOrCreate()
     else:
-        from pyspark.sql.connect.client import DefaultChannelBuilder
         from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-        # pyspark sends a token without TLS only to the host named "localhost" (gRPC local
-        # credentials, which check that the peer is on this machine).
-        host = "localhost" if host in LOOPBACK_HOSTS else host
-        extra = "".join(f";{k}={v}" for k, v in params.items())
-        channel = DefaultChannelBuilder(f"sc://{host}:{port}/;token={auth.token}{extra}")
+        channel = _trusted_channel(host, port, params, auth.token)
         # What ``SparkSession.builder.remote(url)`` does: pyspark's functions build Connect
         # columns from here on.
         os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
         builder = ConnectSession.builder.appName(app_name).channelBuilder(channel)
-    session = builder.getOrCreate()
-    if auth is not None:
-        _check_proof(session, remote, auth)
+        session = cast("SparkSession", builder.getOrCreate())
+        _check_proof(session, remote, auth, channel)
     required = {**REQUIRED_CONF, **READ_CONF}
     for key, value in {**(conf or {}), **required}.items():
         if session.conf.isModifiable(key):
@@ -457,15 +497,123 @@ def build_connect_session(
     return session
 
 
-def _check_proof(session: SparkSession, remote: str, auth: ConnectAuth) -> None:
+def _check_proof(session: SparkSession, remote: str, auth: ConnectAuth, channel: Any) -> None:
     """The server computes ``sha256(proof + nonce)`` from its own conf (SQL variable
-    substitution); a server without the proof secret cannot, and gets no work."""
+    substitution); a server without the proof secret cannot, and gets no work. The channel
+    trusts its connection from here on, and refuses every call once it drops (a process that
+    takes the port then would not have proved anything)."""
     nonce = secrets.token_hex(16)
+    before = channel.connections
     row = session.sql(f"SELECT sha2(concat('${{{PROOF_CONF}}}', '{nonce}'), 256) AS p").first()
     want = hashlib.sha256((auth.proof + nonce).encode()).hexdigest()
-    if row is None or not hmac.compare_digest(str(row[0]), want):
+    proved = row is not None and hmac.compare_digest(str(row[0]), want)
+    if not proved or not channel.trust(before):
         session.stop()
         raise ConnectSetupError(
             f"the Spark Connect server at {remote} is not the platform's server of the auth"
             " file (it cannot prove it holds its secret): refusing to send it work"
         )
+
+
+def connect_session_usable(session: SparkSession) -> bool:
+    """False for a Connect session whose proven connection dropped (build a new one)."""
+    builder = getattr(getattr(session, "_client", None), "_builder", None)
+    return not getattr(builder, "broken", False)
+
+
+def _trusted_channel(host: str, port: int, params: Mapping[str, str], token: str) -> Any:
+    """A Spark Connect channel to exactly ``host:port`` with the token, whose calls are refused
+    once the connection the proof was made on has dropped.
+
+    pyspark sends a token without TLS only to the name ``localhost``, which gRPC may resolve to
+    ``::1`` first, where any local user can listen while the server binds 127.0.0.1: this
+    channel dials the address as given (``localhost`` means 127.0.0.1), with gRPC local
+    credentials (the peer must be on this machine) or TLS (``use_ssl=true``)."""
+    import grpc
+    from pyspark.sql.connect.client import DefaultChannelBuilder
+
+    target = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+    if host == "localhost":
+        target = f"{LOOPBACK}:{port}"
+    tls = params.get("use_ssl", "").lower() == "true"
+    extra = "".join(f";{k}={v}" for k, v in params.items() if k != "use_ssl")
+
+    class TrustedChannel(DefaultChannelBuilder):
+        def __init__(self) -> None:
+            super().__init__(f"sc://{target}/{extra}")
+            self.connections = 0  # times the channel became READY
+            self.ready = False
+            self.trusted: int | None = None  # the connection the proof was answered on
+            self.broken = False
+
+        def trust(self, before: int) -> bool:
+            """Trust the connection the proof was answered on, if it is still the one."""
+            deadline = time.monotonic() + 2  # the state callbacks come from gRPC's thread
+            while not self.ready and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not self.ready or self.connections != max(before, 1):
+                return False
+            self.trusted = self.connections
+            return True
+
+        def _state(self, state: grpc.ChannelConnectivity) -> None:
+            self.ready = state == grpc.ChannelConnectivity.READY
+            self.connections += self.ready
+            if self.trusted is not None and (not self.ready or self.connections != self.trusted):
+                self.broken = True
+
+        def check(self) -> None:
+            if self.broken:
+                raise ConnectSetupError(
+                    f"the connection to the Spark Connect server at {target} dropped after it"
+                    " proved itself: no call goes to whatever listens there now"
+                )
+
+        def toChannel(self) -> grpc.Channel:
+            creds = grpc.ssl_channel_credentials() if tls else grpc.local_channel_credentials()
+            creds = grpc.composite_channel_credentials(
+                creds, grpc.access_token_call_credentials(token)
+            )
+            raw = grpc.secure_channel(target, creds, options=self._effective_channel_options())
+            raw.subscribe(self._state, try_to_connect=False)
+            return grpc.intercept_channel(raw, _guard(self.check), *self._interceptors)
+
+    return TrustedChannel()
+
+
+def _guard_class() -> type:
+    import grpc
+
+    class Guard(
+        grpc.UnaryUnaryClientInterceptor,
+        grpc.UnaryStreamClientInterceptor,
+        grpc.StreamUnaryClientInterceptor,
+        grpc.StreamStreamClientInterceptor,
+    ):
+        """Runs ``check`` before every call of the channel (it raises to refuse the call)."""
+
+        def __init__(self, check: Any) -> None:
+            self.check = check
+
+        def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+            self.check()
+            return continuation(client_call_details, request)
+
+        def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
+            self.check()
+            return continuation(client_call_details, request)
+
+        def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+            self.check()
+            return continuation(client_call_details, request_iterator)
+
+        def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+            self.check()
+            return continuation(client_call_details, request_iterator)
+
+    return Guard
+
+
+def _guard(check: Any) -> Any:
+    """An interceptor running ``check`` first (the class is built where grpc is imported)."""
+    return _guard_class()(check)
