@@ -10,6 +10,7 @@ alert or check sample carries a secret. Library-level calls: most need no Spark 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -23,7 +24,7 @@ import pytest
 import yaml
 from deltalake import DeltaTable, write_deltalake
 
-from cdc_platform.lib import discovery, invariants
+from cdc_platform.lib import delta, discovery, invariants
 from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import ConfigError, TableConfig, parse_config
 from cdc_platform.lib.discovery import describe
@@ -210,6 +211,38 @@ def test_adoption_errors_name_rows_never_key_values(spark, site) -> None:
     assert "part-0.parquet row 1 and" in str(err.value)
 
 
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_a_delta_log_never_points_adoption_at_files_outside_the_source(
+    spark, site, partitioned
+) -> None:
+    """Whoever can write a ``_delta_log`` under an adoption root could name another table's
+    history or change-log files by absolute path or ``..``: refused before any file is read."""
+    secret_file = site["private"] / "history.parquet"
+    pq.write_table(pa.table({"id": [1], "v": [SECRET]}), secret_file)
+    for name, path in (("abs", str(secret_file)), ("up", "../../private/history.parquet")):
+        export = site["allowed"] / f"{name}-{partitioned}"
+        data = pa.table({"id": [2], "v": ["x"], "p": ["a"]})
+        write_deltalake(str(export), data, partition_by=["p"] if partitioned else None)
+        log = export / "_delta_log" / "00000000000000000000.json"
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        for action in lines:
+            if "add" in action:
+                action["add"]["path"] = path
+        log.write_text("".join(json.dumps(a) + "\n" for a in lines))
+        table = TableConfig(name="orders", primary_key=("id",), start=H5)
+        with pytest.raises(AdoptionError, match="outside the table") as err:
+            adopt(
+                spark,
+                table,
+                site["warehouse"],
+                str(export),
+                adoption_roots=[site["allowed"]],
+                landing_root=site["landing"],
+            )
+        assert SECRET not in str(err.value)
+        assert not (site["warehouse"] / "orders").exists()
+
+
 # -- item 5: a file or folder swapped for a symlink after the listing is never read -------------
 
 
@@ -286,6 +319,38 @@ def test_a_materialization_never_reads_through_a_folder_swapped_after_listing(
         "symlink: links in the landing zone are not followed"
     ]
     assert (out.files_read, out.events_read, out.read_natively) == (1, 0, ())
+
+
+def test_a_file_swapped_while_spark_reads_it_is_never_taken_even_when_spark_fails(
+    spark, site, monkeypatch
+) -> None:
+    """Swapped for a link to a file that is no Parquet once the guard has looked: Spark's own
+    read fails first (its error would name the target); the guard is asked all the same."""
+    from cdc_platform.lib import pipeline
+
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    path = write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1, v="ok")])
+    keyring = site["private"] / "keyring.json"
+    real_read = pipeline.read_events
+
+    def swap_then_read(*args: Any) -> Any:
+        if args[4] and not path.is_symlink():  # the native read: Spark opens by path
+            os.replace(path, site["private"] / "kept.parquet")
+            path.symlink_to(keyring)
+        return real_read(*args)
+
+    monkeypatch.setattr(pipeline, "read_events", swap_then_read)
+    try:
+        out = materialize(spark, table, site["landing"], site["warehouse"], [H5])
+    except Exception as exc:  # refused: through the checked descriptor, the link is no file
+        assert SECRET not in str(exc) and "keyring" not in str(exc)
+        # The checked Python read refused the link; not Spark's by-path read failing.
+        assert "FAILED_READ_FILE" not in str(exc) and "symlink" in str(exc)
+    else:
+        assert SECRET not in repr(out) and out.read_natively == ()
+    changelog = TablePaths.of(site["warehouse"], "orders").changelog
+    if delta.exists(changelog):
+        assert SECRET not in str(DeltaTable(changelog.uri).to_pyarrow_table().to_pylist())
 
 
 def test_discovery_never_reads_a_file_swapped_after_listing(site, monkeypatch) -> None:

@@ -90,10 +90,11 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         context: dg.OpExecutionContext, config: TruncateConfig, spark: SparkResource
     ) -> None:
         table = table_named(platform, config.table)
+        # Refused before waiting for the slot; None: the millisecond after the catch-up merge
+        # (what it writes is truncated too).
+        before = parse_before(config.before, datetime.now(UTC)) if config.before else None
         with table_pool_slot(context, table):
             started = datetime.now(UTC)
-            # None: the millisecond after the catch-up merge (what it writes is truncated too).
-            before = parse_before(config.before, started) if config.before else None
             paths = TablePaths.of(platform.warehouse_root, table.name)
             version_before = delta.version_or_none(paths.history)
             try:
@@ -193,9 +194,10 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         keyring: KeyringResource,
     ) -> None:
         table = table_named(platform, config.table)
+        given_at = parse_before(config.at, datetime.now(UTC), "at") if config.at else None
         with table_pool_slot(context, table):
             started = datetime.now(UTC)
-            at = parse_before(config.at, started, "at")
+            at = given_at or started  # default: when the run holds the table
             paths = TablePaths.of(platform.warehouse_root, table.name)
             version_before = delta.version_or_none(paths.history)
             try:

@@ -234,6 +234,7 @@ def _read_source(
                 f"{where}: the Delta table uses reader features {sorted(features)}; "
                 "rewrite it without them (or export it to Parquet) to adopt it"
             )
+        _refuse_files_outside(where, dt)
         files = dt.file_uris()
         if not files:
             raise AdoptionError(f"{where}: the Delta table has no rows to adopt")
@@ -248,6 +249,22 @@ def _read_source(
         reader = spark.read
     rows = reader.options(**NATIVE_READ_OPTIONS).parquet(*files)
     return fmt, _with_provenance(rows)
+
+
+def _refuse_files_outside(where: Location, dt: Any) -> None:
+    """A Delta log may name data files by absolute path, URI or ``..``: whoever can write a log
+    under an adoption root could point it at another table's history or change log. Every file
+    of the source must be a relative path inside it (docs/SECURITY.md)."""
+    from urllib.parse import unquote
+
+    for action in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
+        path = unquote(str(action["path"]))
+        parts = path.replace("\\", "/").split("/")
+        if "://" in path or path.startswith("/") or ".." in parts:
+            raise AdoptionError(
+                f"{where}: the Delta log names a data file outside the table (absolute, a URI"
+                " or '..'): a source's files must all be inside it"
+            )
 
 
 def _with_provenance(rows: DataFrame) -> DataFrame:

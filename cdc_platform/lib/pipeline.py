@@ -170,7 +170,11 @@ def materialize(
 
         try:
             appended = append(native)
-        except NativeReadChangedError:
+        except Exception as exc:
+            # A file swapped under Spark may fail its read before the guard is asked (an
+            # error naming the swapped-in target): a changed file means the read was not ours.
+            if not native or not (isinstance(exc, NativeReadChangedError) or guard.changed()):
+                raise
             native = {}  # every file through the checked descriptor, in Python
             appended = append(native)
         new_events = appended.new_events
