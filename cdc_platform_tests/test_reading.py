@@ -75,3 +75,26 @@ def test_integer_widths_agree_and_untyped_columns_wait_for_a_type(tmp_path):
         "amount": pa.int64(),
     }  # note: no type yet
     assert clashes == {}
+
+
+def test_which_file_of_a_first_batch_widens_a_key_never_depends_on_file_names(tmp_path):
+    """The key column is new in a first batch with a text file and an integer file: under the
+    default ``widen_types`` the integer file sets the type and the text file is set aside,
+    whichever name sorts first (it was the first file by path that decided)."""
+    ts = pa.array([datetime(2024, 1, 1, 5, tzinfo=UTC)], pa.timestamp("us", tz="UTC"))
+
+    def write(folder: Path, name: str, key: pa.Array) -> str:
+        change = {"cdc_operation_type": ["INSERT"], "cdc_change_seq": [1]}
+        pq.write_table(pa.table({"id": key, **change, "cdc_commit_timestamp": ts}), folder / name)
+        return str(folder / name)
+
+    for text_name, int_name in (("a.parquet", "b.parquet"), ("b.parquet", "a.parquet")):
+        folder = tmp_path / text_name
+        folder.mkdir()
+        reader = LandingReader(TABLE, folder)
+        text = reader.inspect(write(folder, text_name, pa.array(["A-1"])))
+        ints = reader.inspect(write(folder, int_name, pa.array([7])))
+        fields, clashes = unify_schema(None, [text, ints], TABLE.may_widen)
+        assert {f.name: f.type for f in fields}["id"] == pa.int64(), text_name
+        assert list(clashes) == [text.path], text_name
+        assert "widen_types" in clashes[text.path]

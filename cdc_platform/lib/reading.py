@@ -958,13 +958,16 @@ def unify_schema(
     if established is not None:
         fields.update({f.name: f.type for f in established})
     by_lower = {name.lower(): name for name in fields}
+    # A column new in this batch that may not widen starts at its narrowest type among the
+    # batch's files, whatever their names: the file order never decides a widening.
+    seeds = _narrowest_new_types(fields, reports, may_widen, skip)
     rejected: dict[str, str] = {}
     for report in sorted(reports, key=lambda r: r.path):
         assert report.schema is not None
         typed = [f for f in report.schema if f.name not in skip and not pa.types.is_null(f.type)]
         clash = None
         for f in report.schema:
-            have = fields.get(f.name)
+            have = fields.get(f.name, seeds.get(f.name))
             same_but_case = by_lower.get(f.name.lower())
             if f.name in skip:
                 continue
@@ -1012,6 +1015,32 @@ def unify_schema(
             )
             by_lower.setdefault(f.name.lower(), f.name)
     return [pa.field(name, t) for name, t in fields.items()], rejected
+
+
+def _narrowest_new_types(
+    fields: Mapping[str, pa.DataType],
+    reports: Sequence[FileReport],
+    may_widen: Callable[[str], bool] | None,
+    skip: set[str],
+) -> dict[str, pa.DataType]:
+    """For each column the table does not have yet and may not widen: the type every other
+    type of it in ``reports`` widens from, if there is one (else none: clashes decide)."""
+    if may_widen is None:
+        return {}
+    seen: dict[str, list[pa.DataType]] = {}
+    for report in reports:
+        for f in report.schema or ():
+            known = fields.get(f.name)
+            if f.name in skip or pa.types.is_null(f.type) or may_widen(f.name):
+                continue
+            if known is None or pa.types.is_null(known):
+                seen.setdefault(f.name, []).append(f.type)
+    return {
+        name: t
+        for name, types in seen.items()
+        for t in [next((t for t in types if all(widest(t, u) == u for u in types)), None)]
+        if t is not None
+    }
 
 
 def event_schema(key_and_data: Sequence[pa.Field]) -> pa.Schema:
