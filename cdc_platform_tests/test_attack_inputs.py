@@ -193,20 +193,25 @@ def test_the_config_keeps_the_roots_apart_from_the_platforms_own(tmp_path: Path)
             parse(**extra)
 
 
+def _adopt(spark: Any, site: dict[str, Path], table: TableConfig, source: Path) -> Any:
+    """Adopt ``source`` with the site's allowed folder as the only adoption root."""
+    return adopt(
+        spark,
+        table,
+        site["warehouse"],
+        str(source),
+        adoption_roots=[site["allowed"]],
+        landing_root=site["landing"],
+    )
+
+
 def test_adoption_errors_name_rows_never_key_values(spark, site) -> None:
     export = site["allowed"] / "export"
     export.mkdir()
     pq.write_table(pa.table({"id": [SECRET, SECRET], "v": [1, 2]}), export / "part-0.parquet")
     table = TableConfig(name="orders", primary_key=("id",), start=H5)
     with pytest.raises(AdoptionError) as err:
-        adopt(
-            spark,
-            table,
-            site["warehouse"],
-            str(export),
-            adoption_roots=[site["allowed"]],
-            landing_root=site["landing"],
-        )
+        _adopt(spark, site, table, export)
     assert SECRET not in str(err.value)
     assert "part-0.parquet row 1 and" in str(err.value)
 
@@ -231,14 +236,7 @@ def test_a_delta_log_never_points_adoption_at_files_outside_the_source(
         log.write_text("".join(json.dumps(a) + "\n" for a in lines))
         table = TableConfig(name="orders", primary_key=("id",), start=H5)
         with pytest.raises(AdoptionError, match="outside the table") as err:
-            adopt(
-                spark,
-                table,
-                site["warehouse"],
-                str(export),
-                adoption_roots=[site["allowed"]],
-                landing_root=site["landing"],
-            )
+            _adopt(spark, site, table, export)
         assert SECRET not in str(err.value)
         assert not (site["warehouse"] / "orders").exists()
 
