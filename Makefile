@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 
-.PHONY: demo ui test test-cluster test-connect lint bench java clean spark-connect spark-connect-stop
+.PHONY: demo ui test test-cluster test-connect lint bench java jars clean spark-connect spark-connect-stop
 
 demo: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.demo.run
@@ -13,18 +13,18 @@ ui: java $(VENV)/.installed
 	@test -f $(DAGSTER_HOME)/dagster.yaml || { echo "run 'make demo' first"; exit 1; }
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
-test: java $(VENV)/.installed
+test: java $(VENV)/.installed jars
 	$(BIN)/ruff check cdc_platform cdc_platform_tests benchmarks
 	$(BIN)/ruff format --check cdc_platform cdc_platform_tests benchmarks
 	$(BIN)/pyright
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # A real Spark standalone cluster (a master and two workers from the pyspark package).
-test-cluster: java $(VENV)/.installed
+test-cluster: java $(VENV)/.installed jars
 	$(BIN)/pytest --run-cluster cdc_platform_tests/test_cluster.py
 
 # The pipeline over a real Spark Connect server (started and stopped by the test's fixture).
-test-connect: java $(VENV)/.installed
+test-connect: java $(VENV)/.installed jars
 	$(BIN)/pytest --run-connect cdc_platform_tests/test_spark_connect.py
 
 lint: $(VENV)/.installed
@@ -42,6 +42,11 @@ spark-connect: java $(VENV)/.installed
 
 spark-connect-stop: $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.connect_server stop
+
+# Delta's JVM library and the S3 connector, pinned in cdc_platform/jars.lock (checksums checked),
+# into .jars/ (or $CDC_JARS_DIR): fetched once, then used by file, never from the network at run time.
+jars: $(VENV)/.installed
+	$(BIN)/python -m cdc_platform.lib.jars fetch
 
 java:
 	@command -v java >/dev/null 2>&1 || { [ -n "$$JAVA_HOME" ] && [ -x "$$JAVA_HOME/bin/java" ]; } || { echo "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."; exit 1; }

@@ -17,8 +17,9 @@ is any other setting (``spark-defaults.conf`` in ``$SPARK_CONF_DIR``); a run may
 few knobs of ``RUN_TUNABLE``, each a number, a size or a boolean.
 
 A warehouse on an object store (``storage.Location``) adds the Hadoop settings its storage
-options map to (``spark.hadoop.fs.s3a.*`` for S3); reading and writing ``s3a://`` then needs only
-the connector (``hadoop-aws`` and the AWS SDK bundle) on Spark's classpath.
+options map to (``spark.hadoop.fs.s3a.*`` for S3) and, for S3, the connector's jars
+(``hadoop-aws`` and the AWS SDK bundle, fetched once by ``make jars``: ``lib/jars.py``).
+``delta_conf`` is what a session needs to use Delta's own JVM library on the tables.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from cdc_platform.lib import jars
 from cdc_platform.lib.storage import Location, spark_hadoop_conf
 
 if TYPE_CHECKING:
@@ -198,9 +200,12 @@ def spark_conf(
     """The effective configuration: defaults, then the Hadoop settings of the object stores in
     ``storage`` (environment references read now), then the caller's, then what correctness
     needs. The caller's conf wins over the derived settings (a cluster's own credentials)."""
+    storage = list(storage)
     merged = {**DEFAULT_CONF, "spark.master": master}
     merged.update(spark_hadoop_conf(storage))
     merged.update(conf or {})
+    if any(location.scheme == "s3" for location in storage):
+        merged.update(jar_conf(master, ["s3"], merged))
     merged.update(REQUIRED_CONF)
     # Executors run $PYSPARK_PYTHON where set (a cluster's nodes keep Python elsewhere), else
     # this very interpreter, which has every package the platform needs.
@@ -211,6 +216,36 @@ def spark_conf(
             f" -Dlog4j2.configurationFile={LOG4J2_PROPERTIES.as_uri()}"
         )
     return merged
+
+
+def jar_conf(
+    master: str, jar_sets: Iterable[jars.JarSet], conf: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The settings that put the fetched jars of ``jar_sets`` on Spark's classpath (added to
+    what ``conf`` already lists). A local session takes them on the driver's classpath: the
+    JVM reads them in place, where ``spark.jars`` would copy 700 MB into every new session's
+    work folder. Elsewhere ``spark.jars`` ships them to the executors."""
+    conf = conf or {}
+    files = [str(p) for p in jars.paths(jar_sets)]
+    key, sep = (
+        ("spark.driver.extraClassPath", os.pathsep) if is_local(master) else ("spark.jars", ",")
+    )
+    listed = [p for p in conf.get(key, "").split(sep) if p]
+    return {key: sep.join([*listed, *(f for f in files if f not in listed)])}
+
+
+DELTA_SQL_CONF: dict[str, str] = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+}
+
+
+def delta_conf(master: str = "local[2]") -> dict[str, str]:
+    """What a session needs to read and maintain the tables with Delta's own JVM library
+    (delta-spark: ``DESCRIBE HISTORY``, time travel, ``OPTIMIZE``, ``VACUUM``): its jars and its
+    SQL extension and catalog. ``jars.JarsMissingError`` says what to run when the jars are
+    not fetched. The platform's own session does not need them (docs/engines.md)."""
+    return {**jar_conf(master, ["delta"]), **DELTA_SQL_CONF}
 
 
 def is_local(master: str) -> bool:
@@ -347,8 +382,13 @@ def quiet_logs(session: SparkSession, level: str = "WARN") -> None:
 def connect_server_conf(
     master: str = "local[2]", conf: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The conf a Spark Connect server for the platform starts with (``connect_server``)."""
-    return {**spark_conf(master, conf), **READ_CONF}
+    """The conf a Spark Connect server for the platform starts with (``connect_server``). The
+    server is where Spark runs, so it carries the S3 connector's jars when they are fetched: a
+    code location with its warehouse on S3 can then use it."""
+    merged = spark_conf(master, conf)
+    if jars.available(["s3"]):
+        merged.update(jar_conf(master, ["s3"], merged))
+    return {**merged, **READ_CONF}
 
 
 # The server's proof secret: in its Spark conf, never sent by a client (``ConnectAuth``). Not
