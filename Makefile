@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 
-.PHONY: demo ui test test-cluster test-connect lint bench java jars clean spark-connect spark-connect-stop
+.PHONY: demo ui test test-cluster test-connect lint bench java jars docs clean spark-connect spark-connect-stop
 
 demo: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.demo.run
@@ -26,6 +26,10 @@ test-cluster: java $(VENV)/.installed jars
 # The pipeline over a real Spark Connect server (started and stopped by the test's fixture).
 test-connect: java $(VENV)/.installed jars
 	$(BIN)/pytest --run-connect cdc_platform_tests/test_spark_connect.py
+
+# docs/configuration.md, generated from the code's own config models (test_docs.py checks it).
+docs: $(VENV)/.installed
+	$(BIN)/python -m cdc_platform.config_reference --write
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check --fix cdc_platform cdc_platform_tests benchmarks

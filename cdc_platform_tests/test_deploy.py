@@ -383,7 +383,7 @@ def assert_stored_in_postgres(pg: Postgres, run_id: str, table: str) -> None:
 
 def test_units_environment_workspace_and_readme_agree() -> None:
     example = env_file(ENV_EXAMPLE)
-    readme = (REPO_ROOT / "README.md").read_text()
+    readme = (REPO_ROOT / "docs" / "deploying.md").read_text()
     for statement in README_PSQL:
         assert f'sudo -u postgres psql -c "{statement}"' in readme
     for path in (
