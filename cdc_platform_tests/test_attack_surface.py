@@ -109,10 +109,10 @@ OPS = {
     "truncate_table": {"truncate": {"config": {"table": "orders"}}},
     "unapply_files": {"unapply": {"config": {"table": "orders", "files": ["x"], "reason": "r"}}},
     "readmit_files": {"readmit": {"config": {"table": "payments", "files": ["x"]}}},
-    **{
-        f"{t}_merge_plan": {f"{t}_plan_merge": {"config": {"first_partition": "2024-01-01-00:00"}}}
-        for t in ("orders", "payments")
+    "merge_plan": {
+        "plan_merge": {"config": {"table": "payments", "first_partition": "2024-01-01-00:00"}}
     },
+    "table_maintenance": {"compact_and_vacuum": {"config": {"table": "orders"}}},
 }
 
 
@@ -358,6 +358,9 @@ def _hostile_cases(lake: Lake) -> list[tuple[str, str, dict[str, Any]]]:
     for name in ("orders`", "../orders", "orders\nx", "", "ORDERS", "orders; DROP TABLE x"):
         cases.append(("truncate_table", "truncate", {"table": name}))
         cases.append(("unapply_files", "unapply", {"table": name, "files": ["*"], "reason": "r"}))
+        cases.append(("table_maintenance", "compact_and_vacuum", {"table": name}))
+        plan = {"table": name, "first_partition": "2024-01-01-00:00"}
+        cases.append(("merge_plan", "plan_merge", plan))
     for path in _hostile_paths(lake, "snapshots"):
         cases.append(("resync_table", "resync", {"table": "orders", "snapshot": path}))
     for path in _hostile_paths(lake, "adoptable"):
@@ -380,7 +383,9 @@ def _hostile_cases(lake: Lake) -> list[tuple[str, str, dict[str, Any]]]:
         )
         cases.append(("readmit_files", "readmit", {"table": "orders", "files": [files]}))
     for partition in ("../../x", "2024-01-01-00:00\n", "2024-01-01-00:00`"):
-        cases.append(("orders_merge_plan", "orders_plan_merge", {"first_partition": partition}))
+        cases.append(
+            ("merge_plan", "plan_merge", {"table": "orders", "first_partition": partition})
+        )
     return cases
 
 
@@ -424,6 +429,7 @@ def test_no_run_config_reads_the_deployments_environment(hostile_lake, monkeypat
     runs = [
         ("truncate_table", {"ops": {"truncate": {"config": {"table": "orders", "before": ref}}}}),
         ("truncate_table", {"ops": {"truncate": {"config": {"table": ref}}}}),
+        ("table_maintenance", {"ops": {"compact_and_vacuum": {"config": {"table": ref}}}}),
         (
             "unapply_files",
             {"ops": {"unapply": {"config": {"table": "orders", "files": ["x"], "reason": ref}}}},

@@ -263,7 +263,7 @@ def test_a_table_without_state_columns_is_recomputed_once(spark, lake):
 
 
 def test_maintenance_job_compacts_without_changing_a_row(spark, lake):
-    """The per-table maintenance job bin-packs the hourly files of both tables, changes no row
+    """The maintenance job bin-packs the hourly files of both tables, changes no row
     (not even `_fivetran_synced`), and the next in-order run still takes the fast path and
     reads only its own change-log file (compacted files are not mistaken for new events)."""
     events = _deep_history(spark, lake, hours=4)
@@ -273,12 +273,14 @@ def test_maintenance_job_compacts_without_changing_a_row(spark, lake):
     history_files = len(delta.snapshot_files(delta.open_table(paths.history)))
     log_files = len(delta.snapshot_files(delta.open_table(paths.changelog)))
 
-    job = build_maintenance_job(platform, TABLE, "cdc_table_deep")
+    job = build_maintenance_job(platform)
     with dg.instance_for_test() as instance:
         result = job.execute_in_process(
             instance=instance,
             resources={"spark": dagster_resources()["spark"]},
-            run_config={"ops": {"deep_compact_and_vacuum": {"config": {"vacuum": False}}}},
+            run_config={
+                "ops": {"compact_and_vacuum": {"config": {"table": TABLE.name, "vacuum": False}}}
+            },
         )
         assert result.success
         observation = instance.fetch_observations(dg.AssetKey(TABLE.name), limit=1).records[0]

@@ -70,12 +70,13 @@ def test_plan_reports_the_real_runs_figures_and_writes_nothing(spark, tmp_path):
     (hour_folder(landing, "orders", H2) / "broken.parquet").write_bytes(b"not parquet")
 
     before = tree(tmp_path)
-    job = build_plan_job(platform, table)
+    job = build_plan_job(platform)
     result = job.execute_in_process(
         run_config={
             "ops": {
-                "orders_plan_merge": {
+                "plan_merge": {
                     "config": {
+                        "table": "orders",
                         "first_partition": "2024-01-01-00:00",
                         "last_partition": "2024-01-01-02:00",
                     }

@@ -223,5 +223,10 @@ def test_repository_lists_assets_sensors_and_check_job(webserver: str) -> None:
         assert sensor["assetSelection"]["assetKeys"] == [{"path": [table]}]
     assert "cdc_run_failure_alerts" in sensors
     assert sensors["cdc_check_failure_alerts"]["defaultStatus"] == "RUNNING"
-    assert "cdc_full_table_checks" in {j["name"] for j in repo["jobs"]}
-    assert "cdc_full_table_checks_schedule" in {s["name"] for s in repo["schedules"]}
+    jobs = {j["name"] for j in repo["jobs"]}
+    assert {"cdc_full_table_checks", "table_maintenance", "merge_plan"} <= jobs
+    assert not any(j.startswith(tuple(TABLES)) for j in jobs)  # no job per table
+    schedules = {s["name"] for s in repo["schedules"]}
+    assert schedules == {"cdc_full_table_checks_schedule"} | {
+        f"{t}_maintenance_schedule" for t in TABLES
+    }

@@ -29,7 +29,7 @@ from cdc_platform.defs.alerts import (
 )
 from cdc_platform.defs.discovery import build_new_tables_sensor
 from cdc_platform.defs.lifecycle import build_lifecycle_jobs
-from cdc_platform.defs.maintenance import build_maintenance_job
+from cdc_platform.defs.maintenance import build_maintenance_job, build_maintenance_schedules
 from cdc_platform.defs.operations import pool_name
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource
@@ -300,8 +300,9 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         if tables
         else None
     )
-    maintenance_jobs = [build_maintenance_job(platform, t, pool_name(t)) for t in platform.tables]
-    plan_jobs = [build_plan_job(platform, t) for t in platform.tables]
+    # One job each, the table named in the run config (as the operator jobs): the Jobs page
+    # lists the same jobs whatever the table count; each table keeps its own schedule.
+    maintenance_job = build_maintenance_job(platform)
     current_assets = [t.current for t in tables if t.current is not None]
     # Runs the current tables' automation conditions; on by default (Dagster's own default
     # automation sensor starts stopped). Needs the daemon, as the landing sensors do.
@@ -330,8 +331,8 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         ],
         jobs=[
             *([check_job] if check_job else []),
-            *maintenance_jobs,
-            *plan_jobs,
+            maintenance_job,
+            build_plan_job(platform),
             *build_revocation_jobs(platform),
             *build_lifecycle_jobs(platform),
         ],
@@ -352,16 +353,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
                 if check_job
                 else []
             ),
-            *(
-                dg.ScheduleDefinition(
-                    name=f"{job.name}_schedule",
-                    job=job,
-                    cron_schedule=platform.maintenance_schedule,
-                    execution_timezone="UTC",
-                    default_status=dg.DefaultScheduleStatus.RUNNING,
-                )
-                for job in maintenance_jobs
-            ),
+            *build_maintenance_schedules(platform, maintenance_job),
         ],
         resources={
             # Where Spark runs and which keyring is read: the deployment's environment only.

@@ -1,68 +1,112 @@
-"""Maintenance jobs: one per table, compaction then VACUUM, on the config's schedule.
+"""``table_maintenance``: compaction then VACUUM of one table, named in the run config.
 
-The op runs in the table's concurrency pool, so it never overlaps a materialization of the
-same table. What it did is recorded as an observation of the table's asset (files and bytes
-before and after), visible on the asset's page beside its materializations.
+One job for every table (the Jobs page does not grow with the table count); each table gets a
+schedule, ``<table>_maintenance_schedule``, on the config's ``maintenance_schedule``, that
+launches this job with the table in its run config, so a table's maintenance can be stopped
+on its own. The op holds the table's pool slot while it works (``defs.operations``), so it
+never overlaps a materialization or an operator job of the same table. What it did is
+recorded as an observation of the table's asset (files and bytes before and after), visible
+on the asset's page beside its materializations.
 """
 
-import dagster as dg
+from typing import Any
 
+import dagster as dg
+from pydantic import Field
+
+from cdc_platform.defs.operations import (
+    TableRunConfig,
+    table_named,
+    table_pool_slot,
+    tag_run_with_table,
+)
 from cdc_platform.defs.resources import SparkResource
+from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.maintenance import DEFAULT_RETENTION_HOURS, compact, vacuum
 from cdc_platform.lib.warehouse import TablePaths
 
-
-class MaintenanceConfig(dg.Config):
-    retention_hours: int = DEFAULT_RETENTION_HOURS
-    vacuum: bool = True
+MAINTENANCE_JOB = "table_maintenance"
+MAINTENANCE_OP = "compact_and_vacuum"
 
 
-def maintenance_job_name(table: TableConfig) -> str:
-    return f"{table.name}_maintenance"
+class MaintenanceConfig(TableRunConfig):
+    retention_hours: int = Field(
+        default=DEFAULT_RETENTION_HOURS,
+        description="VACUUM removes files no longer referenced for at least this many hours "
+        "(time travel reaches back as far).",
+    )
+    vacuum: bool = Field(default=True, description="False: compact only.")
 
 
-def build_maintenance_job(
-    platform: PlatformConfig, table: TableConfig, pool: str
-) -> dg.JobDefinition:
-    paths = TablePaths.of(platform.warehouse_root, table.name)
+def maintenance_schedule_name(table: TableConfig) -> str:
+    return f"{table.name}_maintenance_schedule"
 
-    @dg.op(name=f"{table.name}_compact_and_vacuum", pool=pool)
+
+def maintenance_run_config(table: TableConfig) -> dict[str, Any]:
+    """The run config of a table's scheduled maintenance (the Launchpad takes the same)."""
+    return {"ops": {MAINTENANCE_OP: {"config": {"table": table.name}}}}
+
+
+def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
+    @dg.op(name=MAINTENANCE_OP)
     def compact_and_vacuum(
         context: dg.OpExecutionContext, config: MaintenanceConfig, spark: SparkResource
     ) -> None:
-        metadata: dict[str, int | None] = {}
-        for c in compact(spark.session(platform.warehouse_root), paths, table.primary_key):
-            context.log.info(
-                f"{table.name} {c.table}: {c.files_before} -> {c.files_after} files "
-                f"({c.files_rewritten} rewritten), {c.bytes_before:,} -> {c.bytes_after:,} bytes"
+        table = table_named(platform, config.table)
+        tag_run_with_table(context, table)
+        with table_pool_slot(context, table):
+            paths = TablePaths.of(platform.warehouse_root, table.name)
+            metadata: dict[str, int | None] = {}
+            for c in compact(spark.session(platform.warehouse_root), paths, table.primary_key):
+                context.log.info(
+                    f"{table.name} {c.table}: {c.files_before} -> {c.files_after} files "
+                    f"({c.files_rewritten} rewritten), "
+                    f"{c.bytes_before:,} -> {c.bytes_after:,} bytes"
+                )
+                metadata |= {
+                    f"{c.table}_files_before": c.files_before,
+                    f"{c.table}_files_after": c.files_after,
+                    f"{c.table}_bytes_before": c.bytes_before,
+                    f"{c.table}_bytes_after": c.bytes_after,
+                    f"{c.table}_files_rewritten": c.files_rewritten,
+                }
+            if config.vacuum:
+                removed = vacuum(paths, config.retention_hours, current_table=table.current_table)
+                metadata["vacuumed_files"] = len(removed)
+            context.log_event(
+                dg.AssetObservation(
+                    asset_key=dg.AssetKey(table.name),
+                    metadata={"maintenance": "compact + vacuum", **metadata},
+                )
             )
-            metadata |= {
-                f"{c.table}_files_before": c.files_before,
-                f"{c.table}_files_after": c.files_after,
-                f"{c.table}_bytes_before": c.bytes_before,
-                f"{c.table}_bytes_after": c.bytes_after,
-                f"{c.table}_files_rewritten": c.files_rewritten,
-            }
-        if config.vacuum:
-            removed = vacuum(paths, config.retention_hours, current_table=table.current_table)
-            metadata["vacuumed_files"] = len(removed)
-        context.log_event(
-            dg.AssetObservation(
-                asset_key=dg.AssetKey(table.name),
-                metadata={"maintenance": "compact + vacuum", **metadata},
-            )
-        )
 
     @dg.job(
-        name=maintenance_job_name(table),
-        description=(
-            f"Compact {table.name}'s history table and change log, then VACUUM them"
-            + (" and its current table." if table.current_table else ".")
-        ),
-        tags={"cdc_platform/table": table.name},
+        name=MAINTENANCE_JOB,
+        description="Compact a table's history table and change log, then VACUUM them (and "
+        "its current table). Each table's <table>_maintenance_schedule launches it.",
     )
-    def maintenance() -> None:
+    def table_maintenance() -> None:
         compact_and_vacuum()
 
-    return maintenance
+    return table_maintenance
+
+
+def build_maintenance_schedules(
+    platform: PlatformConfig, job: dg.JobDefinition
+) -> list[dg.ScheduleDefinition]:
+    """One schedule per table, all on the config's ``maintenance_schedule``: each launches
+    ``job`` for its table (tagged with it), and can be stopped on its own."""
+    return [
+        dg.ScheduleDefinition(
+            name=maintenance_schedule_name(t),
+            job=job,
+            cron_schedule=platform.maintenance_schedule,
+            execution_timezone="UTC",
+            run_config=maintenance_run_config(t),
+            tags={TABLE_TAG: t.name},
+            description=f"Compaction and VACUUM of {t.name} ({MAINTENANCE_JOB}).",
+            default_status=dg.DefaultScheduleStatus.RUNNING,
+        )
+        for t in platform.tables
+    ]

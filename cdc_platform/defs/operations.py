@@ -1,5 +1,11 @@
-"""What the operator jobs (un-apply, re-admit, truncate, adopt, re-sync) share: finding the
-table a run names, holding its pool slot while they write it, and reporting what they did.
+"""What the operator jobs (un-apply, re-admit, truncate, adopt, re-sync, maintenance, merge
+plan) share: finding the table a run names, holding its pool slot while they work on it, and
+reporting what they did.
+
+**One job for every table.** Each of these jobs names its table in its run config
+(``TableRunConfig``), so the Jobs page lists the same dozen jobs whatever the table count. A
+name that is not a table of the config is refused before anything is read or waited for,
+with a message that names the known tables (a few close ones when there are many).
 
 **One writer per table.** Every operator job that writes a table runs inside
 ``table_pool_slot``: it claims the table's concurrency pool (``cdc_table_<name>``, limit 1 in
@@ -15,6 +21,7 @@ partition does, and runs the invariants over the keys it recomputed: a failing i
 the run (the run-failure alert fires).
 """
 
+import difflib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,8 +29,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import dagster as dg
+from pydantic import Field
 
 from cdc_platform.defs.resources import SparkResource
+from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib import invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.landing import hour_to_partition_key
@@ -34,6 +43,14 @@ from cdc_platform.lib.warehouse import TablePaths
 POOL_WAIT_SECONDS = 3600.0
 POOL_LOG_EVERY_SECONDS = 60.0
 _POLL_SECONDS = 2.0
+# An unknown table's message lists every table up to this many, else the closest names.
+TABLES_LISTED = 20
+
+
+class TableRunConfig(dg.Config):
+    """The run config every operator job starts with: the table it works on."""
+
+    table: str = Field(description="The table, as named in the config.")
 
 
 def pool_name(table: TableConfig) -> str:
@@ -112,11 +129,40 @@ def pool_slot(
 
 
 def table_named(platform: PlatformConfig, name: str) -> TableConfig:
+    """The table a run config names; a ``dg.Failure`` naming the known tables if none is.
+
+    The name is echoed (shortened): run config cannot hold ``{env: ...}`` (the resources
+    refuse it first), so it holds nothing the Launchpad user did not type."""
     try:
         return platform.table(name)
     except KeyError:
-        known = ", ".join(t.name for t in platform.tables)
-        raise dg.Failure(f"no table {name!r} in the config (tables: {known})") from None
+        pass
+    names = [t.name for t in platform.tables]
+    if len(names) <= TABLES_LISTED:
+        known = ", ".join(names)
+    else:
+        close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+        known = f"{len(names)} tables" + (f", closest: {', '.join(close)}" if close else "")
+        known += "; the asset catalog lists them"
+    shown = name if len(name) <= 100 else name[:100] + "..."
+    raise dg.Failure(f"no table {shown!r} in the config (tables: {known})")
+
+
+@contextmanager
+def refused(*errors: type[Exception]) -> Iterator[None]:
+    """``errors`` raised in the block fail the run with their message alone (no traceback):
+    the library's refusals of a run's input, which say what to do instead."""
+    try:
+        yield
+    except errors as exc:
+        raise dg.Failure(str(exc)) from None
+
+
+def tag_run_with_table(context: dg.OpExecutionContext, table: TableConfig) -> None:
+    """Tag the run with its table, as a sensor's or a schedule's run is, so the Runs page
+    filters by it and a failure alert names it."""
+    if context.run.tags.get(TABLE_TAG) != table.name:
+        context.instance.add_run_tags(context.run.run_id, {TABLE_TAG: table.name})
 
 
 def check_and_report(

@@ -1,7 +1,8 @@
-"""Merge plan jobs: one per table, a dry run of materializing a range of hours.
+"""``merge_plan``: a dry run of materializing a range of hours of one table.
 
-Launched from the UI (Jobs → ``<table>_merge_plan`` → Launchpad) with the first and last
-partition to plan. Nothing is committed: the plan (``lib.plan``) runs the real pipeline on a
+Launched from the UI (Jobs → ``merge_plan`` → Launchpad) with the table and the first and last
+partition to plan; it waits for the table's pool slot like the operator jobs
+(``defs.operations``). Nothing is committed: the plan (``lib.plan``) runs the real pipeline on a
 temporary shadow of the table. Its figures are logged as an observation of the table's asset,
 next to its materializations, so the plan and the real run that follows compare side by side.
 """
@@ -11,19 +12,24 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
+from cdc_platform.defs.operations import (
+    TableRunConfig,
+    table_named,
+    table_pool_slot,
+    tag_run_with_table,
+)
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.landing import hours_between, partition_key_to_hour
 from cdc_platform.lib.plan import MergePlan, plan
 
+PLAN_JOB = "merge_plan"
+PLAN_OP = "plan_merge"
 
-class PlanConfig(dg.Config):
+
+class PlanConfig(TableRunConfig):
     first_partition: str = Field(description="First hourly partition, e.g. 2024-01-01-05:00.")
     last_partition: str | None = Field(default=None, description="Last one; default: the first.")
-
-
-def plan_job_name(table: TableConfig) -> str:
-    return f"{table.name}_merge_plan"
 
 
 def plan_metadata(p: MergePlan) -> dict[str, Any]:
@@ -52,14 +58,16 @@ def plan_metadata(p: MergePlan) -> dict[str, Any]:
     }
 
 
-def build_plan_job(platform: PlatformConfig, table: TableConfig) -> dg.JobDefinition:
-    @dg.op(name=f"{table.name}_plan_merge")
+def build_plan_job(platform: PlatformConfig) -> dg.JobDefinition:
+    @dg.op(name=PLAN_OP)
     def plan_merge(
         context: dg.OpExecutionContext,
         config: PlanConfig,
         spark: SparkResource,
         keyring: KeyringResource,
     ) -> None:
+        table = table_named(platform, config.table)
+        tag_run_with_table(context, table)
         try:
             first = partition_key_to_hour(config.first_partition)
             last = partition_key_to_hour(config.last_partition or config.first_partition)
@@ -68,14 +76,17 @@ def build_plan_job(platform: PlatformConfig, table: TableConfig) -> dg.JobDefini
         if last < first:
             raise dg.Failure(f"last_partition {config.last_partition} is before first_partition")
         hours = list(hours_between(first, last))
-        result = plan(
-            spark.session(platform.warehouse_root),
-            table,
-            platform.landing_root,
-            platform.warehouse_root,
-            hours,
-            keyring.load() if table.encryption != "none" else None,
-        )
+        # In the table's pool: nothing writes the table, or VACUUMs the files the plan's
+        # shadow links to, while the plan reads it.
+        with table_pool_slot(context, table):
+            result = plan(
+                spark.session(platform.warehouse_root),
+                table,
+                platform.landing_root,
+                platform.warehouse_root,
+                hours,
+                keyring.load() if table.encryption != "none" else None,
+            )
         metadata = plan_metadata(result)
         context.log.info(
             f"{table.name}: plan for {len(hours)} hour(s): {metadata['keys_affected']} keys, "
@@ -86,9 +97,9 @@ def build_plan_job(platform: PlatformConfig, table: TableConfig) -> dg.JobDefini
         context.log_event(dg.AssetObservation(asset_key=dg.AssetKey(table.name), metadata=metadata))
 
     @dg.job(
-        name=plan_job_name(table),
-        description=f"Dry run: what materializing hours of {table.name} would change (no commit).",
-        tags={"cdc_platform/table": table.name},
+        name=PLAN_JOB,
+        description="Dry run: what materializing a range of hours of a table would change "
+        "(figures logged on the table's asset; nothing committed).",
     )
     def merge_plan() -> None:
         plan_merge()

@@ -1,0 +1,191 @@
+"""The code location at 200 tables (issue 23, item 6): the jobs do not grow with the table count.
+
+Maintenance and the merge plan are one job each, like the operator jobs: the table is named in
+the run config, refused with a short message when it is not one of the config's, and the job
+holds that table's pool slot while it works. Each table keeps its maintenance schedule, which
+launches the one job with the table in its run config. No Spark here: the Definitions are only
+built, and the runs that go further than the table lookup get a Spark resource without Spark.
+(``benchmarks/ui_at_scale.py`` looks at the same code location in a browser.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from cdc_platform.defs import maintenance, operations
+from cdc_platform.defs.factory import build_definitions
+from cdc_platform.defs.maintenance import MAINTENANCE_JOB, MAINTENANCE_OP
+from cdc_platform.defs.plans import PLAN_JOB, PLAN_OP
+from cdc_platform.defs.resources import SparkResource
+from cdc_platform.defs.sensors import TABLE_TAG
+from cdc_platform.lib.config import PlatformConfig, load_config
+from cdc_platform_tests.helpers import dagster_resources
+
+# The jobs the Jobs page lists, whatever the table count.
+JOBS = {
+    "cdc_full_table_checks",
+    MAINTENANCE_JOB,
+    PLAN_JOB,
+    "unapply_files",
+    "readmit_files",
+    "truncate_table",
+    "adopt_table",
+    "resync_table",
+}
+POOL_OVERRIDES = {"concurrency": {"pools": {"default_limit": 1, "granularity": "op"}}}
+
+
+def platform_with(tmp_path: Path, n: int) -> PlatformConfig:
+    folder = tmp_path / f"tables_{n}"
+    (folder / "landing").mkdir(parents=True)
+    tables = "".join(
+        f'  - name: t{i:03d}\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
+        + ("    current_table: true\n" if i % 3 == 0 else "")
+        for i in range(n)
+    )
+    config = folder / "cdc_platform.yaml"
+    config.write_text(f"landing_root: landing\nwarehouse_root: warehouse\ntables:\n{tables}")
+    return load_config(config)
+
+
+def listed_jobs(defs: dg.Definitions) -> set[str]:
+    """The jobs the UI lists: Dagster's implicit asset jobs (``__ASSET_JOB``, one
+    ``__anonymous_asset_job_<sensor>`` per sensor that targets an asset) are hidden there."""
+    return {j.name for j in defs.get_repository_def().get_all_jobs() if not j.name.startswith("__")}
+
+
+def test_the_jobs_do_not_grow_with_the_table_count(tmp_path):
+    few, many = platform_with(tmp_path, 2), platform_with(tmp_path, 200)
+    assert listed_jobs(build_definitions(few)) == listed_jobs(build_definitions(many)) == JOBS
+
+    repo = build_definitions(many).get_repository_def()
+    # Each table keeps its maintenance schedule: the one job, the table in its run config.
+    schedules = {s.name: s for s in repo.schedule_defs if s.name.endswith("_maintenance_schedule")}
+    assert len(schedules) == 200
+    for table in many.tables:
+        schedule = schedules[f"{table.name}_maintenance_schedule"]
+        assert schedule.job_name == MAINTENANCE_JOB
+        assert schedule.cron_schedule == many.maintenance_schedule
+        assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
+        with dg.build_schedule_context() as context:
+            data = schedule.evaluate_tick(context)
+        (request,) = data.run_requests or []
+        assert request.run_config == {"ops": {MAINTENANCE_OP: {"config": {"table": table.name}}}}
+        assert request.tags[TABLE_TAG] == table.name
+        dg.validate_run_config(repo.get_job(MAINTENANCE_JOB), request.run_config)
+
+
+def _run(
+    job: dg.JobDefinition, op: str, config: dict[str, Any], **kwargs: Any
+) -> dg.ExecuteInProcessResult:
+    return job.execute_in_process(
+        run_config={"ops": {op: {"config": config}}}, raise_on_error=False, **kwargs
+    )
+
+
+def _failure(result: dg.ExecuteInProcessResult) -> str:
+    (step_failure,) = [e for e in result.all_events if e.is_step_failure]
+    return step_failure.event_specific_data.error.message  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("job_name", "op", "extra"),
+    [(MAINTENANCE_JOB, MAINTENANCE_OP, {}), (PLAN_JOB, PLAN_OP, {"first_partition": "x"})],
+)
+def test_an_unknown_table_is_refused_with_a_short_message(tmp_path, job_name, op, extra):
+    """Refused before anything is read or waited for; among 200 tables the message names the
+    closest few, not all of them; a hostile name is shown shortened and quoted."""
+    defs = build_definitions(platform_with(tmp_path, 200))
+    job = defs.resolve_job_def(job_name)
+    resources = dagster_resources()
+    result = _run(job, op, {"table": "t0077", **extra}, resources=resources)
+    assert not result.success
+    message = _failure(result)
+    assert "no table 't0077' in the config (tables: 200 tables, closest: " in message
+    assert "t077" in message and "the asset catalog lists them" in message
+    assert "t150" not in message and len(message) < 2000
+
+    hostile = "x`; " + "a" * 5000 + "\n"
+    result = _run(job, op, {"table": hostile, **extra}, resources=resources)
+    assert not result.success
+    message = _failure(result)
+    assert "no table 'x`; aaaa" in message and "a" * 200 not in message
+
+    # With a few tables, all of them are named, as the operator jobs always did.
+    few = build_definitions(platform_with(tmp_path, 2)).resolve_job_def(job_name)
+    result = _run(few, op, {"table": "nope", **extra}, resources=resources)
+    assert "no table 'nope' in the config (tables: t000, t001)" in _failure(result)
+
+
+class NoSpark(SparkResource):
+    """A Spark resource whose session is never used (the library calls are replaced)."""
+
+    def session(self, warehouse: Any = None) -> Any:
+        return None
+
+
+def test_maintenance_holds_the_tables_pool_slot_and_tags_the_run(tmp_path, monkeypatch):
+    """Launched for one table, the run waits for that table's pool slot (another run holds
+    it: the maintenance gives up, naming it), then works holding it, tagged with the table
+    and recording what it did on the table's asset."""
+    platform = platform_with(tmp_path, 3)
+    job = build_definitions(platform).resolve_job_def(MAINTENANCE_JOB)
+    calls: list[tuple[str, list[str]]] = []
+    pool = "cdc_table_t001"
+    resources = {"spark": NoSpark()}
+    with dg.instance_for_test(overrides=POOL_OVERRIDES) as instance:
+        storage = instance.event_log_storage
+
+        def vacuum(paths: Any, retention_hours: int, current_table: bool) -> list[str]:
+            held = storage.get_concurrency_info(pool).claimed_slots
+            calls.append((str(paths.history), [s.run_id for s in held]))
+            return ["a", "b"]
+
+        monkeypatch.setattr(maintenance, "compact", lambda spark, paths, key: [])
+        monkeypatch.setattr(maintenance, "vacuum", vacuum)
+        storage.initialize_concurrency_limit_to_default(pool)
+        assert storage.claim_concurrency_slot(pool, "sensor-run", "t001", 0).is_claimed
+        with monkeypatch.context() as m:
+            m.setattr(operations, "POOL_WAIT_SECONDS", 0.5)
+            m.setattr(operations, "_POLL_SECONDS", 0.1)
+            failed = _run(
+                job, MAINTENANCE_OP, {"table": "t001"}, resources=resources, instance=instance
+            )
+        assert not failed.success and calls == []
+        assert "still being written by run(s) sensor-run" in _failure(failed)
+
+        storage.free_concurrency_slot_for_step("sensor-run", "t001")
+        ok = _run(job, MAINTENANCE_OP, {"table": "t001"}, resources=resources, instance=instance)
+        assert ok.success
+        assert calls == [(str(platform.warehouse_root / "t001"), [ok.run_id])]
+        assert storage.get_concurrency_info(pool).claimed_slots == []
+        run = instance.get_run_by_id(ok.run_id)
+        assert run is not None and run.tags[TABLE_TAG] == "t001"
+        (record,) = instance.fetch_observations(dg.AssetKey("t001"), limit=5).records
+        assert record.asset_observation is not None
+        assert record.asset_observation.metadata["vacuumed_files"].value == 2
+
+
+def test_the_merge_plan_waits_for_the_tables_pool_slot(tmp_path, monkeypatch):
+    """The plan's shadow links to the table's files: it reads only while nothing writes or
+    VACUUMs the table. A bad partition is refused before waiting."""
+    job = build_definitions(platform_with(tmp_path, 2)).resolve_job_def(PLAN_JOB)
+    pool = "cdc_table_t000"
+    with dg.instance_for_test(overrides=POOL_OVERRIDES) as instance:
+        storage = instance.event_log_storage
+        storage.initialize_concurrency_limit_to_default(pool)
+        assert storage.claim_concurrency_slot(pool, "backfill", "t000", 0).is_claimed
+        monkeypatch.setattr(operations, "POOL_WAIT_SECONDS", 0.5)
+        monkeypatch.setattr(operations, "_POLL_SECONDS", 0.1)
+        config = {"table": "t000", "first_partition": "2024-01-01-05:00"}
+        kwargs: dict[str, Any] = {"resources": {"spark": NoSpark()}, "instance": instance}
+        waited = _run(job, PLAN_OP, config, **kwargs)
+        assert "still being written by run(s) backfill" in _failure(waited)
+        bad = _run(job, PLAN_OP, {**config, "first_partition": "2024-13-01-05:00"}, **kwargs)
+        assert "partitions are spelled like" in _failure(bad)
+        run = instance.get_run_by_id(waited.run_id)
+        assert run is not None and run.tags[TABLE_TAG] == "t000"
