@@ -15,7 +15,13 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import check_and_report, table_named, table_pool_slot
+from cdc_platform.defs.operations import (
+    TableRunConfig,
+    check_and_report,
+    refused,
+    table_named,
+    table_pool_slot,
+)
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib import delta
 from cdc_platform.lib.adoption import AdoptionError, adopt
@@ -29,8 +35,7 @@ ADOPT_JOB = "adopt_table"
 RESYNC_JOB = "resync_table"
 
 
-class TruncateConfig(dg.Config):
-    table: str = Field(description="The table, as named in the config.")
+class TruncateConfig(TableRunConfig):
     before: str | None = Field(
         default=None,
         description="Truncate what was written before this time: ISO-8601 with a zone "
@@ -44,8 +49,7 @@ class TruncateConfig(dg.Config):
     )
 
 
-class AdoptConfig(dg.Config):
-    table: str = Field(description="The table, as named in the config.")
+class AdoptConfig(TableRunConfig):
     source: str = Field(
         description="The table to adopt: a Delta table or a folder of Parquet files (an "
         "absolute path, file:// or object-store URI under one of the config's adoption_roots), "
@@ -56,8 +60,7 @@ class AdoptConfig(dg.Config):
     )
 
 
-class ResyncConfig(dg.Config):
-    table: str = Field(description="The table, as named in the config.")
+class ResyncConfig(TableRunConfig):
     snapshot: str = Field(
         description="The folder of snapshot files, in the table's landing format: an absolute "
         "path under one of the config's snapshot_roots (no symlink in it)."
@@ -97,7 +100,7 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
             started = datetime.now(UTC)
             paths = TablePaths.of(platform.warehouse_root, table.name)
             version_before = delta.version_or_none(paths.history)
-            try:
+            with refused(ValueError):
                 r = truncate(
                     spark.session(platform.warehouse_root),
                     table,
@@ -106,8 +109,6 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                     config.soft,
                     started,
                 )
-            except ValueError as exc:
-                raise dg.Failure(str(exc)) from None
             kind = "soft" if r.soft else "hard"
             if not r.table_existed:
                 context.log.info(f"{table.name}: no table yet, nothing to truncate")
@@ -146,7 +147,7 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         with table_pool_slot(context, table):
             paths = TablePaths.of(platform.warehouse_root, table.name)
             version_before = delta.version_or_none(paths.history)
-            try:
+            with refused(AdoptionError, ValueError):
                 r = adopt(
                     spark.session(platform.warehouse_root),
                     table,
@@ -156,8 +157,6 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                     adoption_roots=platform.adoption_roots,
                     landing_root=platform.landing_root,
                 )
-            except (AdoptionError, ValueError) as exc:
-                raise dg.Failure(str(exc)) from None
             context.log.info(
                 f"{table.name}: adopted {r.live_rows} live and {r.deleted_rows} soft-deleted row(s) "
                 f"from {r.source} at {r.adopted_at.isoformat()}; {r.events_new} event(s) new, "
@@ -200,7 +199,7 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
             at = given_at or started  # default: when the run holds the table
             paths = TablePaths.of(platform.warehouse_root, table.name)
             version_before = delta.version_or_none(paths.history)
-            try:
+            with refused(ResyncError, ValueError):
                 r = resync(
                     spark.session(platform.warehouse_root),
                     table,
@@ -212,8 +211,6 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                     started,
                     snapshot_roots=platform.snapshot_roots,
                 )
-            except (ResyncError, ValueError) as exc:
-                raise dg.Failure(str(exc)) from None
             context.log.info(
                 f"{table.name}: re-synced {r.rows} row(s) from {r.files} file(s) at "
                 f"{r.at.isoformat()}: {r.keys_closed} key(s) closed, {r.keys_replaced} replaced, "

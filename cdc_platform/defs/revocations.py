@@ -13,7 +13,13 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import check_and_report, table_named, table_pool_slot
+from cdc_platform.defs.operations import (
+    TableRunConfig,
+    check_and_report,
+    refused,
+    table_named,
+    table_pool_slot,
+)
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib import delta
 from cdc_platform.lib.config import PlatformConfig
@@ -29,8 +35,7 @@ UNAPPLY_JOB = "unapply_files"
 READMIT_JOB = "readmit_files"
 
 
-class UnapplyConfig(dg.Config):
-    table: str = Field(description="The table, as named in the config.")
+class UnapplyConfig(TableRunConfig):
     files: list[str] = Field(
         description="Landing files to un-apply: paths or globs relative to the landing root "
         "(orders/year=2024/month=01/day=01/hour=05/bad.parquet) or to the table's folder."
@@ -38,8 +43,7 @@ class UnapplyConfig(dg.Config):
     reason: str = Field(description="Why: recorded with the files.")
 
 
-class ReadmitConfig(dg.Config):
-    table: str = Field(description="The table, as named in the config.")
+class ReadmitConfig(TableRunConfig):
     files: list[str] = Field(description="Revoked files to apply again: paths or globs.")
 
 
@@ -52,7 +56,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         with table_pool_slot(context, table):
             paths = TablePaths.of(platform.warehouse_root, table.name)
             before = delta.version_or_none(paths.history)
-            try:
+            with refused(NoMatchingFileError, ValueError):
                 r = unapply(
                     spark.session(platform.warehouse_root),
                     table,
@@ -63,8 +67,6 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                     context.run.run_id,
                     datetime.now(UTC),
                 )
-            except (NoMatchingFileError, ValueError) as exc:
-                raise dg.Failure(str(exc)) from None
             context.log.info(
                 f"{table.name}: revoked {len(r.files)} file(s) ({len(r.newly_revoked)} newly), "
                 f"removed {r.events_removed} event(s) of {r.keys_retracted} key(s), "
@@ -97,7 +99,7 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         with table_pool_slot(context, table):
             paths = TablePaths.of(platform.warehouse_root, table.name)
             before = delta.version_or_none(paths.history)
-            try:
+            with refused(NoMatchingFileError, NotReadmittableError):
                 r = readmit(
                     spark.session(platform.warehouse_root),
                     table,
@@ -106,8 +108,6 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                     config.files,
                     keyring.load() if table.encryption != "none" else None,
                 )
-            except (NoMatchingFileError, NotReadmittableError) as exc:
-                raise dg.Failure(str(exc)) from None
             o = r.outcome
             context.log.info(
                 f"{table.name}: re-admitted {len(r.files)} file(s); "
