@@ -1,5 +1,9 @@
 """Shared fixtures: one real local SparkSession for the whole test session, and helpers that
-write landing files and read Delta tables back exactly as users would."""
+write landing files and read Delta tables back exactly as users would.
+
+The session carries Delta's own JVM library (its extension and catalog, as on Databricks or EMR)
+so that the platform is tested where most of its readers run, and test_delta_spark.py can read
+and maintain the tables with it; ``make test`` fetches the jars first (``make jars``)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc_platform.lib.spark import build_spark_session
+from cdc_platform.lib.spark import build_spark_session, delta_conf
 from cdc_platform_tests.webhook import Webhook, serve_webhook
 
 
@@ -59,6 +63,7 @@ def spark() -> Iterator:
             "spark.default.parallelism": "1",
             "spark.sql.adaptive.enabled": "false",
             "spark.driver.memory": "2g",
+            **delta_conf("local[2]"),
         },
         app_name="cdc_platform_tests",
     )

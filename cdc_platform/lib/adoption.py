@@ -215,40 +215,111 @@ def adopt(
     )
 
 
+# Reader features whose tables the platform reads itself: timestamp_ntz needs nothing, column
+# mapping is read by physical name (``_physical_schema``). Anything else (deletion vectors, a
+# feature of a later protocol) only Delta's own library reads correctly.
+_READABLE_FEATURES = frozenset({"timestampNtz", "columnMapping"})
+
+
 def _read_source(
     spark: SparkSession, where: Location, source_format: SourceFormat
 ) -> tuple[str, DataFrame]:
     """The source's rows, with the file each came from in ``_FILE`` (for error messages)."""
-    from deltalake import DeltaTable
-
     fmt = source_format
     if fmt == "auto":
         fmt = "delta" if delta.exists(where) else "parquet"
     if fmt == "delta":
-        if not delta.exists(where):
-            raise AdoptionError(f"{where}: no Delta table there")
-        dt = DeltaTable(where.uri, storage_options=where.storage_options)
-        features = set(dt.protocol().reader_features or [])
-        if features - {"timestampNtz"}:
-            raise AdoptionError(
-                f"{where}: the Delta table uses reader features {sorted(features)}; "
-                "rewrite it without them (or export it to Parquet) to adopt it"
-            )
-        _refuse_files_outside(where, dt)
-        files = dt.file_uris()
-        if not files:
-            raise AdoptionError(f"{where}: the Delta table has no rows to adopt")
-        schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-        if dt.metadata().partition_columns:
-            return fmt, _partitioned_rows(spark, where, dt, schema)
-        reader = spark.read.schema(schema)
-    else:
-        if where.is_local and not where.path.exists():
-            raise AdoptionError(f"{where}: no such file or folder")
-        files = [where.uri]
-        reader = spark.read
-    rows = reader.options(**NATIVE_READ_OPTIONS).parquet(*files)
-    return fmt, _with_provenance(rows)
+        return fmt, _delta_rows(spark, where)
+    if where.is_local and not where.path.exists():
+        raise AdoptionError(f"{where}: no such file or folder")
+    return fmt, _with_provenance(spark.read.options(**NATIVE_READ_OPTIONS).parquet(where.uri))
+
+
+def _delta_rows(spark: SparkSession, where: Location) -> DataFrame:
+    """A Delta source's rows as of its latest version. The platform reads the files the log
+    lists itself (by physical column name under column mapping). A table with deletion vectors
+    (or another reader feature it cannot apply) is read by Delta's own library when the session
+    has it (``lib.spark.delta_conf``), else refused: its files alone would bring deleted rows
+    back."""
+    from deltalake import DeltaTable
+    from pyspark.sql import functions as F
+
+    if not delta.exists(where):
+        raise AdoptionError(f"{where}: no Delta table there")
+    dt = DeltaTable(where.uri, storage_options=where.storage_options)
+    _refuse_files_outside(where, dt)
+    if not dt.file_uris():
+        raise AdoptionError(f"{where}: the Delta table has no rows to adopt")
+    unreadable = set(dt.protocol().reader_features or []) - _READABLE_FEATURES
+    if unreadable and _has_delta_library(spark):
+        # Delta's reader gives no row numbers: errors name the file only.
+        rows = spark.read.format("delta").load(where.spark_uri())
+        return rows.withColumn(_FILE, F.col("_metadata.file_path")).withColumn(
+            _ROW, F.lit(None).cast("long")
+        )
+    if unreadable:
+        raise AdoptionError(
+            f"{where}: the Delta table uses reader features {sorted(unreadable)}, which only "
+            "Delta's own library applies (deletion vectors hide deleted rows the files still "
+            "hold): adopt it from a Spark session with delta-spark (docs/engines.md), or purge "
+            "them first (`REORG TABLE ... APPLY (PURGE)`, then `ALTER TABLE ... DROP FEATURE`)"
+        )
+    mode = dt.metadata().configuration.get("delta.columnMapping.mode", "none")
+    if mode not in ("none", "name", "id"):
+        raise AdoptionError(f"{where}: unknown column mapping mode {mode!r}")
+    logical = changelog.spark_schema(delta.table_arrow_schema(dt))
+    physical = _physical_schema(dt)
+    if dt.metadata().partition_columns:
+        return _partitioned_rows(spark, where, dt, logical, physical)
+    rows = spark.read.schema(physical).options(**NATIVE_READ_OPTIONS).parquet(*dt.file_uris())
+    return _logical(_with_provenance(rows), logical, physical)
+
+
+def _has_delta_library(spark: SparkSession) -> bool:
+    """Whether the session runs Delta's SQL extension (``lib.spark.delta_conf``)."""
+    return "DeltaSparkSessionExtension" in (spark.conf.get("spark.sql.extensions", "") or "")
+
+
+def _physical_schema(dt: DeltaTable) -> StructType:
+    """The table's schema under the names its files use: under column mapping each field
+    (nested ones too) is stored as its ``delta.columnMapping.physicalName``."""
+    import json
+
+    from pyspark.sql.types import StructField, StructType
+
+    def rename(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rename(v) for k, v in node.items()}
+            physical = (node.get("metadata") or {}).get("delta.columnMapping.physicalName")
+            if "name" in node and physical:
+                out["name"] = physical
+            return out
+        if isinstance(node, list):
+            return [rename(v) for v in node]
+        return node
+
+    data = rename(json.loads(dt.schema().to_json()))
+    logical = changelog.spark_schema(delta.table_arrow_schema(dt))
+    # Types as the platform reads them (``changelog.spark_schema``), names as stored.
+    return StructType(
+        [
+            StructField(p["name"], f.dataType, f.nullable)
+            for f, p in zip(logical.fields, data["fields"], strict=True)
+        ]
+    )
+
+
+def _logical(rows: DataFrame, logical: StructType, physical: StructType) -> DataFrame:
+    """Rows read by physical names, under the table's logical names and types (a cast of a
+    struct matches its fields by position, so nested physical names fall away too)."""
+    return rows.select(
+        *[
+            col(p.name).cast(f.dataType).alias(f.name)
+            for f, p in zip(logical.fields, physical.fields, strict=True)
+        ],
+        col(_FILE),
+        col(_ROW),
+    )
 
 
 def _refuse_files_outside(where: Location, dt: Any) -> None:
@@ -277,7 +348,7 @@ def _with_provenance(rows: DataFrame) -> DataFrame:
 
 
 def _partitioned_rows(
-    spark: SparkSession, where: Location, dt: DeltaTable, schema: StructType
+    spark: SparkSession, where: Location, dt: DeltaTable, logical: StructType, physical: StructType
 ) -> DataFrame:
     """A partitioned Delta table's rows: its files hold no partition column, so each group of
     files is read with its partition values (from the Delta log, typed) as literal columns."""
@@ -286,11 +357,15 @@ def _partitioned_rows(
     from pyspark.sql.types import StructType
 
     parts = list(dt.metadata().partition_columns)
-    data_schema = StructType([f for f in schema.fields if f.name not in parts])
+    stored = {f.name: p.name for f, p in zip(logical.fields, physical.fields, strict=True)}
+    data_schema = StructType(
+        [p for f, p in zip(logical.fields, physical.fields, strict=True) if f.name not in parts]
+    )
     actions = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
     groups: dict[tuple[Any, ...], list[str]] = {}
     for a in actions:
-        values = tuple(a.get(f"partition.{c}") for c in parts)
+        # The log keys partition values by the column's stored (physical) name.
+        values = tuple(a.get(f"partition.{stored[c]}", a.get(f"partition.{c}")) for c in parts)
         # The log's path is URI-encoded: the file on disk has the decoded name.
         groups.setdefault(values, []).append(unquote(a["path"]))
     frames = []
@@ -301,12 +376,16 @@ def _partitioned_rows(
             .parquet(*delta.absolute_paths(where, paths))
         )
         for c, v in zip(parts, values, strict=True):
-            rows = rows.withColumn(c, value_lit(v).cast(schema[c].dataType))
+            rows = rows.withColumn(stored[c], value_lit(v).cast(logical[c].dataType))
         frames.append(_with_provenance(rows))
     out = frames[0]
     for frame in frames[1:]:
         out = out.unionByName(frame)
-    return out.select(*[col(f.name) for f in schema.fields], col(_FILE), col(_ROW))
+    return _logical(out, logical, physical)
+
+
+def _place(file: str, row: int | None) -> str:
+    return file if row is None else f"{file} row {row}"
 
 
 def _check_keys(rows: DataFrame, where: Location, pk: Sequence[str]) -> None:
@@ -319,7 +398,7 @@ def _check_keys(rows: DataFrame, where: Location, pk: Sequence[str]) -> None:
         null_key = null_key | col(k).isNull()
     bad = rows.filter(null_key).select(_FILE, _ROW).limit(_SAMPLE).collect()
     if bad:
-        sample = "; ".join(f"{r[_FILE]} row {r[_ROW]}" for r in bad)
+        sample = "; ".join(_place(r[_FILE], r[_ROW]) for r in bad)
         raise AdoptionError(f"{where}: rows with a null primary key ({', '.join(pk)}): {sample}")
     twice = (
         rows.groupBy(*cols(list(pk)))
@@ -333,7 +412,7 @@ def _check_keys(rows: DataFrame, where: Location, pk: Sequence[str]) -> None:
     )
     if twice:
         sample = "; ".join(
-            " and ".join(f"{a[0]} row {a[1]}" for a in r["at"][:3])
+            " and ".join(_place(a[0], a[1]) for a in r["at"][:3])
             + (f" ({r['n']} rows)" if r["n"] > 3 else "")
             for r in twice
         )

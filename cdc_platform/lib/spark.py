@@ -614,7 +614,7 @@ def _trusted_channel(host: str, port: int, params: Mapping[str, str], token: str
             creds = grpc.composite_channel_credentials(
                 creds, grpc.access_token_call_credentials(token)
             )
-            raw = grpc.secure_channel(target, creds, options=self._effective_channel_options())
+            raw = grpc.secure_channel(target, creds, options=self._channel_options)
             raw.subscribe(self._state, try_to_connect=False)
             return grpc.intercept_channel(raw, _guard(self.check), *self._interceptors)
 
