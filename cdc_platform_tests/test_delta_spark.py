@@ -27,6 +27,7 @@ from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.revocation import unapply
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.truncation import truncate
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
@@ -130,7 +131,7 @@ def _sorted_rows(table: pa.Table) -> list[tuple]:
     return sorted(rows, key=lambda r: tuple((v is None, repr(v)) for v in r))
 
 
-def assert_same_reads(spark, path: Path, version: int | None = None) -> None:
+def assert_same_reads(spark, path: Path | Location, version: int | None = None) -> None:
     """delta-spark and delta-rs read ``path`` (at ``version``) the same: the Delta schema field
     by field, the Arrow types, and every cell."""
     dt = DeltaTable(str(path), version=version)
