@@ -25,6 +25,7 @@ from cdc_platform import read
 from cdc_platform.lib import current_table, invariants
 from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.delta import UnsupportedTableFeatureError
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.revocation import unapply
 from cdc_platform.lib.storage import Location
@@ -241,6 +242,31 @@ def test_the_platform_goes_on_after_delta_spark_optimizes_and_vacuums(spark, bui
     current_table.refresh(spark, paths, TABLE.primary_key)
     assert_same_reads(spark, paths.history)
     assert_same_reads(spark, paths.current)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "SET TBLPROPERTIES ('delta.columnMapping.mode' = 'name')",
+        "SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')",
+        "SET TBLPROPERTIES ('delta.appendOnly' = 'true')",
+        "ADD CONSTRAINT positive CHECK (id > 0)",
+    ],
+    ids=["column-mapping", "deletion-vectors", "append-only", "check-constraint"],
+)
+def test_a_feature_delta_spark_turns_on_is_refused_naming_it(spark, built, tmp_path, change):
+    """What the platform cannot keep (delta-rs reads column-mapped files as nulls, cannot read
+    deletion vectors, would not enforce a constraint) stops the next run with what to undo,
+    before anything is written."""
+    copy = tmp_path / "copy"
+    shutil.copytree(built, copy)
+    history = copy / "warehouse" / "orders"
+    spark.sql(f"ALTER TABLE delta.`{history}` {change}")
+    version = DeltaTable(str(history)).version()
+    write_parquet_events(copy / "landing", "orders", H3, _events(H3, 300, range(1, 3), "done"))
+    with pytest.raises(UnsupportedTableFeatureError, match=r"Delta features .*docs/engines.md"):
+        materialize(spark, TABLE, copy / "landing", copy / "warehouse", [H3], synced_at=synced(7))
+    assert DeltaTable(str(history)).version() == version
 
 
 # -- adoption of tables delta-spark wrote ---------------------------------------------------------

@@ -77,7 +77,43 @@ def open_table(table_path: Where, version: int | None = None) -> DeltaTable:
     """The table's snapshot (the latest, or ``version``); it keeps the storage options, so
     commits, VACUUM and schema changes made through it reach the same store."""
     loc = Location.of(table_path)
-    return DeltaTable(loc.uri, version=version, storage_options=loc.storage_options)
+    dt = DeltaTable(loc.uri, version=version, storage_options=loc.storage_options)
+    check_features(loc, dt)
+    return dt
+
+
+class UnsupportedTableFeatureError(RuntimeError):
+    """Another writer (delta-spark, say) turned on a Delta feature the platform cannot keep."""
+
+
+# Writer features the platform's commits keep true: the two every writer-v2 table implies (no
+# append-only or invariant is ever set on its tables), and timestamp_ntz (nothing to enforce).
+_KEPT_WRITER_FEATURES = frozenset({"appendOnly", "invariants", "timestampNtz"})
+_CHECKS = "delta.constraints."
+
+
+def check_features(where: Location, dt: DeltaTable) -> None:
+    """Refuse a table another engine changed in a way the platform would get wrong
+    (docs/engines.md): delta-rs cannot read deletion vectors, reads column-mapped files as
+    nulls, and its commits would neither keep an append-only table so nor enforce a CHECK
+    constraint, generated column or row tracking. The message says how to undo it."""
+    protocol, config = dt.protocol(), dt.metadata().configuration
+    found = set(protocol.reader_features or [])
+    found |= set(protocol.writer_features or []) - _KEPT_WRITER_FEATURES
+    if config.get("delta.columnMapping.mode", "none") != "none":
+        found.add("columnMapping")
+    if str(config.get("delta.appendOnly", "false")).lower() == "true":
+        found.add("appendOnly (delta.appendOnly = true)")
+    found |= {f"CHECK constraint {k.split('.', 2)[2]}" for k in config if k.startswith(_CHECKS)}
+    if 2 < protocol.min_writer_version < 7:  # a legacy version that implies more features
+        found.add(f"writer version {protocol.min_writer_version}")
+    if found:
+        raise UnsupportedTableFeatureError(
+            f"{where}: the table now uses Delta features {sorted(found)}, set by another writer;"
+            " the platform's reads and commits cannot keep them. Undo the change with Delta's "
+            "own library (ALTER TABLE ... DROP FEATURE, or UNSET TBLPROPERTIES): see "
+            "docs/engines.md"
+        )
 
 
 def version_or_none(table_path: Where) -> int | None:
