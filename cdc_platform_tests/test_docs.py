@@ -44,11 +44,6 @@ from cdc_platform_tests.helpers import write_parquet_events
 
 ROOT = cfg.REPO_ROOT
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-# Linked before it exists: the lead writes docs/engines.md (issue 21). Remove once it is there.
-PENDING_PAGES = {ROOT / "docs" / "engines.md"}
-# Jobs documented by their new shape before the code location defines them (issue 23, item 6:
-# one job each instead of one per table). Remove once both exist.
-PENDING_JOBS = {"table_maintenance", "merge_plan"}
 SKIPPED_LANGUAGES = {"mermaid", "text"}  # pictures and sample output: nothing to run
 # Environment variables the docs export that Spark reads, not this package.
 SPARK_VARIABLES = {"PYSPARK_PYTHON"}
@@ -151,8 +146,7 @@ def test_every_relative_link_resolves() -> None:
             if ROOT not in (dest, *dest.parents):
                 broken.append(f"{where} points outside the repository")
             elif not dest.exists():
-                if dest not in PENDING_PAGES:
-                    broken.append(f"{where}: no such file")
+                broken.append(f"{where}: no such file")
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 broken.append(f"{where}: no heading with that anchor")
     assert not broken, "\n".join(broken)
@@ -208,8 +202,6 @@ def test_yaml_examples_parse(block: Block, tmp_path: Path, code_location: Any) -
     import dagster as dg
 
     names = {j.name for j in code_location.get_repository_def().get_all_jobs()}
-    if job not in names and job in PENDING_JOBS:
-        pytest.xfail(f"{job} is not defined yet (issue 23, item 6)")
     assert job in names, f"no job {job} in the code location"
     result = dg.validate_run_config(code_location.get_job_def(job), data)
     assert result is not None
@@ -402,7 +394,19 @@ def test_history_table_examples_run_and_answer(
     assert sorted(r["order_id"] for r in ns["df"].collect()) == [7, 42]
 
 
+def test_engines_examples_run(spark: Any, demo_folder: Path, monkeypatch: pytest.MonkeyPatch):
+    """delta-spark on the table: the suite's session has Delta's library (conftest)."""
+    from deltalake import DeltaTable
+
+    ns = run_page(ROOT / "docs" / "engines.md", spark, demo_folder, monkeypatch)
+    table = DeltaTable(str(demo_folder / "data" / "warehouse" / "orders"))
+    assert ns["history"].count() == table.to_pyarrow_table().num_rows
+    assert ns["commits"].count() == table.version() + 1
+    first = DeltaTable(str(demo_folder / "data" / "warehouse" / "orders"), version=0)
+    assert ns["first_version"].count() == first.to_pyarrow_table().num_rows
+
+
 def test_every_page_with_python_is_run() -> None:
-    run = {"README.md", "history-table.md"}
+    run = {"README.md", "history-table.md", "engines.md"}
     with_python = {p.name for p in PAGES if any(b.language == "python" for b in blocks(p))}
     assert with_python <= run, f"add a test that runs the python of {with_python - run}"
