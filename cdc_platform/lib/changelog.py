@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
-from cdc_platform.lib import delta
+from cdc_platform.lib import delta, joins
 from cdc_platform.lib.columns import (
     CHANGELOG_SYSTEM_COLUMNS,
     INGESTED_AT,
@@ -166,12 +166,16 @@ def append(
             logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(
                 *cols([*pk, SEQ])
             )
+            # Broadcast only when the statistics say few rows (``lib.joins``): re-reading a
+            # bulk hour checks its events against millions logged.
+            logged = joins.build_side(logged, joins.records(candidates))
             new = new.join(logged, [*pk, SEQ], "left_anti")
         gone = _seq_overlapping(forgotten, lo, hi) if forgotten is not None else []
         gone = [f for f in gone if removal_committed(path, f)]
         if forgotten is not None and gone:
             ledger = spark.read.parquet(*delta.absolute_paths(forgotten, gone))
-            new = new.join(ledger.select(*cols([*pk, SEQ])), [*pk, SEQ], "left_anti")
+            forgot = joins.build_side(ledger.select(*cols([*pk, SEQ])), joins.records(gone))
+            new = new.join(forgot, [*pk, SEQ], "left_anti")
         # The table's columns and types: a column the table widened after this batch was read
         # (a concurrent append) is cast up, as the widening cast the rows already there.
         table_schema = delta.table_arrow_schema(dt)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from cdc_platform.lib import changelog, delta
+from cdc_platform.lib import changelog, delta, joins
 from cdc_platform.lib.columns import (
     ACTIVE,
     CHANGED,
@@ -287,11 +287,11 @@ def _apply_once(
         assert snap is not None
     log_version = snap.changelog.version()
     pending = changelog.files_since(paths.changelog, snap.changelog, snap.applied)
-    retracted = _pending_retractions(spark, paths, snap.applied, log_version)
+    retracted, retracted_rows = _pending_retractions(spark, paths, snap.applied, log_version)
     if not pending and retracted is None:
         if snap.history is not None and _delete_only_keys_stale(paths, snap.applied):
             # A crash came between the last history commit and its side-table commit.
-            pk_unversioned = _read_delete_only_keys(spark, paths, pk, snap)
+            pk_unversioned, _ = _read_delete_only_keys(spark, paths, pk, snap)
             assert snap.applied is not None
             _store_delete_only_keys(paths, pk_unversioned, snap.applied)
         return MergeResult(
@@ -335,14 +335,29 @@ def _apply_once(
     touched_keys = touched_keys.groupBy(*cols(pk)).agg(
         F.min(_MIN_MS).alias(_MIN_MS), F.max(_FORCED).alias(_FORCED)
     )
+    # Bounds on the rows of each join side that grows with the run's keys, from Delta
+    # statistics and the run's own counts (``lib.joins``: never Spark's estimate of them).
+    touched_rows = joins.add(joins.records(pending), retracted_rows)
+    # The live and deleted segments hold one row per key: at most one per touched key.
+    one_per_key = all(f.min_values.get(CURRENT) is True for f in current_files)
+    current_rows = joins.smallest(
+        joins.records(current_files), touched_rows if one_per_key else None
+    )
     with _cached(touched_keys) as touched:
         current = _read_history(spark, paths.history, hist_schema, current_files).join(
-            touched.select(*cols(pk)), pk, "left_semi"
+            joins.build_side(touched.select(*cols(pk)), touched_rows), pk, "left_semi"
         )
         with _cached(current) as current:
             side_stale = _delete_only_keys_stale(paths, snap.applied)
-            unversioned = _read_delete_only_keys(spark, paths, pk, snap)
-            keys = _classify(touched, current, unversioned, pk, slow_everything=snap.rebuild)
+            unversioned, unversioned_rows = _read_delete_only_keys(spark, paths, pk, snap)
+            keys = _classify(
+                touched,
+                current,
+                unversioned,
+                pk,
+                slow_everything=snap.rebuild,
+                rows=(current_rows, unversioned_rows),
+            )
             with _cached(keys) as keys, ExitStack() as cached:
                 counts = keys.agg(
                     F.count(F.lit(1)).alias("n"),
@@ -362,15 +377,25 @@ def _apply_once(
                 )
                 slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
                 fast_keys = keys.filter(~col(_SLOW)).select(*cols(pk))
+                fast_count = keys_affected - slow_count
 
                 fast_events = (
-                    pending_events.join(fast_keys, pk, "left_semi")
+                    pending_events.join(joins.build_side(fast_keys, fast_count), pk, "left_semi")
                     .unionByName(
-                        _state_events(current.join(fast_keys, pk, "left_semi"), pk, data_columns),
+                        _state_events(
+                            current.join(joins.build_side(fast_keys, fast_count), pk, "left_semi"),
+                            pk,
+                            data_columns,
+                        ),
                         allowMissingColumns=True,
                     )
                     .unionByName(
-                        _ghost_events(unversioned.join(fast_keys, pk, "left_semi"), pk),
+                        _ghost_events(
+                            unversioned.join(
+                                joins.build_side(fast_keys, fast_count), pk, "left_semi"
+                            ),
+                            pk,
+                        ),
                         allowMissingColumns=True,
                     )
                 )
@@ -390,11 +415,12 @@ def _apply_once(
                         _cached(
                             old.unionByName(
                                 _read_history(spark, paths.history, hist_schema, closed_read)
-                                .join(slow_keys, pk, "left_semi")
+                                .join(joins.build_side(slow_keys, slow_count), pk, "left_semi")
                                 .select(*cols([*columns, _FILE]))
                             )
                         )
                     )
+                old_rows = joins.add(current_rows, joins.records(closed_read))
                 log_read: list[delta.DataFile] = []
                 checkpoints = None
                 events = fast_events
@@ -411,8 +437,19 @@ def _apply_once(
                         slow_values,
                         cut,
                         untracked=bool(history_columns.untracked(data_columns)),
+                        slow_rows=slow_count,
                     )
                     events = events.unionByName(slow_events, allowMissingColumns=True)
+                # Versions come from events: the pending ones, up to two replayed per current row
+                # and one per delete-only key, the change-log events and old rows of slow keys.
+                version_rows = joins.add(
+                    joins.records(pending),
+                    current_rows,
+                    current_rows,
+                    keys_affected,
+                    joins.records(log_read),
+                    old_rows,
+                )
                 # Cached: the versions' state needs it, and so does the delete-only side table
                 # after the commit (recomputing it would read every touched key's events again).
                 last_events = cached.enter_context(
@@ -426,26 +463,32 @@ def _apply_once(
                     build_versions(
                         events, pk, data_columns, deduplicated=True, history_columns=history_columns
                     ),
-                    last_events,
+                    joins.build_side(last_events, keys_affected),
                     pk,
                 )
                 # One row per key (``current`` may hold more than one row of a key when file
                 # statistics cannot tell closed files apart, so ``keys`` may repeat a key).
                 slow_of = keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
                 if checkpoints is not None:
-                    slow_of = slow_of.join(checkpoints, pk, "left")
+                    slow_of = slow_of.join(joins.build_side(checkpoints, slow_count), pk, "left")
                 else:
                     slow_of = slow_of.withColumn(_CHECKPOINT, F.lit(None).cast("timestamp"))
-                versions = versions.join(slow_of, pk, "left")
-                compared = _compare(versions, old, pk, data_columns, synced_at, cut)
+                versions = versions.join(joins.build_side(slow_of, keys_affected), pk, "left")
+                compared = _compare(
+                    versions, joins.build_side(old, old_rows), pk, data_columns, synced_at, cut
+                )
                 with _cached(compared) as compared:
-                    rewritten_names, vanished = _old_rows_changed(compared, old, pk)
+                    rewritten_names, vanished = _old_rows_changed(compared, old, pk, version_rows)
                     rewritten = [f for f in files if f.path in rewritten_names]
                     opened, closed, versioned_keys = _count_new_versions(compared, pk)
                     # Rows of rewritten files that this run did not recompute stay as they are.
                     carried = (
                         _read_history(spark, paths.history, hist_schema, rewritten)
-                        .join(old.select(*cols([*pk, START])), [*pk, START], "left_anti")
+                        .join(
+                            joins.build_side(old.select(*cols([*pk, START])), old_rows),
+                            [*pk, START],
+                            "left_anti",
+                        )
                         .select(*cols(columns))
                     )
                     fresh = compared.filter(
@@ -460,9 +503,15 @@ def _apply_once(
                         # Keys whose events (all of them, or the state the fast path replayed)
                         # made no version are delete-only; untouched delete-only keys stay.
                         now_unversioned = last_events.join(
-                            compared.select(*cols(pk)), pk, "left_anti"
+                            joins.build_side(compared.select(*cols(pk)), version_rows),
+                            pk,
+                            "left_anti",
                         )
-                        kept_unversioned = unversioned.join(keys.select(*cols(pk)), pk, "left_anti")
+                        kept_unversioned = unversioned.join(
+                            joins.build_side(keys.select(*cols(pk)), keys_affected),
+                            pk,
+                            "left_anti",
+                        )
                         unversioned_changed = bool(
                             delete_only_touched or keys_affected > versioned_keys
                         )
@@ -523,6 +572,7 @@ def _slow_events(
     slow_values: list[Any] | None,
     cut: datetime | None,
     untracked: bool,
+    slow_rows: int | None = None,
 ) -> tuple[DataFrame, list[delta.DataFile], DataFrame, DataFrame]:
     """The events the slow keys are refolded from, the change-log files read for them, each
     slow key's ``_CHECKPOINT`` (null: refolded from its first event) and ``old`` without the
@@ -539,6 +589,8 @@ def _slow_events(
     are skipped. Retracted keys, a table recomputed whole, keys without such
     a version and tables with untracked columns (a version's stored image is that of its last
     step, so it cannot stand for its first) are refolded from all their events.
+
+    ``slow_rows`` bounds the slow keys' rows (``lib.joins``: broadcast only when small).
     """
     from pyspark.sql import functions as F
 
@@ -552,14 +604,14 @@ def _slow_events(
         checkpoints = slow.select(*cols(pk), F.lit(None).cast("timestamp").alias(_CHECKPOINT))
     else:
         last_before = (
-            old.join(slow.select(*cols([*pk, _MIN_MS])), pk, "inner")
+            old.join(joins.build_side(slow.select(*cols([*pk, _MIN_MS])), slow_rows), pk, "inner")
             .groupBy(*cols(pk))
             .agg(F.max(F.when(col(START) < col(_MIN_MS), col(START))).alias(_CHECKPOINT))
         )
         usable = ~col(_FORCED)
         if untracked:  # the stored image is the version's last step's, not its first's
             usable = F.lit(False)
-        checkpoints = slow.join(last_before, pk, "left").select(
+        checkpoints = slow.join(joins.build_side(last_before, slow_rows), pk, "left").select(
             *cols(pk), F.when(usable, col(_CHECKPOINT)).alias(_CHECKPOINT)
         )
         bounds = checkpoints.agg(
@@ -575,14 +627,14 @@ def _slow_events(
     ]
     logged = (
         dedupe_events(changelog.read_files(spark, paths.changelog, log_schema, log_read), pk)
-        .join(checkpoints, pk, "inner")
+        .join(joins.build_side(checkpoints, slow_rows), pk, "inner")
         .filter(
             col(_CHECKPOINT).isNull() | (F.date_trunc("millisecond", col(TS)) >= col(_CHECKPOINT))
         )
         .drop(_CHECKPOINT)
     )
     replayed = (
-        old.join(checkpoints, pk, "inner")
+        old.join(joins.build_side(checkpoints, slow_rows), pk, "inner")
         .filter(col(START) == col(_CHECKPOINT))
         .select(
             *cols([*pk, *data_columns]),
@@ -593,7 +645,7 @@ def _slow_events(
     )
     # Versions before a checkpoint are not refolded: they stay where they are, as they are.
     from_checkpoint = (
-        old.join(checkpoints, pk, "left")
+        old.join(joins.build_side(checkpoints, slow_rows), pk, "left")
         .filter(col(_CHECKPOINT).isNull() | (col(START) >= col(_CHECKPOINT)))
         .drop(_CHECKPOINT)
     )
@@ -707,12 +759,14 @@ def _classify(
     unversioned: DataFrame,
     pk: list[str],
     slow_everything: bool,
+    rows: tuple[int | None, int | None] = (None, None),
 ) -> DataFrame:
     """Each touched key with ``_SLOW``: must it be recomputed from all its events?
 
     Fast means every pending event is later than anything the key received before, so its
     current row (or its delete-only record) is all the past the fold needs. A retracted key
-    (``_FORCED``) is slow: its current row may stand for events that are gone.
+    (``_FORCED``) is slow: its current row may stand for events that are gone. ``rows`` bounds
+    the rows of ``current`` and ``unversioned`` (``lib.joins``: broadcast only when small).
     """
     from pyspark.sql import functions as F
 
@@ -724,7 +778,9 @@ def _classify(
         )
     last = current.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("last")))
     ghost_last = unversioned.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("ghost_last")))
-    joined = touched.join(last, pk, "left").join(ghost_last, pk, "left")
+    joined = touched.join(joins.build_side(last, rows[0]), pk, "left").join(
+        joins.build_side(ghost_last, rows[1]), pk, "left"
+    )
     # A key with no current row and no delete-only record never had an event: fast.
     slow = col(_MIN_MS) <= F.coalesce(col(internal("last")), col(internal("ghost_last")))
     return joined.select(
@@ -852,10 +908,13 @@ def _compare(
     )
 
 
-def _old_rows_changed(compared: DataFrame, old: DataFrame, pk: list[str]) -> tuple[set[str], int]:
+def _old_rows_changed(
+    compared: DataFrame, old: DataFrame, pk: list[str], compared_rows: int | None = None
+) -> tuple[set[str], int]:
     """The files holding an old row that is not kept as it is, and how many of those rows were
     active and have no version at the same start any more (a late event moved the key's
-    history), in one Spark job."""
+    history), in one Spark job. ``compared_rows`` bounds the rows of ``compared``
+    (``lib.joins``: it is broadcast only when small)."""
     from pyspark.sql import functions as F
 
     new = compared.select(
@@ -863,7 +922,7 @@ def _old_rows_changed(compared: DataFrame, old: DataFrame, pk: list[str]) -> tup
         col(_OLD_FILE).isNotNull().alias(internal("kept")),
         F.lit(True).alias(internal("exists")),
     )
-    joined = old.join(new, [*pk, START], "left")
+    joined = old.join(joins.build_side(new, compared_rows), [*pk, START], "left")
     kept = F.coalesce(col(internal("kept")), F.lit(False))
     row = joined.agg(
         F.collect_set(F.when(~kept, col(_FILE))).alias("files"),
@@ -932,8 +991,9 @@ def _delete_only_schema(log_schema: StructType, pk: list[str]) -> StructType:
 
 def _read_delete_only_keys(
     spark: SparkSession, paths: TablePaths, pk: list[str], snap: _Snapshot
-) -> DataFrame:
-    """The delete-only keys as of the history table's watermark.
+) -> tuple[DataFrame, int | None]:
+    """The delete-only keys as of the history table's watermark, and a bound on their rows
+    (from Delta statistics; None if unknown).
 
     The side table is committed right after the history table, with the same watermark. If
     a crash came in between (watermarks differ), it is recomputed from the change log: every
@@ -949,8 +1009,9 @@ def _read_delete_only_keys(
     if not _delete_only_keys_stale(paths, history_applied):
         files = delta.snapshot_files(delta.open_table(side)) if delta.exists(side) else []
         if not files:
-            return spark.createDataFrame([], keys_schema)
-        return spark.read.schema(keys_schema).parquet(*delta.absolute_paths(side, files))
+            return spark.createDataFrame([], keys_schema), 0
+        read = spark.read.schema(keys_schema).parquet(*delta.absolute_paths(side, files))
+        return read, joins.records(files)
     # Stale, or missing while the history table has applied events: recompute.
     logged = delta.open_table(paths.changelog, version=history_applied)
     # That version's files have that version's types (a widening since rewrote the log): read
@@ -963,17 +1024,19 @@ def _read_delete_only_keys(
         pa.schema([log_arrow.field(c) for c in [*pk, TS]]),
     )
     assert snap.history is not None
+    history_files = delta.snapshot_files(snap.history)
     versioned = _read_history(
         spark,
         paths.history,
         changelog.spark_schema(delta.table_arrow_schema(snap.history)),
-        delta.snapshot_files(snap.history),
+        history_files,
     ).select(*cols(pk))
-    return (
+    unversioned = (
         events.groupBy(*cols(pk))
         .agg(F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT))
-        .join(versioned, pk, "left_anti")
+        .join(joins.build_side(versioned, joins.records(history_files)), pk, "left_anti")
     )
+    return unversioned, joins.records(delta.snapshot_files(logged))
 
 
 def _delete_only_keys_stale(paths: TablePaths, history_applied: int | None) -> bool:
@@ -1032,14 +1095,15 @@ def _store_delete_only_keys(paths: TablePaths, keys: DataFrame | None, log_versi
 
 def _pending_retractions(
     spark: SparkSession, paths: TablePaths, applied: int | None, log_version: int
-) -> DataFrame | None:
+) -> tuple[DataFrame | None, int | None]:
     """Retracted keys the history table has not caught up with: the removal followed change-log
     version ``v`` (committed as ``v + 1``, strictly), and the table reflects ``v`` or earlier.
     Rows with ``v`` at the log's current version belong to a removal that never committed.
+    With a bound on their rows (Delta statistics of the files read; None if unknown).
     """
     side = paths.retracted_keys
     if not delta.exists(side):
-        return None
+        return None, 0
     dt = delta.open_table(side)
     low = -1 if applied is None else applied
     # Each file holds the keys of one removal: one AFTER_LOG_VERSION value, in its statistics.
@@ -1050,7 +1114,7 @@ def _pending_retractions(
         and f.min_values.get(AFTER_LOG_VERSION, -1) < log_version
     ]
     if not files:
-        return None
+        return None, 0
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     after = col(AFTER_LOG_VERSION)
     return (
@@ -1058,7 +1122,7 @@ def _pending_retractions(
         .parquet(*delta.absolute_paths(side, files))
         .filter((after >= low) & (after < log_version))
         .drop(AFTER_LOG_VERSION)
-    )
+    ), joins.records(files)
 
 
 def record_retracted_keys(

@@ -88,6 +88,74 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.ui.dagGraph.retainedRootRDDs": "50",
 }
 
+# A local driver's heap when the deployment sets none: a share of the machine's memory, within
+# these bounds (``default_driver_memory``).
+DRIVER_MEMORY_SHARE = 4  # a quarter, as the JVM's own default heap
+DRIVER_MEMORY_MIN_MB = 1024
+DRIVER_MEMORY_MAX_MB = 8 * 1024
+
+
+def default_driver_memory(env: Mapping[str, str] | None = None) -> str | None:
+    """``spark.driver.memory`` for a local session whose deployment sets none: a quarter of the
+    machine's memory (of the container's limit where that is lower), between 1 and 8 GiB.
+
+    Why: the local driver *is* the executor, so its heap holds every task's rows, the cached
+    frames and what a join builds, and Spark's default is 1 GiB whatever the machine has. A
+    bulk hour (2M events over 1M keys) ran that out of memory, or spent minutes collecting
+    garbage, on a machine with 23 GiB free. A quarter is the JVM's own default heap; the cap
+    keeps a big shared host from handing one run a huge heap (more is the deployment's call).
+
+    None when the deployment already says (``spark.driver.memory`` in the ``spark-defaults.conf``
+    of ``$SPARK_CONF_DIR`` or ``$SPARK_HOME/conf``, ``$SPARK_DRIVER_MEMORY``, or
+    ``--driver-memory`` in ``$PYSPARK_SUBMIT_ARGS``) or the memory cannot be read: Spark's own
+    default then applies. A run's ``spark_config`` still wins over this (``RUN_TUNABLE``).
+    Computed when a session is built, never at import."""
+    env = os.environ if env is None else env
+    if _deployment_sets_driver_memory(env):
+        return None
+    total = _machine_memory_bytes()
+    if total is None:
+        return None
+    mb = total // DRIVER_MEMORY_SHARE // (1024 * 1024)
+    return f"{max(DRIVER_MEMORY_MIN_MB, min(DRIVER_MEMORY_MAX_MB, mb))}m"
+
+
+def _deployment_sets_driver_memory(env: Mapping[str, str]) -> bool:
+    if env.get("SPARK_DRIVER_MEMORY"):
+        return True
+    submit = env.get("PYSPARK_SUBMIT_ARGS", "")
+    if "--driver-memory" in submit or "spark.driver.memory" in submit:
+        return True
+    folders = [env.get("SPARK_CONF_DIR")]
+    home = env.get("SPARK_HOME")
+    if home:
+        folders.append(os.path.join(home, "conf"))
+    for folder in filter(None, folders):
+        try:
+            text = Path(folder, "spark-defaults.conf").read_text()
+        except OSError:
+            continue
+        if any(re.match(r"\s*spark\.driver\.memory[\s=:]", line) for line in text.splitlines()):
+            return True
+    return False
+
+
+def _machine_memory_bytes() -> int | None:
+    """Physical memory, or the cgroup's memory limit where lower (a container)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total if total > 0 else None
+
+
 # Spark's log settings: warnings and errors to stderr, minus the two start-up notices that hold
 # for every local session (no native Hadoop library is needed for local files).
 LOG4J2_PROPERTIES = Path(__file__).with_name("log4j2.properties")
@@ -202,6 +270,9 @@ def spark_conf(
     needs. The caller's conf wins over the derived settings (a cluster's own credentials)."""
     storage = list(storage)
     merged = {**DEFAULT_CONF, "spark.master": master}
+    memory = default_driver_memory() if is_local(master) else None
+    if memory:  # sized from this machine unless the deployment said (spark-defaults.conf)
+        merged["spark.driver.memory"] = memory
     merged.update(spark_hadoop_conf(storage))
     merged.update(conf or {})
     if any(location.scheme == "s3" for location in storage):
