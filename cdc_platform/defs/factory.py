@@ -239,6 +239,20 @@ def build_current_table_asset(platform: PlatformConfig, table: TableConfig) -> d
 
 def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
     m = result.merge
+    # The run's cost as flat numeric entries (``cost/seconds/<stage>``, ``cost/spark_jobs/...``,
+    # ``cost/bytes_read/<table>``, ``cost/bytes_rewritten/<table>``, ``cost/commits/<table>``):
+    # the UI plots each over the table's materializations. Over Spark Connect the job counts
+    # are absent (this process has no SparkContext to count them), and a note says so.
+    cost: dict[str, Any] = {}
+    if result.cost is not None:
+        cost = {
+            f"cost/{name}": dg.MetadataValue.float(float(v))
+            if name.startswith("seconds/")
+            else dg.MetadataValue.int(int(v))
+            for name, v in result.cost.figures().items()
+        }
+        if result.cost.spark_jobs is None:
+            cost["cost/spark_jobs_note"] = "not counted over Spark Connect (no SparkContext here)"
     quarantined = [
         {"file": q.file, "partition": q.partition, "row": q.row, "reason": q.reason}
         for q in result.quarantined
@@ -264,6 +278,7 @@ def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
         "files_read_natively": len(result.read_natively),
         "files_revoked_skipped": dg.MetadataValue.json(list(result.revoked)),
         "synced_at": result.synced_at.isoformat(),
+        **cost,
     }
 
 

@@ -75,6 +75,7 @@ from cdc_platform.lib.history import (
     build_versions,
     dedupe_events,
 )
+from cdc_platform.lib.run_cost import lap
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -278,6 +279,7 @@ def _apply_once(
 ) -> MergeResult:
     from pyspark.sql import functions as F
 
+    lap("merge_open")
     pk = list(primary_key)
     snap = _Snapshot.open(paths, history_columns)
     if snap is None:
@@ -321,6 +323,7 @@ def _apply_once(
     log_files = delta.snapshot_files(snap.changelog)
     log_spark_schema = changelog.spark_schema(log_schema)
 
+    lap("merge_classify")
     pending_events = dedupe_events(
         changelog.read_files(spark, paths.changelog, log_spark_schema, pending), pk
     )
@@ -379,6 +382,7 @@ def _apply_once(
                 fast_keys = keys.filter(~col(_SLOW)).select(*cols(pk))
                 fast_count = keys_affected - slow_count
 
+                lap("merge_fold_compare")
                 fast_events = (
                     pending_events.join(joins.build_side(fast_keys, fast_count), pk, "left_semi")
                     .unionByName(
@@ -498,6 +502,7 @@ def _apply_once(
                     expected = sum(f.num_records or 0 for f in rewritten) + sum(
                         f.num_records or 0 for f in pending
                     )
+                    lap("merge_write")
                     adds = write_segments(out, paths.history, pk, expected)
                     try:
                         # Keys whose events (all of them, or the state the fast path replayed)
@@ -515,6 +520,7 @@ def _apply_once(
                         unversioned_changed = bool(
                             delete_only_touched or keys_affected > versioned_keys
                         )
+                        lap("merge_commit")
                         fault_point("before_history_commit")
                         version = delta.commit(
                             dt,
@@ -531,6 +537,7 @@ def _apply_once(
                     except BaseException:
                         delta.discard(paths.history, adds)
                         raise
+                    lap("merge_side_tables")
                     _store_delete_only_keys(
                         paths,
                         kept_unversioned.unionByName(now_unversioned)

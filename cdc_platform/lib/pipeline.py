@@ -6,13 +6,16 @@ Spark job and merged in one commit, not hour by hour.
 
 Every file the pipeline cannot process is set aside (quarantined, with its reason) while it
 is inspected, before any of it reaches the change log: what the change log holds always folds.
+
+Each run measures itself (``lib.run_cost``): seconds and Spark jobs per stage, bytes read, and
+the bytes each of its Delta commits added and removed, on the outcome's ``cost``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,7 +35,8 @@ from cdc_platform.lib.reading import (
     read_events,
     unify_schema,
 )
-from cdc_platform.lib.storage import Where
+from cdc_platform.lib.run_cost import CostReport, RunCost, lap
+from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -60,6 +64,20 @@ class MaterializationOutcome:
     read_natively: tuple[str, ...] = ()
     # Landing files (relative to the landing root) not read because a user un-applied them.
     revoked: tuple[str, ...] = ()
+    # Bytes of the landing files opened (inspected, and read if they had rows).
+    landing_bytes_read: int = 0
+    # Seconds and Spark jobs per stage, bytes read and rewritten per table (``lib.run_cost``).
+    cost: CostReport | None = None
+
+
+def committed_tables(paths: TablePaths) -> dict[str, Location]:
+    """The Delta tables a materialization may commit to, by the names its cost figures use."""
+    return {
+        "history": paths.history,
+        "changelog": paths.changelog,
+        "quarantine": paths.quarantine,
+        "delete_only_keys": paths.delete_only_keys,
+    }
 
 
 def materialize(
@@ -81,9 +99,30 @@ def materialize(
             f"landing_root {landing_root} does not exist or is not a folder: check the config"
             f" (or mount the landing volume); table {table.name!r} was not materialized"
         )
+    paths = TablePaths.of(warehouse_root, table.name)
+    with RunCost(spark, committed_tables(paths)) as cost:
+        outcome = _apply_hours(spark, table, landing_root, paths, hours, keyring, synced_at)
+    read = {
+        "landing": outcome.landing_bytes_read,
+        "changelog": outcome.merge.changelog_bytes_read,
+        "history": outcome.merge.history_bytes_read,
+    }
+    return replace(outcome, cost=cost.report(read))
+
+
+def _apply_hours(
+    spark: SparkSession,
+    table: TableConfig,
+    landing_root: Path,
+    paths: TablePaths,
+    hours: Sequence[datetime],
+    keyring: Keyring | None,
+    synced_at: datetime | None,
+) -> MaterializationOutcome:
+    """``materialize`` in stages, each marked for the run's cost (``run_cost.lap``)."""
+    lap("list_files")
     started = time.monotonic()
     synced_at = to_ms(synced_at or datetime.now(UTC))
-    paths = TablePaths.of(warehouse_root, table.name)
     reader = LandingReader(table, landing_root, keyring)
 
     def revoked_now() -> set[str]:
@@ -92,6 +131,7 @@ def materialize(
     revoked = revoked_now()
     skipped: list[str] = []
     partition_of: dict[str, str] = {}
+    size_of: dict[str, int] = {}
     not_read: dict[str, str] = {}  # symlinks, files in sub-folders: never opened
     for hour in hours:
         for f in files_in_hour(landing_root, table.name, hour):
@@ -99,12 +139,14 @@ def materialize(
                 skipped.append(reader.relative(f.path))
                 continue
             partition_of[f.path] = hour_to_partition_key(hour)
+            size_of[f.path] = f.size
             if f.set_aside is not None:
                 not_read[f.path] = f.set_aside
             else:
                 reader.expect({f.path: f.file_id})  # read only if still this very file
     all_paths = sorted(partition_of)
 
+    lap("inspect")
     reports = [FileReport(p, 0, None, reason) for p, reason in sorted(not_read.items())]
     reports += inspect_files(spark, reader, [p for p in all_paths if p not in not_read])
     readable = [r for r in reports if r.ok]
@@ -130,6 +172,7 @@ def materialize(
     new_events = 0
     native: dict[str, str] = {}
     if events_read:
+        lap("changelog_append")
         with_rows = [r for r in good if r.num_rows]
         # A file whose column is narrower than the table's (the table widened) is cast up by
         # the Python decoder, as every widening is (Arrow's casts, one engine for all of them).
@@ -178,6 +221,7 @@ def materialize(
             native = {}  # every file through the checked descriptor, in Python
             appended = append(native)
         new_events = appended.new_events
+    lap("quarantine")
     quarantine.record(
         paths.quarantine,
         [reader.relative(p) for p in all_paths],
@@ -186,6 +230,7 @@ def materialize(
     )
     fault_point("after_changelog_commit")
 
+    lap("merge_open")
     version_before = delta.version_or_none(paths.history)
     merge = apply_pending(spark, paths, table.primary_key, synced_at, table.history_columns)
     return MaterializationOutcome(
@@ -199,6 +244,7 @@ def materialize(
         history_version_before=version_before,
         read_natively=tuple(sorted(reader.relative(p) for p in native)),
         revoked=tuple(sorted(skipped)),
+        landing_bytes_read=sum(size_of[p] for p in all_paths if p not in not_read),
     )
 
 

@@ -1,0 +1,240 @@
+"""What a small hour costs, stage by stage, against plain Spark doing the same work (issue 22,
+targets 1 and 2: the small-hour reference and the Spark jobs per stage).
+
+A history table of about ``--versions`` versions is built once by one range ``materialize()``
+(``scale.py``'s generator and cache: rerunning is free until ``cdc_platform/lib`` changes). In
+one warm local[2] session, after one unmeasured warm-up hour, ``--repeats`` hours of
+``--hour-events`` events are each applied with ``materialize()``; every run's own cost
+(``lib.run_cost``: the figures the Dagster metadata records) is printed per stage: seconds
+(median over the repeats) and Spark jobs (exact, counted per stage by job group).
+
+Beside it, the **small-hour reference**: the plainest Spark for the same work, in the same warm
+session, its jobs counted the same way (a ``RunCost`` with a lap per step): read the hour
+folder, take the live rows of its keys from the history table's files (broadcast semi-join on
+the hour's keys), fold them with the hour's events (one window per key: each image opens a
+version that the key's next event ends) and write the keys' new versions, as Parquet, to a
+temporary folder. Then the ratios, and the targets of issue 22 (within 2x the reference's time,
+at most 12 Spark jobs).
+
+``--profile DIR`` turns on Spark's event log for the session (``spark.eventLog.enabled``): every
+job carries its stage's job group (``cdc_platform-run-<id>/<stage>``), so the profile shows
+which stage ran which job. The log's path and the command that opens it in Spark's history
+server are printed at the end.
+
+Run it alone (2 shared cores: seconds are indicative, job counts exact)::
+
+    .venv/bin/python benchmarks/run_cost.py                       # ~100k versions
+    .venv/bin/python benchmarks/run_cost.py --versions 20000 --repeats 2
+    .venv/bin/python benchmarks/run_cost.py --profile /tmp/cdc_profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from scale import (  # noqa: E402  (benchmarks/ is not a package)
+    DATA_COLUMNS,
+    HOUR_US,
+    START_US,
+    TABLE,
+    TMAX_US,
+    EventGenerator,
+    build_cached_table,
+    cached_landing,
+    hour_at,
+    landing_params,
+    write_hour,
+)
+
+from cdc_platform.lib import delta  # noqa: E402
+from cdc_platform.lib.landing import hour_folder  # noqa: E402
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize  # noqa: E402
+from cdc_platform.lib.run_cost import CostReport, RunCost  # noqa: E402
+from cdc_platform.lib.spark import build_spark_session  # noqa: E402
+from cdc_platform.lib.warehouse import TablePaths  # noqa: E402
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+EVENTS_PER_HOUR = 10_000  # of the built table: depth = more hours
+TARGET_TIME_RATIO = 2.0
+TARGET_JOBS = 12
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def reference_hour(spark: SparkSession, hour_dir: Path, history: Path, out: Path) -> CostReport:
+    """The plainest Spark for a small hour: read it, semi-join the live rows of its keys,
+    fold, write the keys' new versions. Counted by the same stopwatch as a run."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    with RunCost(spark) as cost:
+        cost.lap("read_hour")
+        events = spark.read.parquet(str(hour_dir)).select(
+            "id",
+            *DATA_COLUMNS,
+            F.col("cdc_operation_type").alias("op"),
+            F.col("cdc_change_seq").alias("seq"),
+            F.col("cdc_commit_timestamp").alias("ts"),
+        )
+        cost.lap("live_rows")
+        files = delta.absolute_paths(history, delta.snapshot_files(delta.open_table(history)))
+        live = (
+            spark.read.parquet(*files)
+            .filter(F.col("_fivetran_active"))
+            .join(F.broadcast(events.select("id").distinct()), "id", "left_semi")
+            .select(
+                "id",
+                *DATA_COLUMNS,
+                F.lit("INSERT").alias("op"),
+                F.lit(-1).cast("long").alias("seq"),
+                F.col("_fivetran_start").alias("ts"),
+            )
+        )
+        cost.lap("fold_write")
+        by_key = Window.partitionBy("id").orderBy("ts", "seq")
+        next_ts = F.lead("ts").over(by_key)
+        folded = (
+            events.unionByName(live)
+            .withColumn("next_ts", next_ts)
+            .filter(F.col("op") != "DELETE")
+            .select(
+                "id",
+                *DATA_COLUMNS,
+                F.col("ts").alias("_fivetran_start"),
+                F.coalesce(
+                    F.timestamp_micros(F.unix_micros("next_ts") - 1000),
+                    F.timestamp_micros(F.lit(TMAX_US)),
+                ).alias("_fivetran_end"),
+                F.col("next_ts").isNull().alias("_fivetran_active"),
+            )
+        )
+        folded.write.mode("overwrite").parquet(str(out))
+    return cost.report()
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def print_stages(runs: list[CostReport]) -> None:
+    names = list(dict.fromkeys(s.name for r in runs for s in r.stages))
+    seconds = {n: [s.seconds for r in runs for s in r.stages if s.name == n] for n in names}
+    log(f"{'stage':<22} {'median s':>9} {'Spark jobs':>11}")
+    for n in names:
+        jobs = distinct_counts(s.spark_jobs for r in runs for s in r.stages if s.name == n)
+        log(f"{n:<22} {median(seconds[n]):>9.3f} {jobs:>11}")
+    jobs = distinct_counts(r.spark_jobs for r in runs)
+    log(f"{'total':<22} {median([r.seconds for r in runs]):>9.3f} {jobs:>11}")
+
+
+def distinct_counts(counts: Iterable[int | None]) -> str:
+    """The job counts the runs saw, "a/b" if they differ ("-": not counted)."""
+    seen = {-1 if c is None else c for c in counts}
+    return "/".join("-" if c < 0 else str(c) for c in sorted(seen))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p.add_argument("--versions", type=int, default=100_000, help="events of the built table")
+    p.add_argument("--keys", type=int, default=100_000, help="(at most --versions)")
+    p.add_argument("--hour-events", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=3, help="measured hours (after one warm-up)")
+    p.add_argument("--seed", type=int, default=8)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_run_cost_bench"))
+    p.add_argument("--profile", type=Path, help="write Spark's event log here")
+    args = p.parse_args(argv)
+    keys = min(args.keys, args.versions)
+    conf = {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"}
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        conf |= {"spark.eventLog.enabled": "true", "spark.eventLog.dir": args.profile.as_uri()}
+    spark = build_spark_session("local[2]", conf, "run_cost_bench")
+    cache = args.work_dir / "tables"
+    cache.mkdir(parents=True, exist_ok=True)
+    hours = max(1, -(-args.versions // EVENTS_PER_HOUR))
+    landing = cached_landing(cache, landing_params(keys, args.versions, hours, args.seed))
+    t0 = time.perf_counter()
+    built, meta = build_cached_table(spark, cache, landing)
+    log(
+        f"table: {meta['versions']:,} versions over {keys:,} keys, built in {meta['seconds']:.1f} s"
+        f"{' (cached)' if meta['cached'] else ''} ({time.perf_counter() - t0:.1f} s now)"
+    )
+    run = Path(tempfile.mkdtemp(prefix="run-", dir=args.work_dir))
+    warehouse, run_landing = run / "warehouse", run / "landing"
+    shutil.copytree(built, warehouse)
+    history = TablePaths.of(warehouse, TABLE.name).history.path
+    gen = EventGenerator(keys, args.seed + 3000, first_seq=landing.next_seq)
+    gen.seen = landing.seen.copy()
+
+    def small_hour(index: int) -> MaterializationOutcome:
+        write_hour(run_landing, index, gen.events(args.hour_events, START_US + index * HOUR_US))
+        return materialize(spark, TABLE, run_landing, warehouse, [hour_at(index)])
+
+    ours: list[CostReport] = []
+    refs: list[CostReport] = []
+    for attempt in range(args.repeats + 1):
+        index = hours + attempt
+        outcome = small_hour(index)
+        ref = reference_hour(
+            spark,
+            hour_folder(run_landing, TABLE.name, hour_at(index)),
+            history,
+            run / f"reference-{index}",
+        )
+        if attempt and outcome.cost is not None:  # the first of each warms the session up
+            ours.append(outcome.cost)
+            refs.append(ref)
+    log(f"\nmaterialize() of a {args.hour_events}-event hour, warm local[2], {len(ours)} runs:")
+    print_stages(ours)
+    log("\nsmall-hour reference (plain Spark, same session, same hours):")
+    print_stages(refs)
+    mine, ref_s = median([r.seconds for r in ours]), median([r.seconds for r in refs])
+    jobs, ref_jobs = ours[-1].spark_jobs or 0, refs[-1].spark_jobs or 0
+    log(
+        f"\nratio: {mine / ref_s:.1f}x the reference's time ({mine:.2f} s vs {ref_s:.2f} s; "
+        f"target <= {TARGET_TIME_RATIO:g}x: {'met' if mine <= TARGET_TIME_RATIO * ref_s else 'NOT met'}), "
+        f"{jobs / max(ref_jobs, 1):.1f}x its Spark jobs ({jobs} vs {ref_jobs}; target <= "
+        f"{TARGET_JOBS}: {'met' if jobs <= TARGET_JOBS else 'NOT met'})"
+    )
+    figures = ours[-1].figures()
+    log(
+        "last run: bytes read "
+        + ", ".join(f"{k[11:]} {v:,}" for k, v in figures.items() if k.startswith("bytes_read/"))
+        + "; bytes rewritten "
+        + ", ".join(f"{k[16:]} {v:,}" for k, v in figures.items() if k.startswith("bytes_rewrit"))
+        + f"; commits {figures['commits/total']}"
+    )
+    import pyspark
+
+    app = spark.sparkContext.applicationId
+    spark.stop()
+    shutil.rmtree(run, ignore_errors=True)
+    if args.profile:
+        logs = sorted(args.profile.glob(f"*{app}*"))  # a folder when the log rolls
+        log(
+            f"\nevent log: {', '.join(map(str, logs)) or args.profile} (jobs tagged by job group "
+            f"cdc_platform-run-<id>/<stage>). Open it with Spark's history server:\n"
+            f"  SPARK_HISTORY_OPTS=-Dspark.history.fs.logDirectory={args.profile.as_uri()} "
+            f"{Path(pyspark.__file__).parent / 'bin' / 'spark-class'} "
+            "org.apache.spark.deploy.history.HistoryServer   # then http://localhost:18080"
+        )
+
+
+if __name__ == "__main__":
+    main()
