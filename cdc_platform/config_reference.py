@@ -123,6 +123,11 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
         "Which column types a landing file may widen for good: `data` columns only, `all` "
         "(key columns too) or `never`.",
     ),
+    "group": (
+        "name",
+        "The Dagster asset group of the table's assets: the asset graph shows a group as one "
+        "box, so hundreds of tables stay navigable when grouped by source or domain.",
+    ),
 }
 DISCOVER_KEYS: dict[str, tuple[str, str]] = {
     "primary_key": ("list of columns", "Every discovered table's primary key."),

@@ -96,6 +96,14 @@ def test_valid_config_resolves_paths_against_its_folder(tmp_path):
             "table 'orders', field 'current_table': 'yes' must be true or false",
         ),
         ('{name: a/b, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:00", group: "a b"}',
+            "table 'orders', field 'group': letters, digits and underscores",
+        ),
+        (
+            '{name: orders, primary_key: [id], start: "2024-01-01-00:00", group: [x]}',
+            "table 'orders', field 'group'",
+        ),
     ],
 )
 def test_bad_table_config_is_rejected_naming_table_and_field(tmp_path, table, message):

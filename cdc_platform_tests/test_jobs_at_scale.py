@@ -45,6 +45,7 @@ def platform_with(tmp_path: Path, n: int) -> PlatformConfig:
     tables = "".join(
         f'  - name: t{i:03d}\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
         + ("    current_table: true\n" if i % 3 == 0 else "")
+        + (f"    group: domain_{i % 10}\n" if i % 2 else "")
         for i in range(n)
     )
     config = folder / "cdc_platform.yaml"
@@ -90,6 +91,22 @@ def _run(
 def _failure(result: dg.ExecuteInProcessResult) -> str:
     (step_failure,) = [e for e in result.all_events if e.is_step_failure]
     return step_failure.event_specific_data.error.message  # type: ignore[union-attr]
+
+
+def test_tables_fall_into_their_configured_asset_groups(tmp_path):
+    """The asset graph shows a group as one box: at 200 tables, the config's groups keep it
+    navigable; a table without one (and its current table) stays in the default group."""
+    platform = platform_with(tmp_path, 200)
+    graph = build_definitions(platform).resolve_asset_graph()
+    groups = {key.to_user_string(): graph.get(key).group_name for key in graph.get_all_asset_keys()}
+    for table in platform.tables:
+        assert groups[table.name] == table.group
+        assert table.group == (
+            f"domain_{int(table.name[1:]) % 10}" if int(table.name[1:]) % 2 else "cdc_history"
+        )
+        if table.current_table:
+            assert groups[f"{table.name}_current"] == table.group
+    assert set(groups.values()) == {"cdc_history", *(f"domain_{d}" for d in (1, 3, 5, 7, 9))}
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,6 @@ from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key, hours
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths, current_table_name
 
-GROUP = "cdc_history"
 VERSION_BEFORE = "delta_version_before"
 CURRENT_TABLES_SENSOR = "cdc_current_tables"
 
@@ -70,7 +69,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
             dg.AssetSpec(
                 key,
                 partitions_def=partitions,
-                group_name=GROUP,
+                group_name=table.group,
                 kinds={"spark", "delta"},
                 # What tells 200 tables apart comes first: the catalog shows one line of it.
                 description=(
@@ -199,7 +198,7 @@ def build_current_table_asset(platform: PlatformConfig, table: TableConfig) -> d
     @dg.asset(
         key=dg.AssetKey(current_table_name(table.name)),
         deps=[dg.AssetKey(table.name)],
-        group_name=GROUP,
+        group_name=table.group,
         kinds={"spark", "delta"},
         description=(
             f"Current (SCD1) rows of {table.name}, one per live key (key and data columns "

@@ -33,6 +33,7 @@ from cdc_platform.lib.storage import OBJECT_STORE_SCHEMES, EnvRef, Location, Opt
 from cdc_platform.lib.warehouse import current_table_name
 
 CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
+DEFAULT_GROUP = "cdc_history"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG_PATH = REPO_ROOT / "cdc_platform.yaml"
 
@@ -90,6 +91,9 @@ class TableConfig:
     # default) its data columns, never a primary-key column; ``all`` key columns too;
     # ``never`` none. A file that needs a widening not allowed is set aside, saying so.
     widen_types: str = "data"
+    # The Dagster asset group of the table's assets (the asset graph shows one box per group
+    # until opened: at hundreds of tables, group them by source system or domain).
+    group: str = DEFAULT_GROUP
 
     @property
     def start_partition_key(self) -> str:
@@ -161,6 +165,7 @@ _TABLE_FIELDS = {
     "track_history_columns",
     "ignore_history_columns",
     "widen_types",
+    "group",
 }
 _TOP_FIELDS = {
     "landing_root",
@@ -508,7 +513,14 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         current_table=boolean("current_table"),
         history_columns=_history_columns(raw, pk, fail),
         widen_types=choice("widen_types", WIDEN_TYPES),
+        group=_group(raw.get("group", DEFAULT_GROUP), fail),
     )
+
+
+def _group(value: object, fail: Callable[[str, str], ConfigError]) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value) or len(value) > 100:
+        raise fail("group", "letters, digits and underscores, not starting with a digit")
+    return value
 
 
 def _history_columns(
