@@ -262,11 +262,23 @@ def test_a_feature_delta_spark_turns_on_is_refused_naming_it(spark, built, tmp_p
     shutil.copytree(built, copy)
     history = copy / "warehouse" / "orders"
     spark.sql(f"ALTER TABLE delta.`{history}` {change}")
-    version = DeltaTable(str(history)).version()
+    log = copy / "warehouse" / "_cdc" / "orders" / "changelog"
+    versions = (DeltaTable(str(history)).version(), DeltaTable(str(log)).version())
     write_parquet_events(copy / "landing", "orders", H3, _events(H3, 300, range(1, 3), "done"))
     with pytest.raises(UnsupportedTableFeatureError, match=r"Delta features .*docs/engines.md"):
         materialize(spark, TABLE, copy / "landing", copy / "warehouse", [H3], synced_at=synced(7))
-    assert DeltaTable(str(history)).version() == version
+    assert (DeltaTable(str(history)).version(), DeltaTable(str(log)).version()) == versions
+
+
+def test_a_feature_undone_as_the_message_says_lets_the_platform_go_on(spark, built, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(built, copy)
+    history = copy / "warehouse" / "orders"
+    spark.sql(f"ALTER TABLE delta.`{history}` ADD CONSTRAINT positive CHECK (id > 0)")
+    spark.sql(f"ALTER TABLE delta.`{history}` DROP CONSTRAINT positive")
+    write_parquet_events(copy / "landing", "orders", H3, _events(H3, 300, range(1, 3), "done"))
+    materialize(spark, TABLE, copy / "landing", copy / "warehouse", [H3], synced_at=synced(7))
+    assert_same_reads(spark, history)
 
 
 # -- adoption of tables delta-spark wrote ---------------------------------------------------------
@@ -281,15 +293,18 @@ def _make_source(spark, path: Path, properties: str, partitioned: bool = False) 
     parts = "PARTITIONED BY (region)" if partitioned else ""
     spark.sql(
         f"CREATE TABLE delta.`{path}` (id BIGINT, name STRING, region STRING, seen TIMESTAMP_NTZ,"
+        " addr STRUCT<city: STRING, zip: INT>,"
         f" _fivetran_synced TIMESTAMP, _fivetran_deleted BOOLEAN) USING delta {parts}"
         f" TBLPROPERTIES ({properties})"
     )
     spark.sql(
         f"INSERT INTO delta.`{path}` VALUES"
-        " (1, 'ann', 'eu', TIMESTAMP_NTZ'2024-01-01 10:00:00', TIMESTAMP'2024-01-05 00:00:00', false),"
-        " (2, 'bob', 'us', NULL, TIMESTAMP'2024-01-05 00:00:00', true),"
-        " (3, 'cy', 'eu', TIMESTAMP_NTZ'2024-01-02 10:00:00', TIMESTAMP'2024-01-06 00:00:00', false),"
-        " (4, 'dee', 'us', NULL, TIMESTAMP'2024-01-06 00:00:00', false)"
+        " (1, 'ann', 'eu', TIMESTAMP_NTZ'2024-01-01 10:00:00', named_struct('city', 'x', 'zip', 1),"
+        "  TIMESTAMP'2024-01-05 00:00:00', false),"
+        " (2, 'bob', 'us', NULL, NULL, TIMESTAMP'2024-01-05 00:00:00', true),"
+        " (3, 'cy', 'eu', TIMESTAMP_NTZ'2024-01-02 10:00:00', named_struct('city', 'y', 'zip', 2),"
+        "  TIMESTAMP'2024-01-06 00:00:00', false),"
+        " (4, 'dee', 'us', NULL, NULL, TIMESTAMP'2024-01-06 00:00:00', false)"
     )
 
 
@@ -305,16 +320,16 @@ def _adopted(spark, lake: dict[str, Path], source: Path) -> list[tuple]:
     )
     rows = DeltaTable(str(TablePaths.of(lake["warehouse"], "customers").history)).to_pyarrow_table()
     return sorted(
-        (r["id"], r["name"], r["region"], r["seen"], r["_fivetran_active"])
+        (r["id"], r["name"], r["region"], r["seen"], r["addr"], r["_fivetran_active"])
         for r in rows.to_pylist()
     )
 
 
 # timestamp_ntz values are UTC in the history table, as a naive landing timestamp is (contract).
 EXPECTED = [
-    (1, "ann", "eu", datetime(2024, 1, 1, 10, tzinfo=UTC), True),
-    (2, "bob", "us", None, False),
-    (3, "cy", "eu", datetime(2024, 1, 2, 10, tzinfo=UTC), True),
+    (1, "ann", "eu", datetime(2024, 1, 1, 10, tzinfo=UTC), {"city": "x", "zip": 1}, True),
+    (2, "bob", "us", None, None, False),
+    (3, "cy", "eu", datetime(2024, 1, 2, 10, tzinfo=UTC), {"city": "y", "zip": 2}, True),
 ]
 
 
@@ -324,15 +339,23 @@ EXPECTED = [
         ("'delta.enableDeletionVectors' = 'true'", False),
         ("'delta.columnMapping.mode' = 'name'", False),
         ("'delta.columnMapping.mode' = 'name'", True),
+        ("'delta.columnMapping.mode' = 'id'", False),
         ("'delta.appendOnly' = 'false'", True),
     ],
-    ids=["deletion-vectors", "column-mapping", "column-mapping-partitioned", "partitioned"],
+    ids=[
+        "deletion-vectors",
+        "column-mapping",
+        "column-mapping-partitioned",
+        "column-mapping-by-id",
+        "partitioned",
+    ],
 )
 def test_a_table_delta_spark_wrote_is_adopted_with_its_features(
     spark, lake, properties, partitioned
 ):
-    """Deletion vectors (a deleted row stays in its file), column mapping by name (files use
-    physical names; a column renamed), ``timestamp_ntz``, partitioning and a CHECK constraint."""
+    """Deletion vectors (a deleted row stays in its file), column mapping by name and by id
+    (files use physical names, nested fields too; a column renamed), ``timestamp_ntz``, a
+    struct, partitioning and a CHECK constraint."""
     source = lake["root"] / "source"
     _make_source(spark, source, properties, partitioned)
     spark.sql(f"ALTER TABLE delta.`{source}` ADD CONSTRAINT known CHECK (id > 0)")

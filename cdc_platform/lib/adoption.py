@@ -215,10 +215,11 @@ def adopt(
     )
 
 
-# Reader features whose tables the platform reads itself: timestamp_ntz needs nothing, column
-# mapping is read by physical name (``_physical_schema``). Anything else (deletion vectors, a
-# feature of a later protocol) only Delta's own library reads correctly.
+# Reader features of a Delta source: the platform reads timestamp_ntz and column mapping by
+# name itself (``_physical_schema``); deletion vectors only Delta's own library applies; any
+# other feature (a later protocol's) is refused, so a source never chooses the reader.
 _READABLE_FEATURES = frozenset({"timestampNtz", "columnMapping"})
+_DELTA_LIBRARY_FEATURES = frozenset({"deletionVectors"})
 
 
 def _read_source(
@@ -236,13 +237,12 @@ def _read_source(
 
 
 def _delta_rows(spark: SparkSession, where: Location) -> DataFrame:
-    """A Delta source's rows as of its latest version. The platform reads the files the log
-    lists itself (by physical column name under column mapping). A table with deletion vectors
-    (or another reader feature it cannot apply) is read by Delta's own library when the session
-    has it (``lib.spark.delta_conf``), else refused: its files alone would bring deleted rows
-    back."""
+    """A Delta source's rows as of the version checked here. The platform reads the files the
+    log lists itself (by physical column name under column mapping by name). A table with
+    deletion vectors, or column mapping by id, is read by Delta's own library at that version
+    when the session has it (``lib.spark.delta_conf``), else refused: its files alone would
+    bring deleted rows back, or read columns by the wrong names."""
     from deltalake import DeltaTable
-    from pyspark.sql import functions as F
 
     if not delta.exists(where):
         raise AdoptionError(f"{where}: no Delta table there")
@@ -250,29 +250,44 @@ def _delta_rows(spark: SparkSession, where: Location) -> DataFrame:
     _refuse_files_outside(where, dt)
     if not dt.file_uris():
         raise AdoptionError(f"{where}: the Delta table has no rows to adopt")
-    unreadable = set(dt.protocol().reader_features or []) - _READABLE_FEATURES
-    if unreadable and _has_delta_library(spark):
-        # Delta's reader gives no row numbers: errors name the file only.
-        rows = spark.read.format("delta").load(where.spark_uri())
-        return rows.withColumn(_FILE, F.col("_metadata.file_path")).withColumn(
-            _ROW, F.lit(None).cast("long")
-        )
-    if unreadable:
-        raise AdoptionError(
-            f"{where}: the Delta table uses reader features {sorted(unreadable)}, which only "
-            "Delta's own library applies (deletion vectors hide deleted rows the files still "
-            "hold): adopt it from a Spark session with delta-spark (docs/engines.md), or purge "
-            "them first (`REORG TABLE ... APPLY (PURGE)`, then `ALTER TABLE ... DROP FEATURE`)"
-        )
+    features = set(dt.protocol().reader_features or [])
+    unknown = features - _READABLE_FEATURES - _DELTA_LIBRARY_FEATURES
+    if unknown:
+        raise AdoptionError(f"{where}: the Delta table uses reader features {sorted(unknown)}")
     mode = dt.metadata().configuration.get("delta.columnMapping.mode", "none")
     if mode not in ("none", "name", "id"):
         raise AdoptionError(f"{where}: unknown column mapping mode {mode!r}")
+    needs_library = sorted(features & _DELTA_LIBRARY_FEATURES) + (
+        ["columnMapping by id"] if mode == "id" else []
+    )
+    if needs_library:
+        return _delta_library_rows(spark, where, dt, needs_library)
     logical = changelog.spark_schema(delta.table_arrow_schema(dt))
-    physical = _physical_schema(dt)
+    physical = _physical_schema(dt, where)
     if dt.metadata().partition_columns:
         return _partitioned_rows(spark, where, dt, logical, physical)
     rows = spark.read.schema(physical).options(**NATIVE_READ_OPTIONS).parquet(*dt.file_uris())
     return _logical(_with_provenance(rows), logical, physical)
+
+
+def _delta_library_rows(
+    spark: SparkSession, where: Location, dt: DeltaTable, features: list[str]
+) -> DataFrame:
+    """The source read by Delta's own library, pinned to the version checked here."""
+    from pyspark.sql import functions as F
+
+    if not _has_delta_library(spark):
+        raise AdoptionError(
+            f"{where}: the Delta table uses {features}, which only Delta's own library reads"
+            " correctly (deletion vectors hide deleted rows the files still hold): adopt it from"
+            " a Spark session with delta-spark (docs/engines.md), or purge them first"
+            " (`REORG TABLE ... APPLY (PURGE)`, then `ALTER TABLE ... DROP FEATURE`)"
+        )
+    rows = spark.read.format("delta").option("versionAsOf", dt.version()).load(where.spark_uri())
+    # Delta's reader gives no row numbers: errors name the file only.
+    return rows.withColumn(_FILE, F.col("_metadata.file_path")).withColumn(
+        _ROW, F.lit(None).cast("long")
+    )
 
 
 def _has_delta_library(spark: SparkSession) -> bool:
@@ -280,12 +295,13 @@ def _has_delta_library(spark: SparkSession) -> bool:
     return "DeltaSparkSessionExtension" in (spark.conf.get("spark.sql.extensions", "") or "")
 
 
-def _physical_schema(dt: DeltaTable) -> StructType:
-    """The table's schema under the names its files use: under column mapping each field
-    (nested ones too) is stored as its ``delta.columnMapping.physicalName``."""
+def _physical_schema(dt: DeltaTable, where: Location) -> StructType:
+    """The table's schema as its files store it: its own types, and under column mapping each
+    field (nested ones too) named by its ``delta.columnMapping.physicalName``. Two columns
+    stored under one name are refused (a hostile log could alias them)."""
     import json
 
-    from pyspark.sql.types import StructField, StructType
+    from pyspark.sql.types import StructType
 
     def rename(node: Any) -> Any:
         if isinstance(node, dict):
@@ -298,20 +314,17 @@ def _physical_schema(dt: DeltaTable) -> StructType:
             return [rename(v) for v in node]
         return node
 
-    data = rename(json.loads(dt.schema().to_json()))
-    logical = changelog.spark_schema(delta.table_arrow_schema(dt))
-    # Types as the platform reads them (``changelog.spark_schema``), names as stored.
-    return StructType(
-        [
-            StructField(p["name"], f.dataType, f.nullable)
-            for f, p in zip(logical.fields, data["fields"], strict=True)
-        ]
-    )
+    schema = StructType.fromJson(rename(json.loads(dt.schema().to_json())))
+    names = [f.name for f in schema.fields]
+    if len(set(names)) != len(names) or _FILE in names or _ROW in names:
+        raise AdoptionError(f"{where}: the Delta log stores two columns under one name")
+    return schema
 
 
 def _logical(rows: DataFrame, logical: StructType, physical: StructType) -> DataFrame:
-    """Rows read by physical names, under the table's logical names and types (a cast of a
-    struct matches its fields by position, so nested physical names fall away too)."""
+    """Rows read by physical names and stored types, under the table's logical names and the
+    platform's types (a cast of a struct matches its fields by position, so nested physical
+    names become logical ones)."""
     return rows.select(
         *[
             col(p.name).cast(f.dataType).alias(f.name)
@@ -331,6 +344,11 @@ def _refuse_files_outside(where: Location, dt: Any) -> None:
     for action in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
         path = unquote(str(action["path"]))
         parts = path.replace("\\", "/").split("/")
+        if action.get("deletionVector.storageType") == "p":
+            raise AdoptionError(
+                f"{where}: the Delta log names a deletion vector by absolute path: a source's"
+                " files must all be inside it"
+            )
         if "://" in path or path.startswith("/") or ".." in parts:
             raise AdoptionError(
                 f"{where}: the Delta log names a data file outside the table (absolute, a URI"
@@ -365,7 +383,12 @@ def _partitioned_rows(
     groups: dict[tuple[Any, ...], list[str]] = {}
     for a in actions:
         # The log keys partition values by the column's stored (physical) name.
-        values = tuple(a.get(f"partition.{stored[c]}", a.get(f"partition.{c}")) for c in parts)
+        values = tuple(
+            a[f"partition.{stored[c]}"]
+            if f"partition.{stored[c]}" in a
+            else a.get(f"partition.{c}")
+            for c in parts
+        )
         # The log's path is URI-encoded: the file on disk has the decoded name.
         groups.setdefault(values, []).append(unquote(a["path"]))
     frames = []

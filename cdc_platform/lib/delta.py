@@ -86,34 +86,65 @@ class UnsupportedTableFeatureError(RuntimeError):
     """Another writer (delta-spark, say) turned on a Delta feature the platform cannot keep."""
 
 
-# Writer features the platform's commits keep true: the two every writer-v2 table implies (no
-# append-only or invariant is ever set on its tables), and timestamp_ntz (nothing to enforce).
-_KEPT_WRITER_FEATURES = frozenset({"appendOnly", "invariants", "timestampNtz"})
+# Features that are harmless while unused: the platform's commits keep a table that lists them
+# correct as long as no column, property or constraint uses them (checked below by usage), and
+# the ones Delta adds when a feature is dropped (``checkpointProtection``) or for its own VACUUM.
+_HARMLESS_FEATURES = frozenset(
+    {
+        "appendOnly",
+        "invariants",
+        "timestampNtz",
+        "checkConstraints",
+        "generatedColumns",
+        "identityColumns",
+        "changeDataFeed",
+        "columnMapping",
+        "checkpointProtection",
+        "vacuumProtocolCheck",
+    }
+)
 _CHECKS = "delta.constraints."
+_FIELD_USES = {
+    "delta.generationExpression": "generated column",
+    "delta.identity.start": "identity column",
+    "delta.invariants": "NOT NULL or invariant",
+}
 
 
 def check_features(where: Location, dt: DeltaTable) -> None:
     """Refuse a table another engine changed in a way the platform would get wrong
     (docs/engines.md): delta-rs cannot read deletion vectors, reads column-mapped files as
     nulls, and its commits would neither keep an append-only table so nor enforce a CHECK
-    constraint, generated column or row tracking. The message says how to undo it."""
+    constraint, a generated or identity column, row tracking or a change data feed. A feature
+    the protocol lists but nothing uses (after ``DROP CONSTRAINT``, say) is no obstacle. The
+    message says how to undo it."""
     protocol, config = dt.protocol(), dt.metadata().configuration
-    found = set(protocol.reader_features or [])
-    found |= set(protocol.writer_features or []) - _KEPT_WRITER_FEATURES
+    listed = set(protocol.reader_features or []) | set(protocol.writer_features or [])
+    found = listed - _HARMLESS_FEATURES
     if config.get("delta.columnMapping.mode", "none") != "none":
         found.add("columnMapping")
-    if str(config.get("delta.appendOnly", "false")).lower() == "true":
-        found.add("appendOnly (delta.appendOnly = true)")
+    for key, what in (("delta.appendOnly", "appendOnly"), ("delta.enableChangeDataFeed", "CDF")):
+        if str(config.get(key, "false")).lower() == "true":
+            found.add(f"{what} ({key} = true)")
     found |= {f"CHECK constraint {k.split('.', 2)[2]}" for k in config if k.startswith(_CHECKS)}
-    if 2 < protocol.min_writer_version < 7:  # a legacy version that implies more features
-        found.add(f"writer version {protocol.min_writer_version}")
+    for f in json.loads(dt.schema().to_json())["fields"]:
+        found |= {
+            f"{what} {f['name']}" for key, what in _FIELD_USES.items() if key in f["metadata"]
+        }
     if found:
         raise UnsupportedTableFeatureError(
             f"{where}: the table now uses Delta features {sorted(found)}, set by another writer;"
             " the platform's reads and commits cannot keep them. Undo the change with Delta's "
-            "own library (ALTER TABLE ... DROP FEATURE, or UNSET TBLPROPERTIES): see "
-            "docs/engines.md"
+            "own library (ALTER TABLE ... DROP CONSTRAINT, DROP FEATURE, or UNSET "
+            "TBLPROPERTIES): see docs/engines.md"
         )
+
+
+def check_tables(*table_paths: Where) -> None:
+    """``check_features`` on each existing table, before a run writes to any of them."""
+    for table_path in table_paths:
+        if exists(table_path):
+            open_table(table_path)
 
 
 def version_or_none(table_path: Where) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import stat
 import sys
 import tempfile
 import urllib.request
@@ -78,6 +79,13 @@ def paths(jar_sets: Iterable[JarSet], folder: Path | None = None) -> list[Path]:
     checksums are checked when fetching, not at every session start."""
     folder = folder or jars_dir()
     jars = locked(jar_sets)
+    writable = [folder / j.file_name for j in jars if _writable_by_others(folder / j.file_name)]
+    if writable or _writable_by_others(folder):
+        raise JarsMissingError(
+            f"{folder}: jars (or their folder) that other users can write are not loaded into"
+            " the driver, which holds decrypted rows and credentials: `chmod go-w` them, then"
+            " `python -m cdc_platform.lib.jars verify`"
+        )
     missing = [j for j in jars if not _complete(folder / j.file_name, j)]
     if missing:
         names = ", ".join(sorted({j.jar_set for j in missing}))
@@ -114,7 +122,21 @@ def fetch(
 
 
 def _complete(path: Path, jar: Jar) -> bool:
-    return path.is_file() and path.stat().st_size == jar.size
+    return path.is_file() and path.stat().st_size == jar.size and os.access(path, os.R_OK)
+
+
+def _writable_by_others(path: Path) -> bool:
+    return path.exists() and bool(path.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def verify(jar_sets: Iterable[JarSet] = JAR_SETS, folder: Path | None = None) -> list[Path]:
+    """Every jar of ``jar_sets`` present and matching its locked sha256 (for a folder copied
+    to an air-gapped machine; sessions check only sizes, to start fast)."""
+    files = paths(jar_sets, folder)
+    for jar, path in zip(locked(jar_sets), files, strict=True):
+        if _sha256(path) != jar.sha256:
+            raise JarsMissingError(f"{path}: sha256 is not the locked {jar.sha256}: fetch it again")
+    return files
 
 
 def _sha256(path: Path) -> str:
@@ -139,6 +161,7 @@ def _download(jar: Jar, repo: str, target: Path) -> None:
             raise RuntimeError(
                 f"{url}: sha256 {digest.hexdigest()} is not the locked {jar.sha256}; not used"
             )
+        tmp.chmod(0o644)  # readable by the account that runs the platform, writable by none
         tmp.replace(target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -147,9 +170,9 @@ def _download(jar: Jar, repo: str, target: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cdc_platform.lib.jars",
-        description="Fetch the jars pinned in cdc_platform/jars.lock (checksums checked).",
+        description="Fetch (or verify, or list) the jars pinned in cdc_platform/jars.lock.",
     )
-    parser.add_argument("command", choices=["fetch", "path"])
+    parser.add_argument("command", choices=["fetch", "verify", "path"])
     parser.add_argument("sets", nargs="*", metavar="{delta,s3}", help="default: every set")
     args = parser.parse_args(argv)
     unknown = set(args.sets) - set(JAR_SETS)
@@ -157,11 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown jar sets {sorted(unknown)}; choose from {list(JAR_SETS)}")
     jar_sets: list[JarSet] = args.sets or list(JAR_SETS)
     try:
-        files = fetch(jar_sets) if args.command == "fetch" else paths(jar_sets)
+        command = {"fetch": fetch, "verify": verify, "path": paths}[args.command]
+        files = command(jar_sets)
     except (JarsMissingError, RuntimeError, OSError) as e:
         print(e, file=sys.stderr)
         return 1
-    if args.command == "fetch":
+    if args.command != "path":
         total = sum(f.stat().st_size for f in files) / 1e6
         print(f"{len(files)} jars ({', '.join(jar_sets)}), {total:.0f} MB, in {jars_dir()}")
     else:

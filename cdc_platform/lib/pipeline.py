@@ -121,6 +121,8 @@ def _apply_hours(
 ) -> MaterializationOutcome:
     """``materialize`` in stages, each marked for the run's cost (``run_cost.lap``)."""
     lap("list_files")
+    # A table another engine gave a feature the platform cannot keep stops the run here.
+    delta.check_tables(paths.changelog, paths.history)
     started = time.monotonic()
     synced_at = to_ms(synced_at or datetime.now(UTC))
     reader = LandingReader(table, landing_root, keyring)

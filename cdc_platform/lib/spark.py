@@ -275,7 +275,8 @@ def spark_conf(
         merged["spark.driver.memory"] = memory
     merged.update(spark_hadoop_conf(storage))
     merged.update(conf or {})
-    if any(location.scheme == "s3" for location in storage):
+    if is_local(master) and any(location.scheme == "s3" for location in storage):
+        # A cluster's classpath is the deployment's (its nodes, or its own connector).
         merged.update(jar_conf(master, ["s3"], merged))
     merged.update(REQUIRED_CONF)
     # Executors run $PYSPARK_PYTHON where set (a cluster's nodes keep Python elsewhere), else
