@@ -158,9 +158,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=8)
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_run_cost_bench"))
     p.add_argument("--profile", type=Path, help="write Spark's event log here")
+    p.add_argument(
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark setting for this sitting (e.g. spark.sql.adaptive.enabled=false)",
+    )
     args = p.parse_args(argv)
     keys = min(args.keys, args.versions)
     conf = {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"}
+    conf |= dict(item.split("=", 1) for item in args.conf)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         conf |= {"spark.eventLog.enabled": "true", "spark.eventLog.dir": args.profile.as_uri()}
