@@ -14,7 +14,8 @@ the bytes each of its Delta commits added and removed, on the outcome's ``cost``
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -100,7 +101,8 @@ def materialize(
             f" (or mount the landing volume); table {table.name!r} was not materialized"
         )
     paths = TablePaths.of(warehouse_root, table.name)
-    with RunCost(spark, committed_tables(paths)) as cost:
+    landing_bytes = sum(f.size for h in hours for f in files_in_hour(landing_root, table.name, h))
+    with RunCost(spark, committed_tables(paths)) as cost, plans_for(spark, landing_bytes):
         outcome = _apply_hours(spark, table, landing_root, paths, hours, keyring, synced_at)
     read = {
         "landing": outcome.landing_bytes_read,
@@ -108,6 +110,31 @@ def materialize(
         "history": outcome.merge.history_bytes_read,
     }
     return replace(outcome, cost=cost.report(read))
+
+
+# Below this much landing data a run plans its queries whole (adaptive execution off): Spark's
+# adaptive execution submits every shuffle stage as a Spark job of its own, and a small hour's
+# merge then ran 47 jobs instead of 20 (``benchmarks/run_cost.py --conf``), each a fixed cost,
+# for re-planning that only pays off on large inputs. Larger runs keep it (skew, coalescing).
+SMALL_RUN_BYTES = 64 * 1024 * 1024
+_ADAPTIVE = "spark.sql.adaptive.enabled"
+
+
+@contextmanager
+def plans_for(spark: SparkSession, landing_bytes: int) -> Iterator[None]:
+    """Adaptive execution off for a small run, restored after it (``SMALL_RUN_BYTES``)."""
+    if landing_bytes >= SMALL_RUN_BYTES:
+        yield
+        return
+    before = spark.conf.get(_ADAPTIVE, None)
+    spark.conf.set(_ADAPTIVE, "false")
+    try:
+        yield
+    finally:
+        if before is None:
+            spark.conf.unset(_ADAPTIVE)
+        else:
+            spark.conf.set(_ADAPTIVE, before)
 
 
 def _apply_hours(
