@@ -14,6 +14,7 @@ from cdc_platform.lib import joins
 from cdc_platform.lib.spark import (
     DRIVER_MEMORY_MAX_MB,
     DRIVER_MEMORY_MIN_MB,
+    DRIVER_MEMORY_SHARE,
     _machine_memory_bytes,
     default_driver_memory,
     spark_conf,
@@ -29,13 +30,13 @@ def _mb(value: str | None) -> int:
     return int(value[:-1])
 
 
-def test_default_driver_memory_is_a_quarter_of_the_machine_within_bounds():
+def test_default_driver_memory_is_a_share_of_the_machine_within_bounds():
     total = _machine_memory_bytes()
     assert total is not None and total > 0
     mb = _mb(default_driver_memory({}))
     assert DRIVER_MEMORY_MIN_MB <= mb <= DRIVER_MEMORY_MAX_MB
-    quarter = total // 4 // 2**20
-    assert mb == max(DRIVER_MEMORY_MIN_MB, min(DRIVER_MEMORY_MAX_MB, quarter))
+    share = total // DRIVER_MEMORY_SHARE // 2**20
+    assert mb == max(DRIVER_MEMORY_MIN_MB, min(DRIVER_MEMORY_MAX_MB, share))
 
 
 def test_a_local_session_gets_it_and_a_cluster_does_not(monkeypatch):

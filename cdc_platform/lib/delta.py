@@ -86,9 +86,11 @@ class UnsupportedTableFeatureError(RuntimeError):
     """Another writer (delta-spark, say) turned on a Delta feature the platform cannot keep."""
 
 
-# Features that are harmless while unused: the platform's commits keep a table that lists them
-# correct as long as no column, property or constraint uses them (checked below by usage), and
-# the ones Delta adds when a feature is dropped (``checkpointProtection``) or for its own VACUUM.
+# Features that are harmless while unused: delta-rs commits to a table that lists them, and its
+# commits keep the table correct as long as no column, property or constraint uses them
+# (checked below by use). delta-rs 1.6 refuses to commit at all to a table listing
+# ``checkpointProtection`` (what Delta leaves after ``DROP FEATURE`` without ``TRUNCATE
+# HISTORY``), ``vacuumProtocolCheck`` or ``identityColumns``: those are refused here, by name.
 _HARMLESS_FEATURES = frozenset(
     {
         "appendOnly",
@@ -96,11 +98,8 @@ _HARMLESS_FEATURES = frozenset(
         "timestampNtz",
         "checkConstraints",
         "generatedColumns",
-        "identityColumns",
         "changeDataFeed",
         "columnMapping",
-        "checkpointProtection",
-        "vacuumProtocolCheck",
     }
 )
 _CHECKS = "delta.constraints."
@@ -135,8 +134,8 @@ def check_features(where: Location, dt: DeltaTable) -> None:
         raise UnsupportedTableFeatureError(
             f"{where}: the table now uses Delta features {sorted(found)}, set by another writer;"
             " the platform's reads and commits cannot keep them. Undo the change with Delta's "
-            "own library (ALTER TABLE ... DROP CONSTRAINT, DROP FEATURE, or UNSET "
-            "TBLPROPERTIES): see docs/engines.md"
+            "own library (ALTER TABLE ... DROP CONSTRAINT, DROP FEATURE ... TRUNCATE HISTORY, "
+            "or UNSET TBLPROPERTIES): see docs/engines.md"
         )
 
 
@@ -462,6 +461,8 @@ def with_commit_retries(attempt: Callable[[], T], what: str) -> tuple[T, int]:
         try:
             return attempt(), n
         except CommitFailedError as exc:
+            if "Unsupported table features" in str(exc):
+                raise  # not a race: retrying recomputes the run to fail the same way
             last = exc
     raise RuntimeError(f"{what} lost {COMMIT_ATTEMPTS} races in a row") from last
 

@@ -112,6 +112,7 @@ def fetch(
     folder = folder or jars_dir()
     repo = repo or os.environ.get(MAVEN_REPO_ENV) or MAVEN_CENTRAL
     folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)  # whatever the umask: a session refuses a folder others can write
     out = []
     for jar in locked(jar_sets):
         target = folder / jar.file_name

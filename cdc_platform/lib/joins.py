@@ -58,6 +58,8 @@ def build_side(df: DataFrame, rows: int | None) -> DataFrame:
     join, so that neither Spark's estimate nor adaptive execution broadcasts it."""
     from pyspark.sql import functions as F
 
-    if rows is not None and rows <= BROADCAST_ROWS:
+    threshold = df.sparkSession.conf.get("spark.sql.autoBroadcastJoinThreshold", None)
+    broadcasts_off = str(threshold).strip() == "-1"  # the operator turned broadcasts off
+    if rows is not None and rows <= BROADCAST_ROWS and not broadcasts_off:
         return F.broadcast(df)
     return df.hint("merge")

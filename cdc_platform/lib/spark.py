@@ -90,20 +90,22 @@ DEFAULT_CONF: dict[str, str] = {
 
 # A local driver's heap when the deployment sets none: a share of the machine's memory, within
 # these bounds (``default_driver_memory``).
-DRIVER_MEMORY_SHARE = 4  # a quarter, as the JVM's own default heap
+DRIVER_MEMORY_SHARE = 6  # a sixth: the shipped dagster.yaml runs up to 4 runs at once
 DRIVER_MEMORY_MIN_MB = 1024
 DRIVER_MEMORY_MAX_MB = 8 * 1024
 
 
 def default_driver_memory(env: Mapping[str, str] | None = None) -> str | None:
-    """``spark.driver.memory`` for a local session whose deployment sets none: a quarter of the
+    """``spark.driver.memory`` for a local session whose deployment sets none: a sixth of the
     machine's memory (of the container's limit where that is lower), between 1 and 8 GiB.
 
     Why: the local driver *is* the executor, so its heap holds every task's rows, the cached
     frames and what a join builds, and Spark's default is 1 GiB whatever the machine has. A
     bulk hour (2M events over 1M keys) ran that out of memory, or spent minutes collecting
-    garbage, on a machine with 23 GiB free. A quarter is the JVM's own default heap; the cap
-    keeps a big shared host from handing one run a huge heap (more is the deployment's call).
+    garbage, on a machine with 23 GiB free. A sixth, because each run is a process with its own
+    JVM and the shipped dagster.yaml runs up to four at once (4 GiB each on 24 GiB, what the
+    bulk hour needs); the cap keeps a big host from handing one run a huge heap (more is the
+    deployment's call).
 
     None when the deployment already says (``spark.driver.memory`` in the ``spark-defaults.conf``
     of ``$SPARK_CONF_DIR`` or ``$SPARK_HOME/conf``, ``$SPARK_DRIVER_MEMORY``, or
