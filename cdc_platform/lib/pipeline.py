@@ -101,8 +101,7 @@ def materialize(
             f" (or mount the landing volume); table {table.name!r} was not materialized"
         )
     paths = TablePaths.of(warehouse_root, table.name)
-    landing_bytes = sum(f.size for h in hours for f in files_in_hour(landing_root, table.name, h))
-    with RunCost(spark, committed_tables(paths)) as cost, plans_for(spark, landing_bytes):
+    with RunCost(spark, committed_tables(paths)) as cost, adaptive_restored(spark):
         outcome = _apply_hours(spark, table, landing_root, paths, hours, keyring, synced_at)
     read = {
         "landing": outcome.landing_bytes_read,
@@ -121,13 +120,10 @@ _ADAPTIVE = "spark.sql.adaptive.enabled"
 
 
 @contextmanager
-def plans_for(spark: SparkSession, landing_bytes: int) -> Iterator[None]:
-    """Adaptive execution off for a small run, restored after it (``SMALL_RUN_BYTES``)."""
-    if landing_bytes >= SMALL_RUN_BYTES:
-        yield
-        return
+def adaptive_restored(spark: SparkSession) -> Iterator[None]:
+    """The session's adaptive-execution setting as it was, whatever the run set
+    (``plan_whole_if_small``)."""
     before = spark.conf.get(_ADAPTIVE, None)
-    spark.conf.set(_ADAPTIVE, "false")
     try:
         yield
     finally:
@@ -135,6 +131,12 @@ def plans_for(spark: SparkSession, landing_bytes: int) -> Iterator[None]:
             spark.conf.unset(_ADAPTIVE)
         else:
             spark.conf.set(_ADAPTIVE, before)
+
+
+def plan_whole_if_small(spark: SparkSession, landing_bytes: int) -> None:
+    """Adaptive execution off for a run under ``SMALL_RUN_BYTES`` of landing data."""
+    if landing_bytes < SMALL_RUN_BYTES:
+        spark.conf.set(_ADAPTIVE, "false")
 
 
 def _apply_hours(
@@ -174,6 +176,7 @@ def _apply_hours(
             else:
                 reader.expect({f.path: f.file_id})  # read only if still this very file
     all_paths = sorted(partition_of)
+    plan_whole_if_small(spark, sum(size_of.values()))
 
     lap("inspect")
     reports = [FileReport(p, 0, None, reason) for p, reason in sorted(not_read.items())]
