@@ -4,7 +4,7 @@
     python -m cdc_platform.connect_server status
     python -m cdc_platform.connect_server stop
 
-``start`` runs ``pyspark/sbin/start-connect-server.sh`` (the Connect jar ships in
+``start`` runs the server class through ``pyspark/sbin/spark-daemon.sh`` (the Connect jar ships in
 ``pyspark/jars``) on loopback only, with the settings correctness needs (``lib.spark``: UTC,
 TIMESTAMP_MICROS, no ``_SUCCESS`` files, exact column names), and returns once the server
 accepts connections. Its Python workers run this interpreter with this package importable, so
@@ -170,7 +170,10 @@ def start(
         "spark.driver.host": host,
         "spark.driver.bindAddress": host,
     }
-    args = [str(spark_home() / "sbin" / "start-connect-server.sh"), "--master", master]
+    # What Spark's sbin/start-connect-server.sh does (pyspark 4.2's wheel ships no such script).
+    daemon = spark_home() / "sbin" / "spark-daemon.sh"
+    args = [str(daemon), "submit", SERVER_CLASS, "1", "--name", "Spark Connect server"]
+    args += ["--master", master]
     # The deployment's spark-defaults.conf still applies beside the secrets' file.
     args += ["--properties-file", str(secrets_file), "--load-spark-defaults"]
     args += ["--conf", _port_arg(port)]
