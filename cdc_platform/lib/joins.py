@@ -10,18 +10,30 @@ that estimate: the caller passes a bound on its rows that it already holds (Delt
 statistics, a count the run made anyway), and the side is broadcast when the bound is small
 (a small hour keeps its broadcast joins, decided without a Spark job), else the join is a
 sort-merge join, which spills to disk instead of failing. Neither changes a join's result.
+
+Each broadcast is a Spark job of its own (adaptive execution is off for a small run), so a join
+whose two sides are both known to be tiny is a shuffle join inside the query's own job instead
+(``probe_rows``), and a small run's key sets are held on the driver (``key_values``) and applied
+as ``IN`` filters (``restrict``), which cost no job and prune Parquet row groups by statistics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from cdc_platform.lib.columns import col, cols
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame
 
 # At most this many rows are broadcast: a key set is a few MB, a whole history row some tens.
 BROADCAST_ROWS = 100_000
+# A join whose other side is known to hold at most this many rows is shuffled, not broadcast:
+# shuffling a few rows costs less than the Spark job a broadcast is.
+TINY_ROWS = 10_000
+# Up to this many keys are held on the driver as values (``key_values``).
+MAX_KEY_VALUES = 10_000
 
 
 class _HasRecords(Protocol):
@@ -52,14 +64,57 @@ def smallest(*bounds: int | None) -> int | None:
     return min(known) if known else None
 
 
-def build_side(df: DataFrame, rows: int | None) -> DataFrame:
+def build_side(df: DataFrame, rows: int | None, probe_rows: int | None = None) -> DataFrame:
     """``df`` as the side of a join it is about to enter: broadcast when ``rows`` (a bound on
-    its rows, None if unknown) is at most ``BROADCAST_ROWS``, else hinted to a sort-merge
-    join, so that neither Spark's estimate nor adaptive execution broadcasts it."""
+    its rows, None if unknown) is at most ``BROADCAST_ROWS`` and the other side is not known
+    to be tiny (``probe_rows`` at most ``TINY_ROWS``), else hinted to a sort-merge join, so
+    that neither Spark's estimate nor adaptive execution broadcasts it."""
     from pyspark.sql import functions as F
 
     threshold = df.sparkSession.conf.get("spark.sql.autoBroadcastJoinThreshold", None)
     broadcasts_off = str(threshold).strip() == "-1"  # the operator turned broadcasts off
-    if rows is not None and rows <= BROADCAST_ROWS and not broadcasts_off:
+    both_tiny = probe_rows is not None and probe_rows <= TINY_ROWS
+    if rows is not None and rows <= BROADCAST_ROWS and not broadcasts_off and not both_tiny:
         return F.broadcast(df)
     return df.hint("merge")
+
+
+def key_values(keys: DataFrame, pk: list[str], rows: int | None) -> list[Any] | None:
+    """The distinct values of a one-column key, sorted, collected when ``rows`` (a bound on the
+    rows of ``keys``) is at most ``MAX_KEY_VALUES``; None when the key has more columns, the
+    bound is unknown or larger, or a value is not an integer or a string (only those compare
+    exactly with Delta statistics and as literals: timestamps come back naive, and so on)."""
+    if len(pk) != 1 or rows is None or rows > MAX_KEY_VALUES:
+        return None
+    values = {r[0] for r in keys.select(col(pk[0])).collect()}
+    if not all(isinstance(v, int | str) and not isinstance(v, bool) for v in values):
+        return None
+    if len({type(v) for v in values}) > 1:
+        return None
+    return sorted(values)
+
+
+def in_keys(pk: list[str], values: list[Any]) -> Column:
+    """The filter that keeps the rows whose one-column key is among ``values``."""
+    from pyspark.sql import functions as F
+
+    (column,) = pk
+    return col(column).isin(values) if values else F.lit(False)
+
+
+def restrict(
+    df: DataFrame,
+    keys: DataFrame,
+    pk: list[str],
+    rows: int | None,
+    values: list[Any] | None,
+    how: str = "left_semi",
+) -> DataFrame:
+    """``df`` joined ``left_semi`` (or ``left_anti``) with ``keys``: a filter on ``values``
+    when they are held (``key_values``), else a join (``build_side``)."""
+    from pyspark.sql import functions as F
+
+    if values is not None:
+        keep = in_keys(pk, values)  # null for a null key: in no set, as in a join
+        return df.filter(keep if how == "left_semi" else ~F.coalesce(keep, F.lit(False)))
+    return df.join(build_side(keys.select(*cols(pk)), rows), pk, how)

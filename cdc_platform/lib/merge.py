@@ -347,21 +347,39 @@ def _apply_once(
         joins.records(current_files), touched_rows if one_per_key else None
     )
     with _cached(touched_keys) as touched:
-        current = _read_history(spark, paths.history, hist_schema, current_files).join(
-            joins.build_side(touched.select(*cols(pk)), touched_rows), pk, "left_semi"
-        )
+        # A small run holds its keys on the driver (one Spark job): each read by key is then a
+        # filter, and the joins between what those reads give are shuffles inside one job.
+        touched_values = joins.key_values(touched, pk, touched_rows)
+        tiny = touched_rows if touched_values is not None else None
+        if touched_values is not None:
+            current = _read_history(
+                spark, paths.history, hist_schema, current_files, joins.in_keys(pk, touched_values)
+            )
+        else:
+            current = _read_history(spark, paths.history, hist_schema, current_files).join(
+                joins.build_side(touched.select(*cols(pk)), touched_rows), pk, "left_semi"
+            )
         with _cached(current) as current:
             side_stale = _delete_only_keys_stale(paths, snap.applied)
             unversioned, unversioned_rows = _read_delete_only_keys(spark, paths, pk, snap)
+            unversioned_touched = unversioned
+            if touched_values is not None:
+                unversioned_touched = unversioned.filter(joins.in_keys(pk, touched_values))
             keys = _classify(
                 touched,
                 current,
-                unversioned,
+                unversioned_touched,
                 pk,
                 slow_everything=snap.rebuild,
                 rows=(current_rows, unversioned_rows),
+                tiny=tiny,
             )
             with _cached(keys) as keys, ExitStack() as cached:
+                slow_set = (
+                    [F.collect_set(F.when(col(_SLOW), col(pk[0]))).alias("slow_values")]
+                    if touched_values is not None
+                    else []
+                )
                 counts = keys.agg(
                     F.count(F.lit(1)).alias("n"),
                     F.sum(col(_SLOW).cast("int")).alias("slow"),
@@ -370,6 +388,7 @@ def _apply_once(
                     F.max((col(_SLOW) & (col(_FORCED) | col(_MIN_MS).isNull())).cast("int")).alias(
                         "unbounded"
                     ),
+                    *slow_set,
                 ).collect()[0]  # a global aggregate: exactly one row
                 keys_affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
                 delete_only_touched = int(counts["delete_only"] or 0)
@@ -381,29 +400,29 @@ def _apply_once(
                 slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
                 fast_keys = keys.filter(~col(_SLOW)).select(*cols(pk))
                 fast_count = keys_affected - slow_count
+                slow_values = fast_values = None
+                if touched_values is not None:  # held: the classification's own collect
+                    slow_values = sorted(counts["slow_values"])
+                    fast_values = sorted(set(touched_values) - set(slow_values))
 
                 lap("merge_fold_compare")
+
+                def fast(df: DataFrame) -> DataFrame:
+                    return joins.restrict(df, fast_keys, pk, fast_count, fast_values)
+
                 fast_events = (
-                    pending_events.join(joins.build_side(fast_keys, fast_count), pk, "left_semi")
+                    fast(pending_events)
                     .unionByName(
-                        _state_events(
-                            current.join(joins.build_side(fast_keys, fast_count), pk, "left_semi"),
-                            pk,
-                            data_columns,
-                        ),
-                        allowMissingColumns=True,
+                        _state_events(fast(current), pk, data_columns), allowMissingColumns=True
                     )
                     .unionByName(
-                        _ghost_events(
-                            unversioned.join(
-                                joins.build_side(fast_keys, fast_count), pk, "left_semi"
-                            ),
-                            pk,
-                        ),
-                        allowMissingColumns=True,
+                        _ghost_events(fast(unversioned_touched), pk), allowMissingColumns=True
                     )
                 )
-                slow_values = _few_key_values(slow_keys, pk, slow_count)
+                if touched_values is None:
+                    slow_values = (
+                        joins.key_values(slow_keys, pk, slow_count) if slow_count else None
+                    )
                 old = current.select(*cols([*columns, _FILE]))
                 closed_read = (
                     [
@@ -418,9 +437,16 @@ def _apply_once(
                     old = cached.enter_context(
                         _cached(
                             old.unionByName(
-                                _read_history(spark, paths.history, hist_schema, closed_read)
-                                .join(joins.build_side(slow_keys, slow_count), pk, "left_semi")
-                                .select(*cols([*columns, _FILE]))
+                                _read_closed(
+                                    spark,
+                                    paths,
+                                    hist_schema,
+                                    closed_read,
+                                    slow_keys,
+                                    slow_count,
+                                    slow_values,
+                                    pk,
+                                ).select(*cols([*columns, _FILE]))
                             )
                         )
                     )
@@ -442,6 +468,7 @@ def _apply_once(
                         cut,
                         untracked=bool(history_columns.untracked(data_columns)),
                         slow_rows=slow_count,
+                        tiny=tiny,
                     )
                     events = events.unionByName(slow_events, allowMissingColumns=True)
                 # Versions come from events: the pending ones, up to two replayed per current row
@@ -454,6 +481,9 @@ def _apply_once(
                     joins.records(log_read),
                     old_rows,
                 )
+                probe = version_rows if tiny is not None else None  # joins among tiny sides
+                # Read twice (the keys' last events and their versions): computed once.
+                events = cached.enter_context(_cached(events))
                 # Cached: the versions' state needs it, and so does the delete-only side table
                 # after the commit (recomputing it would read every touched key's events again).
                 last_events = cached.enter_context(
@@ -467,24 +497,34 @@ def _apply_once(
                     build_versions(
                         events, pk, data_columns, deduplicated=True, history_columns=history_columns
                     ),
-                    joins.build_side(last_events, keys_affected),
+                    joins.build_side(last_events, keys_affected, probe),
                     pk,
                 )
                 # One row per key (``current`` may hold more than one row of a key when file
                 # statistics cannot tell closed files apart, so ``keys`` may repeat a key).
                 slow_of = keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
                 if checkpoints is not None:
-                    slow_of = slow_of.join(joins.build_side(checkpoints, slow_count), pk, "left")
+                    slow_of = slow_of.join(
+                        joins.build_side(checkpoints, slow_count, probe), pk, "left"
+                    )
                 else:
                     slow_of = slow_of.withColumn(_CHECKPOINT, F.lit(None).cast("timestamp"))
-                versions = versions.join(joins.build_side(slow_of, keys_affected), pk, "left")
+                versions = versions.join(
+                    joins.build_side(slow_of, keys_affected, probe), pk, "left"
+                )
                 compared = _compare(
-                    versions, joins.build_side(old, old_rows), pk, data_columns, synced_at, cut
+                    versions,
+                    joins.build_side(old, old_rows, probe),
+                    pk,
+                    data_columns,
+                    synced_at,
+                    cut,
                 )
                 with _cached(compared) as compared:
-                    rewritten_names, vanished = _old_rows_changed(compared, old, pk, version_rows)
+                    change = _changes(compared, old, pk, version_rows, old_rows if tiny else None)
+                    rewritten_names, vanished = change.rewritten, change.vanished
                     rewritten = [f for f in files if f.path in rewritten_names]
-                    opened, closed, versioned_keys = _count_new_versions(compared, pk)
+                    opened, closed, versioned_keys = change.opened, change.closed, change.keys
                     # Rows of rewritten files that this run did not recompute stay as they are.
                     carried = (
                         _read_history(spark, paths.history, hist_schema, rewritten)
@@ -508,14 +548,16 @@ def _apply_once(
                         # Keys whose events (all of them, or the state the fast path replayed)
                         # made no version are delete-only; untouched delete-only keys stay.
                         now_unversioned = last_events.join(
-                            joins.build_side(compared.select(*cols(pk)), version_rows),
+                            joins.build_side(
+                                compared.select(*cols(pk)),
+                                version_rows,
+                                keys_affected if tiny else None,
+                            ),
                             pk,
                             "left_anti",
                         )
-                        kept_unversioned = unversioned.join(
-                            joins.build_side(keys.select(*cols(pk)), keys_affected),
-                            pk,
-                            "left_anti",
+                        kept_unversioned = joins.restrict(
+                            unversioned, keys, pk, keys_affected, touched_values, "left_anti"
                         )
                         unversioned_changed = bool(
                             delete_only_touched or keys_affected > versioned_keys
@@ -580,6 +622,7 @@ def _slow_events(
     cut: datetime | None,
     untracked: bool,
     slow_rows: int | None = None,
+    tiny: int | None = None,
 ) -> tuple[DataFrame, list[delta.DataFile], DataFrame, DataFrame]:
     """The events the slow keys are refolded from, the change-log files read for them, each
     slow key's ``_CHECKPOINT`` (null: refolded from its first event) and ``old`` without the
@@ -597,7 +640,8 @@ def _slow_events(
     a version and tables with untracked columns (a version's stored image is that of its last
     step, so it cannot stand for its first) are refolded from all their events.
 
-    ``slow_rows`` bounds the slow keys' rows (``lib.joins``: broadcast only when small).
+    ``slow_rows`` bounds the slow keys' rows (``lib.joins``: broadcast only when small);
+    ``tiny`` bounds ``old``'s when a small run read it by key (joins with it are shuffles).
     """
     from pyspark.sql import functions as F
 
@@ -611,14 +655,16 @@ def _slow_events(
         checkpoints = slow.select(*cols(pk), F.lit(None).cast("timestamp").alias(_CHECKPOINT))
     else:
         last_before = (
-            old.join(joins.build_side(slow.select(*cols([*pk, _MIN_MS])), slow_rows), pk, "inner")
+            old.join(
+                joins.build_side(slow.select(*cols([*pk, _MIN_MS])), slow_rows, tiny), pk, "inner"
+            )
             .groupBy(*cols(pk))
             .agg(F.max(F.when(col(START) < col(_MIN_MS), col(START))).alias(_CHECKPOINT))
         )
         usable = ~col(_FORCED)
         if untracked:  # the stored image is the version's last step's, not its first's
             usable = F.lit(False)
-        checkpoints = slow.join(joins.build_side(last_before, slow_rows), pk, "left").select(
+        checkpoints = slow.join(joins.build_side(last_before, slow_rows, tiny), pk, "left").select(
             *cols(pk), F.when(usable, col(_CHECKPOINT)).alias(_CHECKPOINT)
         )
         bounds = checkpoints.agg(
@@ -632,16 +678,19 @@ def _slow_events(
     log_read = [
         f for f in _files_maybe_holding(log_files, pk, slow_values) if _may_reach(f, TS, since)
     ]
+    log = changelog.read_files(spark, paths.changelog, log_schema, log_read)
+    if slow_values is not None:  # held: the events of other keys never reach the join
+        log = log.filter(joins.in_keys(pk, slow_values))
     logged = (
-        dedupe_events(changelog.read_files(spark, paths.changelog, log_schema, log_read), pk)
-        .join(joins.build_side(checkpoints, slow_rows), pk, "inner")
+        dedupe_events(log, pk)
+        .join(joins.build_side(checkpoints, slow_rows, tiny), pk, "inner")
         .filter(
             col(_CHECKPOINT).isNull() | (F.date_trunc("millisecond", col(TS)) >= col(_CHECKPOINT))
         )
         .drop(_CHECKPOINT)
     )
     replayed = (
-        old.join(joins.build_side(checkpoints, slow_rows), pk, "inner")
+        old.join(joins.build_side(checkpoints, slow_rows, tiny), pk, "inner")
         .filter(col(START) == col(_CHECKPOINT))
         .select(
             *cols([*pk, *data_columns]),
@@ -652,12 +701,30 @@ def _slow_events(
     )
     # Versions before a checkpoint are not refolded: they stay where they are, as they are.
     from_checkpoint = (
-        old.join(joins.build_side(checkpoints, slow_rows), pk, "left")
+        old.join(joins.build_side(checkpoints, slow_rows, tiny), pk, "left")
         .filter(col(_CHECKPOINT).isNull() | (col(START) >= col(_CHECKPOINT)))
         .drop(_CHECKPOINT)
     )
     events = logged.unionByName(replayed, allowMissingColumns=True)
     return events, log_read, checkpoints, from_checkpoint
+
+
+def _read_closed(
+    spark: SparkSession,
+    paths: TablePaths,
+    schema: StructType,
+    files: Sequence[delta.DataFile],
+    slow_keys: DataFrame,
+    slow_rows: int,
+    slow_values: list[Any] | None,
+    pk: list[str],
+) -> DataFrame:
+    """The slow keys' rows in closed history ``files``: a filter when their values are held."""
+    if slow_values is not None:
+        return _read_history(spark, paths.history, schema, files, joins.in_keys(pk, slow_values))
+    return _read_history(spark, paths.history, schema, files).join(
+        joins.build_side(slow_keys, slow_rows), pk, "left_semi"
+    )
 
 
 def _as_utc(t: datetime) -> datetime:
@@ -691,24 +758,6 @@ def _may_reach(f: delta.DataFile, column: str, bound: datetime | None) -> bool:
     return _as_utc(last) >= bound - timedelta(milliseconds=1)  # statistics may be truncated
 
 
-# Up to this many slow keys are collected to the driver to prune files by key statistics.
-MAX_KEYS_FOR_PRUNING = 10_000
-
-
-def _few_key_values(keys: DataFrame, pk: list[str], count: int) -> list[Any] | None:
-    """The slow keys' values, sorted, when there are few and the key is one column."""
-    if len(pk) != 1 or not count or count > MAX_KEYS_FOR_PRUNING:
-        return None
-    values = [r[0] for r in keys.collect()]
-    # Only values whose Delta statistics compare exactly with them: integers and strings
-    # (timestamps come back naive from Spark but zoned from the statistics, and so on).
-    if not all(isinstance(v, int | str) and not isinstance(v, bool) for v in values):
-        return None
-    if len({type(v) for v in values}) > 1:
-        return None
-    return sorted(values)
-
-
 def _files_maybe_holding(
     files: Sequence[delta.DataFile], pk: list[str], values: list[Any] | None
 ) -> list[delta.DataFile]:
@@ -740,14 +789,21 @@ def _cached(df: DataFrame) -> Iterator[DataFrame]:
 
 
 def _read_history(
-    spark: SparkSession, table_path: Where, schema: StructType, files: Sequence[delta.DataFile]
+    spark: SparkSession,
+    table_path: Where,
+    schema: StructType,
+    files: Sequence[delta.DataFile],
+    where: Column | None = None,
 ) -> DataFrame:
-    """Rows of ``files`` with the (table-relative) file each came from, in ``_FILE``."""
+    """Rows of ``files`` (those ``where`` keeps, filtered before the file name is computed:
+    it is worked out per row) with the (table-relative) file each came from, in ``_FILE``."""
     from pyspark.sql import functions as F
 
     if not files:
         return spark.createDataFrame([], schema).withColumn(_FILE, F.lit(None).cast("string"))
     rows = spark.read.schema(schema).parquet(*delta.absolute_paths(table_path, files))
+    if where is not None:
+        rows = rows.filter(where)
     return rows.withColumn(_FILE, table_relative(F.input_file_name(), Location.of(table_path)))
 
 
@@ -767,13 +823,15 @@ def _classify(
     pk: list[str],
     slow_everything: bool,
     rows: tuple[int | None, int | None] = (None, None),
+    tiny: int | None = None,
 ) -> DataFrame:
     """Each touched key with ``_SLOW``: must it be recomputed from all its events?
 
     Fast means every pending event is later than anything the key received before, so its
     current row (or its delete-only record) is all the past the fold needs. A retracted key
     (``_FORCED``) is slow: its current row may stand for events that are gone. ``rows`` bounds
-    the rows of ``current`` and ``unversioned`` (``lib.joins``: broadcast only when small).
+    the rows of ``current`` and ``unversioned`` (``lib.joins``: broadcast only when small),
+    ``tiny`` those of all three when a small run read them by key (then they are shuffled).
     """
     from pyspark.sql import functions as F
 
@@ -785,8 +843,8 @@ def _classify(
         )
     last = current.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("last")))
     ghost_last = unversioned.select(*cols(pk), col(LAST_EVENT_AT).alias(internal("ghost_last")))
-    joined = touched.join(joins.build_side(last, rows[0]), pk, "left").join(
-        joins.build_side(ghost_last, rows[1]), pk, "left"
+    joined = touched.join(joins.build_side(last, rows[0], tiny), pk, "left").join(
+        joins.build_side(ghost_last, rows[1], tiny), pk, "left"
     )
     # A key with no current row and no delete-only record never had an event: fast.
     slow = col(_MIN_MS) <= F.coalesce(col(internal("last")), col(internal("ghost_last")))
@@ -915,13 +973,26 @@ def _compare(
     )
 
 
-def _old_rows_changed(
-    compared: DataFrame, old: DataFrame, pk: list[str], compared_rows: int | None = None
-) -> tuple[set[str], int]:
-    """The files holding an old row that is not kept as it is, and how many of those rows were
-    active and have no version at the same start any more (a late event moved the key's
-    history), in one Spark job. ``compared_rows`` bounds the rows of ``compared``
-    (``lib.joins``: it is broadcast only when small)."""
+@dataclass(frozen=True)
+class _Changes:
+    rewritten: set[str]  # files holding an old row that is not kept as it is
+    vanished: int  # active old rows with no version at their start any more
+    opened: int  # versions that start where none started before
+    closed: int  # versions active before and not any more
+    keys: int  # keys with a version at all
+
+
+def _changes(
+    compared: DataFrame,
+    old: DataFrame,
+    pk: list[str],
+    compared_rows: int | None = None,
+    old_rows: int | None = None,
+) -> _Changes:
+    """What the run changes, in one Spark job: the files to rewrite (an old row not kept as it
+    is) and the counts of the run's result. A vanished row was active and has no version at the
+    same start any more (a late event moved the key's history). ``compared_rows`` and
+    ``old_rows`` bound the rows of each side (``lib.joins``)."""
     from pyspark.sql import functions as F
 
     new = compared.select(
@@ -929,26 +1000,26 @@ def _old_rows_changed(
         col(_OLD_FILE).isNotNull().alias(internal("kept")),
         F.lit(True).alias(internal("exists")),
     )
-    joined = old.join(joins.build_side(new, compared_rows), [*pk, START], "left")
+    joined = old.join(joins.build_side(new, compared_rows, old_rows), [*pk, START], "left")
     kept = F.coalesce(col(internal("kept")), F.lit(False))
-    row = joined.agg(
+    of_old = joined.agg(
         F.collect_set(F.when(~kept, col(_FILE))).alias("files"),
-        F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("int")).alias("vanished"),
-    ).collect()[0]
-    return set(row["files"] or []), int(row["vanished"] or 0)
-
-
-def _count_new_versions(compared: DataFrame, pk: list[str]) -> tuple[int, int, int]:
-    """Versions opened (no version started there before), versions closed (active before, not
-    any more), and how many keys have a version at all."""
-    from pyspark.sql import functions as F
-
-    row = compared.agg(
-        F.sum(col(_OLD_ACTIVE).isNull().cast("int")).alias("opened"),
-        F.sum((col(_OLD_ACTIVE) & ~col(ACTIVE)).cast("int")).alias("closed"),
+        F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("long")).alias("vanished"),
+    )
+    of_new = compared.agg(
+        F.sum(col(_OLD_ACTIVE).isNull().cast("long")).alias("opened"),
+        F.sum((col(_OLD_ACTIVE) & ~col(ACTIVE)).cast("long")).alias("closed"),
         F.count_distinct(*cols(pk)).alias("keys"),
-    ).collect()[0]
-    return int(row["opened"] or 0), int(row["closed"] or 0), int(row["keys"] or 0)
+    )
+    rows = of_old.unionByName(of_new, allowMissingColumns=True).collect()  # one row each
+    got = {k: v for r in rows for k, v in r.asDict().items() if v is not None}
+    return _Changes(
+        rewritten=set(got.get("files") or []),
+        vanished=int(got.get("vanished") or 0),
+        opened=int(got.get("opened") or 0),
+        closed=int(got.get("closed") or 0),
+        keys=int(got.get("keys") or 0),
+    )
 
 
 def write_segments(
