@@ -346,7 +346,9 @@ def _apply_once(
     current_rows = joins.smallest(
         joins.records(current_files), touched_rows if one_per_key else None
     )
-    with _cached(touched_keys) as touched:
+    # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``).
+    small = touched_rows is not None and touched_rows <= joins.MAX_KEY_VALUES
+    with _cached(touched_keys, small) as touched:
         # A small run holds its keys on the driver (one Spark job): each read by key is then a
         # filter, and the joins between what those reads give are shuffles inside one job.
         touched_values = joins.key_values(touched, pk, touched_rows)
@@ -359,7 +361,7 @@ def _apply_once(
             current = _read_history(spark, paths.history, hist_schema, current_files).join(
                 joins.build_side(touched.select(*cols(pk)), touched_rows), pk, "left_semi"
             )
-        with _cached(current) as current:
+        with _cached(current, small) as current:
             side_stale = _delete_only_keys_stale(paths, snap.applied)
             unversioned, unversioned_rows = _read_delete_only_keys(spark, paths, pk, snap)
             unversioned_touched = unversioned
@@ -374,7 +376,7 @@ def _apply_once(
                 rows=(current_rows, unversioned_rows),
                 tiny=tiny,
             )
-            with _cached(keys) as keys, ExitStack() as cached:
+            with _cached(keys, small) as keys, ExitStack() as cached:
                 slow_set = (
                     [F.collect_set(F.when(col(_SLOW), col(pk[0]))).alias("slow_values")]
                     if touched_values is not None
@@ -447,7 +449,8 @@ def _apply_once(
                                     slow_values,
                                     pk,
                                 ).select(*cols([*columns, _FILE]))
-                            )
+                            ),
+                            small,
                         )
                     )
                 old_rows = joins.add(current_rows, joins.records(closed_read))
@@ -483,14 +486,15 @@ def _apply_once(
                 )
                 probe = version_rows if tiny is not None else None  # joins among tiny sides
                 # Read twice (the keys' last events and their versions): computed once.
-                events = cached.enter_context(_cached(events))
+                events = cached.enter_context(_cached(events, small))
                 # Cached: the versions' state needs it, and so does the delete-only side table
                 # after the commit (recomputing it would read every touched key's events again).
                 last_events = cached.enter_context(
                     _cached(
                         events.groupBy(*cols(pk)).agg(
                             F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
-                        )
+                        ),
+                        small,
                     )
                 )
                 versions = _with_state(
@@ -520,7 +524,7 @@ def _apply_once(
                     synced_at,
                     cut,
                 )
-                with _cached(compared) as compared:
+                with _cached(compared, small) as compared:
                     change = _changes(compared, old, pk, version_rows, old_rows if tiny else None)
                     rewritten_names, vanished = change.rewritten, change.vanished
                     rewritten = [f for f in files if f.path in rewritten_names]
@@ -777,10 +781,18 @@ def _files_maybe_holding(
 
 
 @contextmanager
-def _cached(df: DataFrame) -> Iterator[DataFrame]:
-    """Keep a DataFrame that several Spark jobs reuse in memory (spilling) for the block."""
+def _cached(df: DataFrame, small: bool = False) -> Iterator[DataFrame]:
+    """Keep a DataFrame that several Spark jobs reuse in memory (spilling) for the block;
+    a ``small`` one (a small run's: a few keys' rows) as a local checkpoint."""
     from pyspark import StorageLevel
 
+    if small:
+        # Its plan is cut too: the plans built on it stay small, and Spark's driver analyses
+        # and optimizes each DataFrame step (two thirds of a small hour's fold was planning).
+        # Computed by the first job that needs it, kept by the executors (MEMORY_AND_DISK)
+        # until the driver no longer references it: ``unpersist`` does not apply.
+        yield df.localCheckpoint(eager=False)
+        return
     df = df.persist(StorageLevel.MEMORY_AND_DISK)
     try:
         yield df
