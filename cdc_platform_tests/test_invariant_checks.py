@@ -411,6 +411,40 @@ def test_scope_is_the_keys_in_files_added_since(spark, copy: Path) -> None:
     assert nothing is not None and nothing.count() == 0
 
 
+def test_a_small_runs_scope_is_the_keys_its_merge_lists(spark, copy: Path) -> None:
+    """A small run rewrites the live file of every key, but changes only its keys' rows: the
+    checks after it verify those keys (the commit lists them), with every invariant's power."""
+    paths = paths_of(copy)
+    since = DeltaTable(str(paths.history)).version()
+    write_parquet_events(copy / "landing", NAME, H3, [ev("UPDATE", 10, T3, 1, 13)])
+    result = materialize(spark, TABLE, copy / "landing", copy / "warehouse", [H3])
+    assert result.merge.files_removed >= 1  # the file it rewrote holds other keys' rows
+
+    scope = invariants.touched_keys(spark, paths, PK, since)
+    assert scope is not None
+    assert {r["id"] for r in scope.collect()} == {1}
+    assert keys_in_files_added_since(paths.history, since) > {1, 3}  # files hold more keys
+
+    # Corruptions as the checks find them: key 1 (the run's key) gets a version ending before
+    # it starts, key 3 (not the run's, in the same files) an open version marked inactive.
+    corrupt(
+        paths.history,
+        lambda rows: edit(3, T0, **{ACTIVE: False})(edit(1, T0, **{END: T0 - MS})(rows)),
+    )
+    scoped = outcomes_by_name(spark, copy, scope)
+    assert invariants.START_NOT_AFTER_END in failing(scoped)  # the run's key: caught hourly
+    assert invariants.ACTIVE_IFF_OPEN not in failing(scoped)
+    assert scoped[invariants.START_NOT_AFTER_END].sample == [1]
+    full = outcomes_by_name(spark, copy)
+    assert {invariants.START_NOT_AFTER_END, invariants.ACTIVE_IFF_OPEN} <= failing(full)
+    assert full[invariants.ACTIVE_IFF_OPEN].sample == [3]  # elsewhere: the full check
+
+    # That rewrite listed no keys (another writer): the files added since give the scope.
+    fallback = invariants.touched_keys(spark, paths, PK, since)
+    assert fallback is not None
+    assert {r["id"] for r in fallback.collect()} == keys_in_files_added_since(paths.history, since)
+
+
 # --- through Dagster: the asset, its checks, the alert ------------------------------------------
 
 

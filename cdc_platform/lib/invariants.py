@@ -1,12 +1,14 @@
 """The SCD2 invariants of docs/HISTORY_MODE.md section 6, as Spark queries over a history table.
 
 Each check returns how many keys fail and a few of them, so an alert can point at real rows.
-A check can run over the whole table or only over the keys a materialization touched (any
-file the commit added holds every version of the keys it touched, so that scope is exact).
+A check can run over the whole table or only over the keys a materialization touched: those
+its merge commit lists (a small run's; it changes no other key's rows), else those in the files
+the commit added (each holds every version of the keys it touched). Either scope is exact.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
@@ -32,6 +34,7 @@ from cdc_platform.lib.columns import (
     internal,
 )
 from cdc_platform.lib.history import HistoryColumns, dedupe_events, tmax_literal
+from cdc_platform.lib.merge import TOUCHED_KEYS
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -88,10 +91,18 @@ class CheckOutcome:
 def touched_keys(
     spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], since_version: int | None
 ) -> DataFrame | None:
-    """Keys in files the history table gained after ``since_version`` (None: no scope, all keys)."""
+    """The keys the commits after ``since_version`` changed: those they list (a small run's
+    merge), else those in the files the history table gained since (None: no scope, all keys)."""
+    from pyspark.sql.types import StructType
+
     if not delta.exists(paths.history):
         return None
     dt = delta.open_table(paths.history)
+    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
+    listed = _listed_keys(dt, since_version, list(primary_key))
+    if listed is not None:
+        key_schema = StructType([schema[primary_key[0]]])
+        return spark.createDataFrame([(v,) for v in listed], key_schema)
     now = delta.snapshot_files(dt)
     before: set[str] = set()
     if since_version is not None and since_version >= 0:
@@ -100,7 +111,6 @@ def touched_keys(
             for f in delta.snapshot_files(delta.open_table(paths.history, version=since_version))
         }
     added = [f for f in now if f.path not in before]
-    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     if not added:
         return spark.createDataFrame([], schema).select(*cols(list(primary_key)))
     return (
@@ -109,6 +119,31 @@ def touched_keys(
         .select(*cols(list(primary_key)))
         .distinct()
     )
+
+
+def _listed_keys(dt: DeltaTable, since_version: int | None, pk: list[str]) -> list[Any] | None:
+    """The keys the commits after ``since_version`` recomputed, when each of them lists its
+    keys (``merge.TOUCHED_KEYS``: a small run's merge); None when one does not (another
+    operation, another engine, a large run): then the files added since give the scope."""
+    if since_version is None or since_version < 0 or len(pk) != 1:
+        return None
+    newer = dt.version() - since_version
+    if newer <= 0:
+        return None
+    keys: set[Any] = set()
+    for commit in dt.history(limit=newer):
+        if commit.get("version", since_version) <= since_version:
+            continue
+        try:
+            values = json.loads(commit[TOUCHED_KEYS])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not isinstance(values, list) or not all(
+            isinstance(v, int | str) and not isinstance(v, bool) for v in values
+        ):
+            return None
+        keys.update(values)
+    return sorted(keys, key=lambda v: (str(type(v)), v))
 
 
 def run_checks(

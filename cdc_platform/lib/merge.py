@@ -38,6 +38,7 @@ same pending work.
 from __future__ import annotations
 
 import bisect
+import json
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -108,6 +109,10 @@ REPLAY_SEQ = -(2**63)
 
 # Column of the retracted-keys side table: the change-log version its removal commit followed.
 AFTER_LOG_VERSION = "_cdc_after_log_version"
+# In a history commit's metadata: the keys it recomputed (a JSON list; a small run's only), so
+# that the checks after the run verify those keys (``invariants.touched_keys``).
+TOUCHED_KEYS = "cdc_platform.touched_keys"
+MAX_TOUCHED_KEYS_BYTES = 32_768  # the log is read by every reader: keep its commits small
 
 
 class HistoryColumnsError(ValueError):
@@ -577,6 +582,8 @@ def _apply_once(
                             metadata={
                                 "cdc_platform.keys_affected": keys_affected,
                                 "cdc_platform.changelog_version": log_version,
+                                # A rebuild may change other keys' rows: no list.
+                                **touched_keys_metadata(None if snap.rebuild else touched_values),
                             },
                             strict=True,
                         )
@@ -611,6 +618,15 @@ def _apply_once(
         history_version=version,
         changelog_version=log_version,
     )
+
+
+def touched_keys_metadata(values: list[Any] | None) -> dict[str, str]:
+    """The commit metadata naming the keys a run recomputed, when they are held and few (every
+    row the commit changes is one of theirs: the others' rows are carried as they were)."""
+    if values is None:
+        return {}
+    listed = json.dumps(values, ensure_ascii=True, separators=(",", ":"))
+    return {TOUCHED_KEYS: listed} if len(listed) <= MAX_TOUCHED_KEYS_BYTES else {}
 
 
 def _slow_events(
