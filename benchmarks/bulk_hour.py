@@ -184,7 +184,9 @@ def run_reference(landing: Path, out: Path, driver_memory: str | None) -> dict[s
     spark = session(driver_memory, "bulk_hour_reference")
     memory = spark.sparkContext.getConf().get("spark.driver.memory", "1g (Spark's default)")
     t0 = time.perf_counter()
-    spark.read.parquet(str(hour_folder(landing, TABLE_NAME, hour_at(0)))).select(
+    # Every hour folder of the table (one for the bulk hour, 720 for scale.py's backfill).
+    table_root = str(landing / TABLE_NAME)
+    spark.read.option("recursiveFileLookup", "true").parquet(table_root).select(
         "*",
         F.col("_metadata.file_path").alias("source_file"),
         F.col("_metadata.row_index").alias("source_row"),

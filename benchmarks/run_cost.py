@@ -58,7 +58,7 @@ from scale import (  # noqa: E402  (benchmarks/ is not a package)
     write_hour,
 )
 
-from cdc_platform.lib import delta  # noqa: E402
+from cdc_platform.lib import delta, invariants  # noqa: E402
 from cdc_platform.lib.landing import hour_folder  # noqa: E402
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize  # noqa: E402
 from cdc_platform.lib.run_cost import CostReport, RunCost  # noqa: E402
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 EVENTS_PER_HOUR = 10_000  # of the built table: depth = more hours
 TARGET_TIME_RATIO = 2.0
 TARGET_JOBS = 12
+TARGET_CHECK_SECONDS = 2.0
 
 
 def log(msg: str) -> None:
@@ -125,6 +126,21 @@ def reference_hour(spark: SparkSession, hour_dir: Path, history: Path, out: Path
             )
         )
         folded.write.mode("overwrite").parquet(str(out))
+    return cost.report()
+
+
+def hourly_checks(spark: SparkSession, paths: TablePaths, since: int | None) -> CostReport:
+    """The checks step that follows an hourly run, as the asset check runs them: every
+    invariant over the keys the run touched (``invariants.touched_keys`` since the history
+    version before the run), with the same stopwatch as a run."""
+    with RunCost(spark) as cost:
+        cost.lap("scope")
+        scope = invariants.touched_keys(spark, paths, TABLE.primary_key, since)
+        cost.lap("checks")
+        outcomes = invariants.run_checks(spark, paths, TABLE.primary_key, scope)
+    failed = [o.name for o in outcomes if not o.passed]
+    if failed:
+        raise SystemExit(f"an invariant failed after a benchmark run: {failed}")
     return cost.report()
 
 
@@ -190,15 +206,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     gen = EventGenerator(keys, args.seed + 3000, first_seq=landing.next_seq)
     gen.seen = landing.seen.copy()
 
+    paths = TablePaths.of(warehouse, TABLE.name)
+
     def small_hour(index: int) -> MaterializationOutcome:
         write_hour(run_landing, index, gen.events(args.hour_events, START_US + index * HOUR_US))
         return materialize(spark, TABLE, run_landing, warehouse, [hour_at(index)])
 
     ours: list[CostReport] = []
     refs: list[CostReport] = []
+    checks: list[CostReport] = []
     for attempt in range(args.repeats + 1):
         index = hours + attempt
+        before = delta.open_table(history).version()
         outcome = small_hour(index)
+        checked = hourly_checks(spark, paths, before)
         ref = reference_hour(
             spark,
             hour_folder(run_landing, TABLE.name, hour_at(index)),
@@ -208,8 +229,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if attempt and outcome.cost is not None:  # the first of each warms the session up
             ours.append(outcome.cost)
             refs.append(ref)
+            checks.append(checked)
     log(f"\nmaterialize() of a {args.hour_events}-event hour, warm local[2], {len(ours)} runs:")
     print_stages(ours)
+    log("\nthe checks that follow each run (scoped to the keys it touched):")
+    print_stages(checks)
+    check_s = median([r.seconds for r in checks])
+    log(
+        f"checks: {check_s:.2f} s (target <= {TARGET_CHECK_SECONDS:g} s warm: "
+        f"{'met' if check_s <= TARGET_CHECK_SECONDS else 'NOT met'})"
+    )
     log("\nsmall-hour reference (plain Spark, same session, same hours):")
     print_stages(refs)
     mine, ref_s = median([r.seconds for r in ours]), median([r.seconds for r in refs])
