@@ -35,6 +35,7 @@ from cdc_platform.lib.columns import (
 )
 from cdc_platform.lib.history import HistoryColumns, dedupe_events, tmax_literal
 from cdc_platform.lib.merge import TOUCHED_KEYS
+from cdc_platform.lib.spark import ADAPTIVE, adaptive_restored
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -181,9 +182,14 @@ def run_checks(
     # Every check below scans these rows (about ten Spark jobs): read the files once.
     table = table.persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        outcomes += _table_checks(
-            spark, paths, pk, table, dt, whole_table=scope is None, hide_keys=hide_keys
-        )
+        with adaptive_restored(spark):
+            if scope is not None:
+                # A run's keys: plans run whole, as the run's own (adaptive execution would
+                # submit each shuffle stage of each check as a Spark job of its own).
+                spark.conf.set(ADAPTIVE, "false")
+            outcomes += _table_checks(
+                spark, paths, pk, table, dt, whole_table=scope is None, hide_keys=hide_keys
+            )
     finally:
         table.unpersist()
     order = {n: i for i, n in enumerate(CHECK_NAMES)}

@@ -14,8 +14,7 @@ the bytes each of its Delta commits added and removed, on the outcome's ``cost``
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +36,7 @@ from cdc_platform.lib.reading import (
     unify_schema,
 )
 from cdc_platform.lib.run_cost import CostReport, RunCost, lap
+from cdc_platform.lib.spark import ADAPTIVE, adaptive_restored
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -116,27 +116,12 @@ def materialize(
 # merge then ran 47 jobs instead of 20 (``benchmarks/run_cost.py --conf``), each a fixed cost,
 # for re-planning that only pays off on large inputs. Larger runs keep it (skew, coalescing).
 SMALL_RUN_BYTES = 64 * 1024 * 1024
-_ADAPTIVE = "spark.sql.adaptive.enabled"
-
-
-@contextmanager
-def adaptive_restored(spark: SparkSession) -> Iterator[None]:
-    """The session's adaptive-execution setting as it was, whatever the run set
-    (``plan_whole_if_small``)."""
-    before = spark.conf.get(_ADAPTIVE, None)
-    try:
-        yield
-    finally:
-        if before is None:
-            spark.conf.unset(_ADAPTIVE)
-        else:
-            spark.conf.set(_ADAPTIVE, before)
 
 
 def plan_whole_if_small(spark: SparkSession, landing_bytes: int) -> None:
     """Adaptive execution off for a run under ``SMALL_RUN_BYTES`` of landing data."""
     if landing_bytes < SMALL_RUN_BYTES:
-        spark.conf.set(_ADAPTIVE, "false")
+        spark.conf.set(ADAPTIVE, "false")
 
 
 def _apply_hours(

@@ -731,3 +731,20 @@ def _guard_class() -> type:
 def _guard(check: Any) -> Any:
     """An interceptor running ``check`` first (the class is built where grpc is imported)."""
     return _guard_class()(check)
+
+
+ADAPTIVE = "spark.sql.adaptive.enabled"
+
+
+@contextmanager
+def adaptive_restored(spark: SparkSession) -> Iterator[None]:
+    """The session's adaptive-execution setting as it was, whatever the run or the
+    checks set (``pipeline.plan_whole_if_small``, ``invariants.run_checks``)."""
+    before = spark.conf.get(ADAPTIVE, None)
+    try:
+        yield
+    finally:
+        if before is None:
+            spark.conf.unset(ADAPTIVE)
+        else:
+            spark.conf.set(ADAPTIVE, before)
