@@ -37,6 +37,7 @@ from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.invariants import CHECK_NAMES, NO_QUARANTINE
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform.lib.merge import TOUCHED_KEYS
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
@@ -221,6 +222,10 @@ def test_seed_000_update_files_from_encrypted_zstd_csv(spark, lake):
     ]
     assert by_key_start(history(lake, t.name)) == by_key_start(expected)
     assert current_quarantine(lake, t.name) == []
+    # Decrypted key values stay out of the Delta log: an encrypted table's commits list none
+    # (a plaintext table's small runs do, for the checks' scope: test_invariant_checks.py).
+    commits = DeltaTable(str(TablePaths.of(lake["warehouse"], t.name).history.path)).history()
+    assert len(commits) >= 2 and not [c for c in commits if TOUCHED_KEYS in c]
 
 
 # -- 2. every format x compression x encryption gives the same table -------------------------------

@@ -391,7 +391,7 @@ def test_scope_is_the_keys_in_files_added_since(spark, copy: Path) -> None:
 
     scope = invariants.touched_keys(spark, paths, PK, since)
     assert scope is not None
-    touched = {r["id"] for r in scope.collect()}
+    touched = {r["id"] for r in scope.keys.collect()}
     assert touched == {5, 6} == keys_in_files_added_since(paths.history, since)
 
     scoped = outcomes_by_name(spark, copy, scope)
@@ -406,9 +406,9 @@ def test_scope_is_the_keys_in_files_added_since(spark, copy: Path) -> None:
     # No scope: every key; nothing added since the current version: no key.
     everything = invariants.touched_keys(spark, paths, PK, None)
     assert everything is not None
-    assert {r["id"] for r in everything.collect()} == {1, 2, 3, 4, 5, 6}
+    assert {r["id"] for r in everything.keys.collect()} == {1, 2, 3, 4, 5, 6}
     nothing = invariants.touched_keys(spark, paths, PK, DeltaTable(str(paths.history)).version())
-    assert nothing is not None and nothing.count() == 0
+    assert nothing is not None and nothing.keys.count() == 0
 
 
 def test_a_small_runs_scope_is_the_keys_its_merge_lists(spark, copy: Path) -> None:
@@ -422,7 +422,7 @@ def test_a_small_runs_scope_is_the_keys_its_merge_lists(spark, copy: Path) -> No
 
     scope = invariants.touched_keys(spark, paths, PK, since)
     assert scope is not None
-    assert {r["id"] for r in scope.collect()} == {1}
+    assert scope.listed and {r["id"] for r in scope.keys.collect()} == {1}
     assert keys_in_files_added_since(paths.history, since) > {1, 3}  # files hold more keys
 
     # Corruptions as the checks find them: key 1 (the run's key) gets a version ending before
@@ -442,7 +442,10 @@ def test_a_small_runs_scope_is_the_keys_its_merge_lists(spark, copy: Path) -> No
     # That rewrite listed no keys (another writer): the files added since give the scope.
     fallback = invariants.touched_keys(spark, paths, PK, since)
     assert fallback is not None
-    assert {r["id"] for r in fallback.collect()} == keys_in_files_added_since(paths.history, since)
+    assert not fallback.listed
+    assert {r["id"] for r in fallback.keys.collect()} == keys_in_files_added_since(
+        paths.history, since
+    )
 
 
 # --- through Dagster: the asset, its checks, the alert ------------------------------------------

@@ -2,8 +2,9 @@
 
 Each check returns how many keys fail and a few of them, so an alert can point at real rows.
 A check can run over the whole table or only over the keys a materialization touched: those
-its merge commit lists (a small run's; it changes no other key's rows), else those in the files
-the commit added (each holds every version of the keys it touched). Either scope is exact.
+its merge commit lists (a small run's; a correct merge changes no other key's rows, and copies
+the rows it carries byte for byte), else those in the files the commit added (each holds every
+version of the keys it touched, and the carried rows of other keys too).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from cdc_platform.lib.warehouse import TablePaths
 if TYPE_CHECKING:
     from deltalake import DeltaTable
     from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import DataType, StructType
 
 SAMPLE_SIZE = 5
 # What a check's sample says instead of key values for an encrypted table: its keys are
@@ -89,9 +91,17 @@ class CheckOutcome:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class Scope:
+    """The keys a check verifies; ``listed``: the few a run's merge commit named."""
+
+    keys: DataFrame
+    listed: bool = False
+
+
 def touched_keys(
     spark: SparkSession, paths: TablePaths, primary_key: Sequence[str], since_version: int | None
-) -> DataFrame | None:
+) -> Scope | None:
     """The keys the commits after ``since_version`` changed: those they list (a small run's
     merge), else those in the files the history table gained since (None: no scope, all keys)."""
     from pyspark.sql.types import StructType
@@ -101,9 +111,21 @@ def touched_keys(
     dt = delta.open_table(paths.history)
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     listed = _listed_keys(dt, since_version, list(primary_key))
-    if listed is not None:
+    if listed is not None and _fit(listed, schema[primary_key[0]].dataType):
         key_schema = StructType([schema[primary_key[0]]])
-        return spark.createDataFrame([(v,) for v in listed], key_schema)
+        return Scope(spark.createDataFrame([(v,) for v in listed], key_schema), listed=True)
+    return Scope(_keys_in_files_since(spark, paths, dt, schema, primary_key, since_version))
+
+
+def _keys_in_files_since(
+    spark: SparkSession,
+    paths: TablePaths,
+    dt: DeltaTable,
+    schema: StructType,
+    primary_key: Sequence[str],
+    since_version: int | None,
+) -> DataFrame:
+    """The keys in the files the history table gained after ``since_version``."""
     now = delta.snapshot_files(dt)
     before: set[str] = set()
     if since_version is not None and since_version >= 0:
@@ -132,9 +154,9 @@ def _listed_keys(dt: DeltaTable, since_version: int | None, pk: list[str]) -> li
     if newer <= 0:
         return None
     keys: set[Any] = set()
+    seen: set[Any] = set()
     for commit in dt.history(limit=newer):
-        if commit.get("version", since_version) <= since_version:
-            continue
+        seen.add(commit.get("version"))
         try:
             values = json.loads(commit[TOUCHED_KEYS])
         except (KeyError, TypeError, ValueError):
@@ -144,14 +166,30 @@ def _listed_keys(dt: DeltaTable, since_version: int | None, pk: list[str]) -> li
         ):
             return None
         keys.update(values)
+    if seen != set(range(since_version + 1, dt.version() + 1)):
+        return None  # a commit without its record (another engine, a cleaned log): unknown
     return sorted(keys, key=lambda v: (str(type(v)), v))
+
+
+def _fit(values: list[Any], key_type: DataType) -> bool:
+    """Whether listed key values are exactly of the key column's type and range (else the
+    commit's list is not trusted, and the files give the scope)."""
+    from pyspark.sql.types import ByteType, IntegerType, LongType, ShortType, StringType
+
+    bits = {ByteType: 8, ShortType: 16, IntegerType: 32, LongType: 64}.get(type(key_type))
+    if bits is not None:
+        low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        return all(
+            isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values
+        )
+    return isinstance(key_type, StringType) and all(isinstance(v, str) for v in values)
 
 
 def run_checks(
     spark: SparkSession,
     paths: TablePaths,
     primary_key: Sequence[str],
-    scope: DataFrame | None = None,
+    scope: Scope | None = None,
     *,
     hide_keys: bool = False,
 ) -> list[CheckOutcome]:
@@ -177,21 +215,21 @@ def run_checks(
         if files
         else spark.createDataFrame([], schema)
     )
-    if scope is not None:
-        table = table.join(scope, pk, "left_semi")
-    # Every check below scans these rows (about ten Spark jobs): read the files once.
-    table = table.persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        with adaptive_restored(spark):
-            if scope is not None:
-                # A run's keys: plans run whole, as the run's own (adaptive execution would
-                # submit each shuffle stage of each check as a Spark job of its own).
-                spark.conf.set(ADAPTIVE, "false")
+    with adaptive_restored(spark):
+        if scope is not None and scope.listed:
+            # A small run's keys: plans run whole, as the run's own (adaptive execution would
+            # submit each shuffle stage of each check as a Spark job of its own).
+            spark.conf.set(ADAPTIVE, "false")
+        if scope is not None:
+            table = table.join(scope.keys, pk, "left_semi")
+        # Every check below scans these rows (about ten Spark jobs): read the files once.
+        table = table.persist(StorageLevel.MEMORY_AND_DISK)
+        try:
             outcomes += _table_checks(
                 spark, paths, pk, table, dt, whole_table=scope is None, hide_keys=hide_keys
             )
-    finally:
-        table.unpersist()
+        finally:
+            table.unpersist()
     order = {n: i for i, n in enumerate(CHECK_NAMES)}
     return sorted(outcomes, key=lambda o: order[o.name])
 

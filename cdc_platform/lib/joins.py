@@ -89,6 +89,10 @@ def key_values(keys: DataFrame, pk: list[str], rows: int | None) -> list[Any] | 
     values = {r[0] for r in keys.select(col(pk[0])).collect()}
     if not all(isinstance(v, int | str) and not isinstance(v, bool) for v in values):
         return None
+    # Spark decodes a string that is not valid UTF-8 with replacement characters: such a value
+    # would no longer match the stored bytes as a literal (a join compares the bytes).
+    if any(isinstance(v, str) and "\ufffd" in v for v in values):
+        return None
     if len({type(v) for v in values}) > 1:
         return None
     return sorted(values)

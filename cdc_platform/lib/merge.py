@@ -77,6 +77,7 @@ from cdc_platform.lib.history import (
     dedupe_events,
 )
 from cdc_platform.lib.run_cost import lap
+from cdc_platform.lib.spark import ADAPTIVE
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -171,14 +172,17 @@ def apply_pending(
     primary_key: Sequence[str],
     synced_at: datetime,
     history_columns: HistoryColumns = TRACK_ALL,
+    list_keys: bool = False,
 ) -> MergeResult:
     """Recompute the keys with pending change-log events; retry if another writer commits first.
 
     A table built with another ``history_columns`` setting is recomputed whole, once: its
     versions were cut by other columns. The setting is then recorded on the table.
+    ``list_keys``: a small run names its keys in its commit, for the checks that follow
+    (``TOUCHED_KEYS``; never for an encrypted table: its keys are decrypted data).
     """
     result, attempts = delta.with_commit_retries(
-        lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns),
+        lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns, list_keys),
         f"history commit for {paths.history}",
     )
     if result.history_version is not None:
@@ -281,6 +285,7 @@ def _apply_once(
     primary_key: Sequence[str],
     synced_at: datetime,
     history_columns: HistoryColumns,
+    list_keys: bool = False,
 ) -> MergeResult:
     from pyspark.sql import functions as F
 
@@ -352,7 +357,12 @@ def _apply_once(
         joins.records(current_files), touched_rows if one_per_key else None
     )
     # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``).
-    small = touched_rows is not None and touched_rows <= joins.MAX_KEY_VALUES
+    # (Planned whole: under adaptive execution, making a checkpoint already runs its stages.)
+    small = (
+        touched_rows is not None
+        and touched_rows <= joins.MAX_KEY_VALUES
+        and str(spark.conf.get(ADAPTIVE, "true")).strip().lower() == "false"
+    )
     with _cached(touched_keys, small) as touched:
         # A small run holds its keys on the driver (one Spark job): each read by key is then a
         # filter, and the joins between what those reads give are shuffles inside one job.
@@ -405,7 +415,13 @@ def _apply_once(
                     else unchanged_before(counts["earliest_late"])
                 )
                 slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
-                fast_keys = keys.filter(~col(_SLOW)).select(*cols(pk))
+                # A key that repeats in ``keys`` is slow if any of its rows is.
+                fast_keys = (
+                    keys.groupBy(*cols(pk))
+                    .agg(F.max(col(_SLOW)).alias(_SLOW))
+                    .filter(~col(_SLOW))
+                    .select(*cols(pk))
+                )
                 fast_count = keys_affected - slow_count
                 slow_values = fast_values = None
                 if touched_values is not None:  # held: the classification's own collect
@@ -476,7 +492,7 @@ def _apply_once(
                         cut,
                         untracked=bool(history_columns.untracked(data_columns)),
                         slow_rows=slow_count,
-                        tiny=tiny,
+                        old_rows=old_rows if tiny is not None else None,
                     )
                     events = events.unionByName(slow_events, allowMissingColumns=True)
                 # Versions come from events: the pending ones, up to two replayed per current row
@@ -491,7 +507,8 @@ def _apply_once(
                 )
                 probe = version_rows if tiny is not None else None  # joins among tiny sides
                 # Read twice (the keys' last events and their versions): computed once.
-                events = cached.enter_context(_cached(events, small))
+                if small:
+                    events = cached.enter_context(_cached(events, small))
                 # Cached: the versions' state needs it, and so does the delete-only side table
                 # after the commit (recomputing it would read every touched key's events again).
                 last_events = cached.enter_context(
@@ -583,7 +600,9 @@ def _apply_once(
                                 "cdc_platform.keys_affected": keys_affected,
                                 "cdc_platform.changelog_version": log_version,
                                 # A rebuild may change other keys' rows: no list.
-                                **touched_keys_metadata(None if snap.rebuild else touched_values),
+                                **touched_keys_metadata(
+                                    touched_values if list_keys and not snap.rebuild else None
+                                ),
                             },
                             strict=True,
                         )
@@ -642,7 +661,7 @@ def _slow_events(
     cut: datetime | None,
     untracked: bool,
     slow_rows: int | None = None,
-    tiny: int | None = None,
+    old_rows: int | None = None,
 ) -> tuple[DataFrame, list[delta.DataFile], DataFrame, DataFrame]:
     """The events the slow keys are refolded from, the change-log files read for them, each
     slow key's ``_CHECKPOINT`` (null: refolded from its first event) and ``old`` without the
@@ -661,7 +680,8 @@ def _slow_events(
     step, so it cannot stand for its first) are refolded from all their events.
 
     ``slow_rows`` bounds the slow keys' rows (``lib.joins``: broadcast only when small);
-    ``tiny`` bounds ``old``'s when a small run read it by key (joins with it are shuffles).
+    ``old_rows`` bounds ``old``'s when a small run read it by key (joins of two tiny sides are
+    shuffles), as the Delta statistics of the change-log files read bound the events'.
     """
     from pyspark.sql import functions as F
 
@@ -676,7 +696,9 @@ def _slow_events(
     else:
         last_before = (
             old.join(
-                joins.build_side(slow.select(*cols([*pk, _MIN_MS])), slow_rows, tiny), pk, "inner"
+                joins.build_side(slow.select(*cols([*pk, _MIN_MS])), slow_rows, old_rows),
+                pk,
+                "inner",
             )
             .groupBy(*cols(pk))
             .agg(F.max(F.when(col(START) < col(_MIN_MS), col(START))).alias(_CHECKPOINT))
@@ -684,9 +706,9 @@ def _slow_events(
         usable = ~col(_FORCED)
         if untracked:  # the stored image is the version's last step's, not its first's
             usable = F.lit(False)
-        checkpoints = slow.join(joins.build_side(last_before, slow_rows, tiny), pk, "left").select(
-            *cols(pk), F.when(usable, col(_CHECKPOINT)).alias(_CHECKPOINT)
-        )
+        checkpoints = slow.join(
+            joins.build_side(last_before, slow_rows, slow_rows if old_rows else None), pk, "left"
+        ).select(*cols(pk), F.when(usable, col(_CHECKPOINT)).alias(_CHECKPOINT))
         bounds = checkpoints.agg(
             F.min(F.unix_micros(col(_CHECKPOINT))).alias("since"),
             F.max(col(_CHECKPOINT).isNull().cast("int")).alias("from_first"),
@@ -703,14 +725,20 @@ def _slow_events(
         log = log.filter(joins.in_keys(pk, slow_values))
     logged = (
         dedupe_events(log, pk)
-        .join(joins.build_side(checkpoints, slow_rows, tiny), pk, "inner")
+        .join(
+            joins.build_side(
+                checkpoints, slow_rows, joins.records(log_read) if old_rows is not None else None
+            ),
+            pk,
+            "inner",
+        )
         .filter(
             col(_CHECKPOINT).isNull() | (F.date_trunc("millisecond", col(TS)) >= col(_CHECKPOINT))
         )
         .drop(_CHECKPOINT)
     )
     replayed = (
-        old.join(joins.build_side(checkpoints, slow_rows, tiny), pk, "inner")
+        old.join(joins.build_side(checkpoints, slow_rows, old_rows), pk, "inner")
         .filter(col(START) == col(_CHECKPOINT))
         .select(
             *cols([*pk, *data_columns]),
@@ -721,7 +749,7 @@ def _slow_events(
     )
     # Versions before a checkpoint are not refolded: they stay where they are, as they are.
     from_checkpoint = (
-        old.join(joins.build_side(checkpoints, slow_rows, tiny), pk, "left")
+        old.join(joins.build_side(checkpoints, slow_rows, old_rows), pk, "left")
         .filter(col(_CHECKPOINT).isNull() | (col(START) >= col(_CHECKPOINT)))
         .drop(_CHECKPOINT)
     )

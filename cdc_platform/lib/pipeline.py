@@ -249,7 +249,14 @@ def _apply_hours(
 
     lap("merge_open")
     version_before = delta.version_or_none(paths.history)
-    merge = apply_pending(spark, paths, table.primary_key, synced_at, table.history_columns)
+    merge = apply_pending(
+        spark,
+        paths,
+        table.primary_key,
+        synced_at,
+        table.history_columns,
+        list_keys=table.encryption == "none",  # an encrypted table's keys are decrypted data
+    )
     return MaterializationOutcome(
         files_read=len(all_paths),
         events_read=events_read,
