@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import TYPE_CHECKING, Any
 
-from cdc_platform.lib import changelog, delta, quarantine, revoked_files
+from cdc_platform.lib import changelog, delta, joins, quarantine, revoked_files
 from cdc_platform.lib.columns import (
     ACTIVE,
     CHANGED,
@@ -161,9 +161,7 @@ def _listed_keys(dt: DeltaTable, since_version: int | None, pk: list[str]) -> li
             values = json.loads(commit[TOUCHED_KEYS])
         except (KeyError, TypeError, ValueError):
             return None
-        if not isinstance(values, list) or not all(
-            isinstance(v, int | str) and not isinstance(v, bool) for v in values
-        ):
+        if not isinstance(values, list) or not all(joins.is_plain_key(v) for v in values):
             return None
         keys.update(values)
     if seen != set(range(since_version + 1, dt.version() + 1)):
@@ -180,7 +178,7 @@ def _fit(values: list[Any], key_type: DataType) -> bool:
     if bits is not None:
         low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
         return all(
-            isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values
+            isinstance(v, int) and joins.is_plain_key(v) and low <= v <= high for v in values
         )
     return isinstance(key_type, StringType) and all(isinstance(v, str) for v in values)
 

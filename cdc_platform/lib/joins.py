@@ -87,7 +87,7 @@ def key_values(keys: DataFrame, pk: list[str], rows: int | None) -> list[Any] | 
     if len(pk) != 1 or rows is None or rows > MAX_KEY_VALUES:
         return None
     values = {r[0] for r in keys.select(col(pk[0])).collect()}
-    if not all(isinstance(v, int | str) and not isinstance(v, bool) for v in values):
+    if not all(is_plain_key(v) for v in values):
         return None
     # Spark decodes a string that is not valid UTF-8 with replacement characters: such a value
     # would no longer match the stored bytes as a literal (a join compares the bytes).
@@ -96,6 +96,12 @@ def key_values(keys: DataFrame, pk: list[str], rows: int | None) -> list[Any] | 
     if len({type(v) for v in values}) > 1:
         return None
     return sorted(values)
+
+
+def is_plain_key(value: Any) -> bool:
+    """An integer or a string: a key value exact as a literal, in JSON and in Delta statistics
+    (a bool is not one, though Python counts it as an integer)."""
+    return isinstance(value, int | str) and not isinstance(value, bool)
 
 
 def in_keys(pk: list[str], values: list[Any]) -> Column:
