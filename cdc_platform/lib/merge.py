@@ -279,6 +279,111 @@ class _Snapshot:
         return cls(log, history, None if rebuild else applied, rebuild)
 
 
+@dataclass(frozen=True)
+class _Attempt:
+    """One attempt's fixed facts, handed to every stage: the snapshot it read, the pending
+    change-log files, the history table it writes (created if new) and its files by segment."""
+
+    spark: SparkSession
+    paths: TablePaths
+    pk: list[str]
+    history_columns: HistoryColumns
+    snap: _Snapshot
+    pending: list[delta.DataFile]
+    retracted: DataFrame | None  # keys an un-apply took events from (``_pending_retractions``)
+    retracted_rows: int | None
+    dt: DeltaTable
+    hist_arrow: pa.Schema
+    hist_schema: StructType
+    data_columns: list[str]
+    files: list[delta.DataFile]
+    log_schema: StructType
+    log_files: list[delta.DataFile]
+    # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``).
+    small: bool
+    stack: ExitStack  # what the attempt keeps (``keep``) is released when it ends
+
+    @property
+    def log_version(self) -> int:
+        return self.snap.changelog.version()
+
+    @property
+    def columns(self) -> list[str]:
+        return [f.name for f in self.hist_schema.fields]
+
+    @property
+    def current_files(self) -> list[delta.DataFile]:
+        return [f for f in self.files if not is_closed_file(f)]
+
+    @property
+    def closed_files(self) -> list[delta.DataFile]:
+        return [f for f in self.files if is_closed_file(f)]
+
+    @property
+    def touched_rows(self) -> int | None:
+        """A bound on the run's key rows, from Delta statistics and the run's own counts
+        (``lib.joins``: never Spark's estimate of them)."""
+        return joins.add(joins.records(self.pending), self.retracted_rows)
+
+    def keep(self, df: DataFrame) -> DataFrame:
+        """``df``, computed once for the Spark jobs of this attempt that reuse it."""
+        return self.stack.enter_context(_cached(df, self.small))
+
+    def read_history(
+        self, files: Sequence[delta.DataFile], where: Column | None = None
+    ) -> DataFrame:
+        return _read_history(self.spark, self.paths.history, self.hist_schema, files, where)
+
+
+@dataclass(frozen=True)
+class _Touched:
+    """The keys with pending events (or retracted), and the rows the fast path folds from."""
+
+    events: DataFrame  # the pending events, deduplicated (rule 2)
+    keys: DataFrame  # each key with its earliest pending millisecond and whether it is forced
+    values: list[Any] | None  # the keys, held on the driver (a small run's)
+    current: DataFrame  # their current rows, with ``_FILE``
+    current_rows: int | None
+    unversioned: DataFrame  # every delete-only key
+    unversioned_rows: int | None
+    unversioned_touched: DataFrame  # the run's delete-only keys
+    side_stale: bool  # the delete-only side table missed the last commit (a crash)
+    tiny: int | None  # bound on the key rows when they are held: joins among them shuffle
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The run's keys split into the fast path and the slow path (``_classify``)."""
+
+    keys: DataFrame  # every touched key with ``_SLOW`` and ``_DELETE_ONLY`` (may repeat one)
+    affected: int
+    slow_count: int
+    delete_only_touched: int
+    cut: datetime | None  # versions ending before it cannot change (``unchanged_before``)
+    slow_keys: DataFrame
+    fast_keys: DataFrame
+    slow_values: list[Any] | None
+    fast_values: list[Any] | None
+
+    @property
+    def fast_count(self) -> int:
+        return self.affected - self.slow_count
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """What the fold reads: the events of every key and the old rows it compares against."""
+
+    events: DataFrame
+    old: DataFrame  # the old rows that may change, with ``_FILE``
+    old_rows: int | None
+    closed_read: list[delta.DataFile]
+    log_read: list[delta.DataFile]
+    checkpoints: DataFrame | None  # each slow key's ``_CHECKPOINT`` (``_slow_events``)
+    version_rows: int | None  # bound on the versions the fold makes
+    probe: int | None  # ``version_rows`` when the run's rows are tiny (joins among them shuffle)
+
+
 def _apply_once(
     spark: SparkSession,
     paths: TablePaths,
@@ -287,10 +392,57 @@ def _apply_once(
     history_columns: HistoryColumns,
     list_keys: bool = False,
 ) -> MergeResult:
-    from pyspark.sql import functions as F
-
+    """One attempt of the merge, stage by stage: open, classify, fold and compare, write,
+    commit, side tables (each stage's time and Spark jobs go to the run's cost)."""
     lap("merge_open")
-    pk = list(primary_key)
+    with ExitStack() as stack:
+        a = _open_attempt(spark, paths, list(primary_key), history_columns, stack)
+        if isinstance(a, MergeResult):
+            return a
+        lap("merge_classify")
+        touched = _touch(a)
+        split = _split(a, touched)
+        lap("merge_fold_compare")
+        gathered = _gather(a, touched, split)
+        compared, last_events = _fold(a, split, gathered, synced_at)
+        old_rows = gathered.old_rows if touched.tiny else None
+        change = _changes(compared, gathered.old, a.pk, gathered.version_rows, old_rows)
+        rewritten = [f for f in a.files if f.path in change.rewritten]
+        lap("merge_write")
+        adds = _write(a, gathered, compared, rewritten)
+        lap("merge_commit")
+        version = _commit(a, touched, split.affected, adds, rewritten, list_keys)
+        lap("merge_side_tables")
+        _store_side_tables(a, touched, split, compared, last_events, change, gathered)
+    return MergeResult(
+        keys_affected=split.affected,
+        fast_keys=split.fast_count,
+        slow_keys=split.slow_count,
+        versions_opened=change.opened,
+        versions_closed=change.closed + change.vanished,
+        rows_written=sum(delta.num_records(x) for x in adds),
+        files_removed=len(rewritten),
+        files_added=len(adds),
+        bytes_removed=sum(f.size for f in rewritten),
+        bytes_added=sum(x.size for x in adds),
+        changelog_bytes_read=sum(f.size for f in (*a.pending, *gathered.log_read)),
+        history_bytes_read=sum(f.size for f in (*a.current_files, *gathered.closed_read))
+        + sum(f.size for f in rewritten),
+        history_version=version,
+        changelog_version=a.log_version,
+    )
+
+
+def _open_attempt(
+    spark: SparkSession,
+    paths: TablePaths,
+    pk: list[str],
+    history_columns: HistoryColumns,
+    stack: ExitStack,
+) -> _Attempt | MergeResult:
+    """Open every table once and find the pending change-log files; with none (and no
+    retracted key), the result as it stands. The history table is created on the first run,
+    with the change log's key and data columns and the system columns (rule 1)."""
     snap = _Snapshot.open(paths, history_columns)
     if snap is None:
         return MergeResult(history_version=delta.version_or_none(paths.history))
@@ -303,14 +455,13 @@ def _apply_once(
     if not pending and retracted is None:
         if snap.history is not None and _delete_only_keys_stale(paths, snap.applied):
             # A crash came between the last history commit and its side-table commit.
-            pk_unversioned, _ = _read_delete_only_keys(spark, paths, pk, snap)
+            unversioned, _ = _read_delete_only_keys(spark, paths, pk, snap)
             assert snap.applied is not None
-            _store_delete_only_keys(paths, pk_unversioned, snap.applied)
+            _store_delete_only_keys(paths, unversioned, snap.applied)
         return MergeResult(
             history_version=snap.history.version() if snap.history is not None else None,
             changelog_version=log_version,
         )
-
     log_schema = delta.table_arrow_schema(snap.changelog)
     schema = history_schema(pk, changelog.key_and_data_of(log_schema))
     data_columns = [f.name for f in schema if f.name not in pk and f.name not in SYSTEM_COLUMNS]
@@ -325,317 +476,327 @@ def _apply_once(
         paths.history, schema, description="cdc_platform history-mode table", table=snap.history
     )
     hist_arrow = delta.table_arrow_schema(dt)
-    hist_schema = changelog.spark_schema(hist_arrow)
-    columns = [f.name for f in hist_schema.fields]
-    files = delta.snapshot_files(dt)
-    current_files = [f for f in files if not is_closed_file(f)]
-    closed_files = [f for f in files if is_closed_file(f)]
-    log_files = delta.snapshot_files(snap.changelog)
-    log_spark_schema = changelog.spark_schema(log_schema)
+    return _Attempt(
+        spark=spark,
+        paths=paths,
+        pk=pk,
+        history_columns=history_columns,
+        snap=snap,
+        pending=pending,
+        retracted=retracted,
+        retracted_rows=retracted_rows,
+        dt=dt,
+        hist_arrow=hist_arrow,
+        hist_schema=changelog.spark_schema(hist_arrow),
+        data_columns=data_columns,
+        files=delta.snapshot_files(dt),
+        log_schema=changelog.spark_schema(log_schema),
+        log_files=delta.snapshot_files(snap.changelog),
+        small=_small(spark, joins.add(joins.records(pending), retracted_rows)),
+        stack=stack,
+    )
 
-    lap("merge_classify")
-    pending_events = dedupe_events(
-        changelog.read_files(spark, paths.changelog, log_spark_schema, pending), pk
+
+def _small(spark: SparkSession, touched_rows: int | None) -> bool:
+    """Whether a run is small enough for local checkpoints: a few keys' rows, and planned
+    whole (under adaptive execution, making a checkpoint already runs its stages)."""
+    adaptive = str(spark.conf.get(ADAPTIVE, "true")).strip().lower()
+    return touched_rows is not None and touched_rows <= joins.MAX_KEY_VALUES and adaptive == "false"
+
+
+def _touch(a: _Attempt) -> _Touched:
+    """The keys this run recomputes (those with pending events, and retracted keys whatever
+    their events say) and their current rows and delete-only records. A small run holds its
+    keys on the driver (one Spark job): each read by key is then a filter, and the joins
+    between what those reads give are shuffles inside one job."""
+    from pyspark.sql import functions as F
+
+    pk = a.pk
+    events = dedupe_events(
+        changelog.read_files(a.spark, a.paths.changelog, a.log_schema, a.pending), pk
     )
     ms = F.date_trunc("millisecond", col(TS))
-    touched_keys = pending_events.select(*cols(pk), ms.alias(_MIN_MS), F.lit(False).alias(_FORCED))
-    if retracted is not None:  # recomputed whatever their pending events say
-        touched_keys = touched_keys.unionByName(
-            retracted.select(
-                *cols(pk), F.lit(None).cast("timestamp").alias(_MIN_MS), F.lit(True).alias(_FORCED)
-            )
-        )
-    touched_keys = touched_keys.groupBy(*cols(pk)).agg(
-        F.min(_MIN_MS).alias(_MIN_MS), F.max(_FORCED).alias(_FORCED)
+    keys = events.select(*cols(pk), ms.alias(_MIN_MS), F.lit(False).alias(_FORCED))
+    if a.retracted is not None:
+        no_time = F.lit(None).cast("timestamp").alias(_MIN_MS)
+        keys = keys.unionByName(a.retracted.select(*cols(pk), no_time, F.lit(True).alias(_FORCED)))
+    keys = a.keep(
+        keys.groupBy(*cols(pk)).agg(F.min(_MIN_MS).alias(_MIN_MS), F.max(_FORCED).alias(_FORCED))
     )
-    # Bounds on the rows of each join side that grows with the run's keys, from Delta
-    # statistics and the run's own counts (``lib.joins``: never Spark's estimate of them).
-    touched_rows = joins.add(joins.records(pending), retracted_rows)
+    touched_rows = a.touched_rows
+    values = joins.key_values(keys, pk, touched_rows)
     # The live and deleted segments hold one row per key: at most one per touched key.
-    one_per_key = all(f.min_values.get(CURRENT) is True for f in current_files)
+    one_per_key = all(f.min_values.get(CURRENT) is True for f in a.current_files)
     current_rows = joins.smallest(
-        joins.records(current_files), touched_rows if one_per_key else None
+        joins.records(a.current_files), touched_rows if one_per_key else None
     )
-    # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``).
-    # (Planned whole: under adaptive execution, making a checkpoint already runs its stages.)
-    small = (
-        touched_rows is not None
-        and touched_rows <= joins.MAX_KEY_VALUES
-        and str(spark.conf.get(ADAPTIVE, "true")).strip().lower() == "false"
+    if values is not None:
+        current = a.read_history(a.current_files, joins.in_keys(pk, values))
+    else:
+        current = a.read_history(a.current_files).join(
+            joins.build_side(keys.select(*cols(pk)), touched_rows), pk, "left_semi"
+        )
+    side_stale = _delete_only_keys_stale(a.paths, a.snap.applied)
+    unversioned, unversioned_rows = _read_delete_only_keys(a.spark, a.paths, pk, a.snap)
+    return _Touched(
+        events=events,
+        keys=keys,
+        values=values,
+        current=a.keep(current),
+        current_rows=current_rows,
+        unversioned=unversioned,
+        unversioned_rows=unversioned_rows,
+        unversioned_touched=unversioned
+        if values is None
+        else unversioned.filter(joins.in_keys(pk, values)),
+        side_stale=side_stale,
+        tiny=touched_rows if values is not None else None,
     )
-    with _cached(touched_keys, small) as touched:
-        # A small run holds its keys on the driver (one Spark job): each read by key is then a
-        # filter, and the joins between what those reads give are shuffles inside one job.
-        touched_values = joins.key_values(touched, pk, touched_rows)
-        tiny = touched_rows if touched_values is not None else None
-        if touched_values is not None:
-            current = _read_history(
-                spark, paths.history, hist_schema, current_files, joins.in_keys(pk, touched_values)
-            )
-        else:
-            current = _read_history(spark, paths.history, hist_schema, current_files).join(
-                joins.build_side(touched.select(*cols(pk)), touched_rows), pk, "left_semi"
-            )
-        with _cached(current, small) as current:
-            side_stale = _delete_only_keys_stale(paths, snap.applied)
-            unversioned, unversioned_rows = _read_delete_only_keys(spark, paths, pk, snap)
-            unversioned_touched = unversioned
-            if touched_values is not None:
-                unversioned_touched = unversioned.filter(joins.in_keys(pk, touched_values))
-            keys = _classify(
-                touched,
-                current,
-                unversioned_touched,
-                pk,
-                slow_everything=snap.rebuild,
-                rows=(current_rows, unversioned_rows),
-                tiny=tiny,
-            )
-            with _cached(keys, small) as keys, ExitStack() as cached:
-                slow_set = (
-                    [F.collect_set(F.when(col(_SLOW), col(pk[0]))).alias("slow_values")]
-                    if touched_values is not None
-                    else []
-                )
-                counts = keys.agg(
-                    F.count(F.lit(1)).alias("n"),
-                    F.sum(col(_SLOW).cast("int")).alias("slow"),
-                    F.sum(col(_DELETE_ONLY).cast("int")).alias("delete_only"),
-                    F.min(F.when(col(_SLOW), F.unix_micros(col(_MIN_MS)))).alias("earliest_late"),
-                    F.max((col(_SLOW) & (col(_FORCED) | col(_MIN_MS).isNull())).cast("int")).alias(
-                        "unbounded"
-                    ),
-                    *slow_set,
-                ).collect()[0]  # a global aggregate: exactly one row
-                keys_affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
-                delete_only_touched = int(counts["delete_only"] or 0)
-                cut = (
-                    None
-                    if snap.rebuild or counts["unbounded"]
-                    else unchanged_before(counts["earliest_late"])
-                )
-                slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
-                # A key that repeats in ``keys`` is slow if any of its rows is.
-                fast_keys = (
-                    keys.groupBy(*cols(pk))
-                    .agg(F.max(col(_SLOW)).alias(_SLOW))
-                    .filter(~col(_SLOW))
-                    .select(*cols(pk))
-                )
-                fast_count = keys_affected - slow_count
-                slow_values = fast_values = None
-                if touched_values is not None:  # held: the classification's own collect
-                    slow_values = sorted(counts["slow_values"])
-                    fast_values = sorted(set(touched_values) - set(slow_values))
 
-                lap("merge_fold_compare")
 
-                def fast(df: DataFrame) -> DataFrame:
-                    return joins.restrict(df, fast_keys, pk, fast_count, fast_values)
+def _split(a: _Attempt, t: _Touched) -> _Split:
+    """Classify the keys fast or slow and count them, in one Spark job; the earliest late
+    event gives the time before which nothing changes (``unchanged_before``)."""
+    from pyspark.sql import functions as F
 
-                fast_events = (
-                    fast(pending_events)
-                    .unionByName(
-                        _state_events(fast(current), pk, data_columns), allowMissingColumns=True
-                    )
-                    .unionByName(
-                        _ghost_events(fast(unversioned_touched), pk), allowMissingColumns=True
-                    )
-                )
-                if touched_values is None:
-                    slow_values = (
-                        joins.key_values(slow_keys, pk, slow_count) if slow_count else None
-                    )
-                old = current.select(*cols([*columns, _FILE]))
-                closed_read = (
-                    [
-                        f
-                        for f in _files_maybe_holding(closed_files, pk, slow_values)
-                        if _may_reach(f, END, cut)
-                    ]
-                    if slow_count
-                    else []
-                )
-                if closed_read:  # read once: checkpoints, comparison and carried rows use it
-                    old = cached.enter_context(
-                        _cached(
-                            old.unionByName(
-                                _read_closed(
-                                    spark,
-                                    paths,
-                                    hist_schema,
-                                    closed_read,
-                                    slow_keys,
-                                    slow_count,
-                                    slow_values,
-                                    pk,
-                                ).select(*cols([*columns, _FILE]))
-                            ),
-                            small,
-                        )
-                    )
-                old_rows = joins.add(current_rows, joins.records(closed_read))
-                log_read: list[delta.DataFile] = []
-                checkpoints = None
-                events = fast_events
-                if slow_count:
-                    slow_events, log_read, checkpoints, old = _slow_events(
-                        spark,
-                        paths,
-                        log_spark_schema,
-                        log_files,
-                        keys,
-                        old,
-                        pk,
-                        data_columns,
-                        slow_values,
-                        cut,
-                        untracked=bool(history_columns.untracked(data_columns)),
-                        slow_rows=slow_count,
-                        old_rows=old_rows if tiny is not None else None,
-                    )
-                    events = events.unionByName(slow_events, allowMissingColumns=True)
-                # Versions come from events: the pending ones, up to two replayed per current row
-                # and one per delete-only key, the change-log events and old rows of slow keys.
-                version_rows = joins.add(
-                    joins.records(pending),
-                    current_rows,
-                    current_rows,
-                    keys_affected,
-                    joins.records(log_read),
-                    old_rows,
-                )
-                probe = version_rows if tiny is not None else None  # joins among tiny sides
-                # Read twice (the keys' last events and their versions): computed once.
-                if small:
-                    events = cached.enter_context(_cached(events, small))
-                # Cached: the versions' state needs it, and so does the delete-only side table
-                # after the commit (recomputing it would read every touched key's events again).
-                last_events = cached.enter_context(
-                    _cached(
-                        events.groupBy(*cols(pk)).agg(
-                            F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
-                        ),
-                        small,
-                    )
-                )
-                versions = _with_state(
-                    build_versions(
-                        events, pk, data_columns, deduplicated=True, history_columns=history_columns
-                    ),
-                    joins.build_side(last_events, keys_affected, probe),
-                    pk,
-                )
-                # One row per key (``current`` may hold more than one row of a key when file
-                # statistics cannot tell closed files apart, so ``keys`` may repeat a key).
-                slow_of = keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
-                if checkpoints is not None:
-                    slow_of = slow_of.join(
-                        joins.build_side(checkpoints, slow_count, probe), pk, "left"
-                    )
-                else:
-                    slow_of = slow_of.withColumn(_CHECKPOINT, F.lit(None).cast("timestamp"))
-                versions = versions.join(
-                    joins.build_side(slow_of, keys_affected, probe), pk, "left"
-                )
-                compared = _compare(
-                    versions,
-                    joins.build_side(old, old_rows, probe),
-                    pk,
-                    data_columns,
-                    synced_at,
-                    cut,
-                )
-                with _cached(compared, small) as compared:
-                    change = _changes(compared, old, pk, version_rows, old_rows if tiny else None)
-                    rewritten_names, vanished = change.rewritten, change.vanished
-                    rewritten = [f for f in files if f.path in rewritten_names]
-                    opened, closed, versioned_keys = change.opened, change.closed, change.keys
-                    # Rows of rewritten files that this run did not recompute stay as they are.
-                    carried = (
-                        _read_history(spark, paths.history, hist_schema, rewritten)
-                        .join(
-                            joins.build_side(old.select(*cols([*pk, START])), old_rows),
-                            [*pk, START],
-                            "left_anti",
-                        )
-                        .select(*cols(columns))
-                    )
-                    fresh = compared.filter(
-                        col(_OLD_FILE).isNull() | col(_OLD_FILE).isin(sorted(rewritten_names))
-                    ).select(*cols(columns))
-                    out = carried.unionByName(fresh)
-                    expected = sum(f.num_records or 0 for f in rewritten) + sum(
-                        f.num_records or 0 for f in pending
-                    )
-                    lap("merge_write")
-                    adds = write_segments(out, paths.history, pk, expected)
-                    try:
-                        # Keys whose events (all of them, or the state the fast path replayed)
-                        # made no version are delete-only; untouched delete-only keys stay.
-                        now_unversioned = last_events.join(
-                            joins.build_side(
-                                compared.select(*cols(pk)),
-                                version_rows,
-                                keys_affected if tiny else None,
-                            ),
-                            pk,
-                            "left_anti",
-                        )
-                        kept_unversioned = joins.restrict(
-                            unversioned, keys, pk, keys_affected, touched_values, "left_anti"
-                        )
-                        unversioned_changed = bool(
-                            delete_only_touched or keys_affected > versioned_keys
-                        )
-                        lap("merge_commit")
-                        fault_point("before_history_commit")
-                        version = delta.commit(
-                            dt,
-                            adds,
-                            delta.removes_for(rewritten),
-                            hist_arrow,
-                            app_transaction=(APP_ID, log_version),
-                            metadata={
-                                "cdc_platform.keys_affected": keys_affected,
-                                "cdc_platform.changelog_version": log_version,
-                                # A rebuild may change other keys' rows: no list.
-                                **touched_keys_metadata(
-                                    touched_values if list_keys and not snap.rebuild else None
-                                ),
-                            },
-                            strict=True,
-                        )
-                    except BaseException:
-                        delta.discard(paths.history, adds)
-                        raise
-                    lap("merge_side_tables")
-                    _store_delete_only_keys(
-                        paths,
-                        kept_unversioned.unionByName(now_unversioned)
-                        if unversioned_changed
-                        or side_stale
-                        or snap.rebuild
-                        or not delta.exists(paths.delete_only_keys)
-                        else None,
-                        log_version,
-                    )
-    history_read = sum(f.size for f in current_files) + sum(f.size for f in closed_read)
-    return MergeResult(
-        keys_affected=keys_affected,
-        fast_keys=keys_affected - slow_count,
-        slow_keys=slow_count,
-        versions_opened=opened,
-        versions_closed=closed + vanished,
-        rows_written=sum(delta.num_records(a) for a in adds),
-        files_removed=len(rewritten),
-        files_added=len(adds),
-        bytes_removed=sum(f.size for f in rewritten),
-        bytes_added=sum(a.size for a in adds),
-        changelog_bytes_read=sum(f.size for f in pending) + sum(f.size for f in log_read),
-        history_bytes_read=history_read + sum(f.size for f in rewritten),
-        history_version=version,
-        changelog_version=log_version,
+    pk = a.pk
+    keys = a.keep(
+        _classify(
+            t.keys,
+            t.current,
+            t.unversioned_touched,
+            pk,
+            slow_everything=a.snap.rebuild,
+            rows=(t.current_rows, t.unversioned_rows),
+            tiny=t.tiny,
+        )
+    )
+    slow_set = (
+        [F.collect_set(F.when(col(_SLOW), col(pk[0]))).alias("slow_values")]
+        if t.values is not None
+        else []
+    )
+    counts = keys.agg(
+        F.count(F.lit(1)).alias("n"),
+        F.sum(col(_SLOW).cast("int")).alias("slow"),
+        F.sum(col(_DELETE_ONLY).cast("int")).alias("delete_only"),
+        F.min(F.when(col(_SLOW), F.unix_micros(col(_MIN_MS)))).alias("earliest_late"),
+        F.max((col(_SLOW) & (col(_FORCED) | col(_MIN_MS).isNull())).cast("int")).alias("unbounded"),
+        *slow_set,
+    ).collect()[0]  # a global aggregate: exactly one row
+    affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
+    slow_keys = keys.filter(col(_SLOW)).select(*cols(pk))
+    slow_values = fast_values = None
+    if t.values is not None:  # held: the classification's own collect
+        slow_values = sorted(counts["slow_values"])
+        fast_values = sorted(set(t.values) - set(slow_values))
+    elif slow_count:
+        slow_values = joins.key_values(slow_keys, pk, slow_count)
+    return _Split(
+        keys=keys,
+        affected=affected,
+        slow_count=slow_count,
+        delete_only_touched=int(counts["delete_only"] or 0),
+        cut=None
+        if a.snap.rebuild or counts["unbounded"]
+        else unchanged_before(counts["earliest_late"]),
+        slow_keys=slow_keys,
+        # A key that repeats in ``keys`` is slow if any of its rows is.
+        fast_keys=keys.groupBy(*cols(pk))
+        .agg(F.max(col(_SLOW)).alias(_SLOW))
+        .filter(~col(_SLOW))
+        .select(*cols(pk)),
+        slow_values=slow_values,
+        fast_values=fast_values,
+    )
+
+
+def _gather(a: _Attempt, t: _Touched, s: _Split) -> _Gathered:
+    """The events to fold and the old rows to compare with. A fast key's events are its
+    pending ones after its current row (or delete-only record) replayed (``_state_events``);
+    a slow key's are read back from the change log (``_slow_events``), with its closed rows
+    that may change (those ending at or after the cut) among the old rows."""
+    pk = a.pk
+
+    def fast(df: DataFrame) -> DataFrame:
+        return joins.restrict(df, s.fast_keys, pk, s.fast_count, s.fast_values)
+
+    events = (
+        fast(t.events)
+        .unionByName(_state_events(fast(t.current), pk, a.data_columns), allowMissingColumns=True)
+        .unionByName(_ghost_events(fast(t.unversioned_touched), pk), allowMissingColumns=True)
+    )
+    old = t.current.select(*cols([*a.columns, _FILE]))
+    closed_read: list[delta.DataFile] = []
+    if s.slow_count:
+        closed_read = [
+            f
+            for f in _files_maybe_holding(a.closed_files, pk, s.slow_values)
+            if _may_reach(f, END, s.cut)
+        ]
+    if closed_read:  # read once: checkpoints, comparison and carried rows use it
+        closed = _read_closed(a, s, closed_read).select(*cols([*a.columns, _FILE]))
+        old = a.keep(old.unionByName(closed))
+    old_rows = joins.add(t.current_rows, joins.records(closed_read))
+    log_read: list[delta.DataFile] = []
+    checkpoints = None
+    if s.slow_count:
+        held = old_rows if t.tiny is not None else None
+        slow_events, log_read, checkpoints, old = _slow_events(a, s, old, held)
+        events = events.unionByName(slow_events, allowMissingColumns=True)
+    # Versions come from events: the pending ones, up to two replayed per current row and one
+    # per delete-only key, the change-log events and old rows of slow keys.
+    version_rows = joins.add(
+        joins.records(a.pending),
+        t.current_rows,
+        t.current_rows,
+        s.affected,
+        joins.records(log_read),
+        old_rows,
+    )
+    if a.small:  # read twice (the keys' last events and their versions): computed once
+        events = a.keep(events)
+    return _Gathered(
+        events=events,
+        old=old,
+        old_rows=old_rows,
+        closed_read=closed_read,
+        log_read=log_read,
+        checkpoints=checkpoints,
+        version_rows=version_rows,
+        probe=version_rows if t.tiny is not None else None,
+    )
+
+
+def _fold(a: _Attempt, s: _Split, g: _Gathered, synced_at: datetime) -> tuple[DataFrame, DataFrame]:
+    """The keys' versions (rules 3-7: ``history.build_versions``), each marked current or not,
+    compared with the old rows (``_compare``); and each key's last event time, which the
+    delete-only side table needs after the commit (kept: recomputing it would read every
+    touched key's events again)."""
+    from pyspark.sql import functions as F
+
+    pk = a.pk
+    last_events = a.keep(
+        g.events.groupBy(*cols(pk)).agg(
+            F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
+        )
+    )
+    versions = _with_state(
+        build_versions(
+            g.events,
+            pk,
+            a.data_columns,
+            deduplicated=True,
+            history_columns=a.history_columns,
+        ),
+        joins.build_side(last_events, s.affected, g.probe),
+        pk,
+    )
+    # One row per key (``current`` may hold more than one row of a key when file statistics
+    # cannot tell closed files apart, so ``keys`` may repeat a key).
+    slow_of = s.keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
+    if g.checkpoints is not None:
+        slow_of = slow_of.join(joins.build_side(g.checkpoints, s.slow_count, g.probe), pk, "left")
+    else:
+        slow_of = slow_of.withColumn(_CHECKPOINT, F.lit(None).cast("timestamp"))
+    versions = versions.join(joins.build_side(slow_of, s.affected, g.probe), pk, "left")
+    compared = _compare(
+        versions,
+        joins.build_side(g.old, g.old_rows, g.probe),
+        pk,
+        a.data_columns,
+        synced_at,
+        s.cut,
+    )
+    return a.keep(compared), last_events
+
+
+def _write(
+    a: _Attempt,
+    g: _Gathered,
+    compared: DataFrame,
+    rewritten: list[delta.DataFile],
+) -> list[AddAction]:
+    """Write the new files (copy-on-write): the new and changed rows, and the rows of the
+    rewritten files that this run did not recompute, carried as they are."""
+    pk = a.pk
+    carried = (
+        a.read_history(rewritten)
+        .join(
+            joins.build_side(g.old.select(*cols([*pk, START])), g.old_rows),
+            [*pk, START],
+            "left_anti",
+        )
+        .select(*cols(a.columns))
+    )
+    names = sorted(f.path for f in rewritten)
+    fresh = compared.filter(col(_OLD_FILE).isNull() | col(_OLD_FILE).isin(names))
+    expected = sum(f.num_records or 0 for f in (*rewritten, *a.pending))
+    return write_segments(
+        carried.unionByName(fresh.select(*cols(a.columns))), a.paths.history, a.pk, expected
+    )
+
+
+def _commit(
+    a: _Attempt,
+    t: _Touched,
+    keys_affected: int,
+    adds: list[AddAction],
+    rewritten: list[delta.DataFile],
+    list_keys: bool,
+) -> int:
+    """Removes, adds and the change-log version now reflected, in one strict commit: a crash
+    or a lost race leaves the table as it was (the written files are discarded)."""
+    try:
+        fault_point("before_history_commit")
+        return delta.commit(
+            a.dt,
+            adds,
+            delta.removes_for(rewritten),
+            a.hist_arrow,
+            app_transaction=(APP_ID, a.log_version),
+            metadata={
+                "cdc_platform.keys_affected": keys_affected,
+                "cdc_platform.changelog_version": a.log_version,
+                # A rebuild may change other keys' rows: no list.
+                **touched_keys_metadata(t.values if list_keys and not a.snap.rebuild else None),
+            },
+            strict=True,
+        )
+    except BaseException:
+        delta.discard(a.paths.history, adds)
+        raise
+
+
+def _store_side_tables(
+    a: _Attempt,
+    t: _Touched,
+    s: _Split,
+    compared: DataFrame,
+    last_events: DataFrame,
+    change: _Changes,
+    g: _Gathered,
+) -> None:
+    """The delete-only keys after this run: keys whose events (all of them, or the state the
+    fast path replayed) made no version; untouched delete-only keys stay. Rewritten only when
+    it changed, or missed a commit."""
+    pk = a.pk
+    now_unversioned = last_events.join(
+        joins.build_side(
+            compared.select(*cols(pk)), g.version_rows, s.affected if t.tiny else None
+        ),
+        pk,
+        "left_anti",
+    )
+    kept_unversioned = joins.restrict(t.unversioned, s.keys, pk, s.affected, t.values, "left_anti")
+    changed = bool(s.delete_only_touched or s.affected > change.keys)
+    rewrite = (
+        changed or t.side_stale or a.snap.rebuild or not delta.exists(a.paths.delete_only_keys)
+    )
+    _store_delete_only_keys(
+        a.paths,
+        kept_unversioned.unionByName(now_unversioned) if rewrite else None,
+        a.log_version,
     )
 
 
@@ -649,19 +810,7 @@ def touched_keys_metadata(values: list[Any] | None) -> dict[str, str]:
 
 
 def _slow_events(
-    spark: SparkSession,
-    paths: TablePaths,
-    log_schema: StructType,
-    log_files: Sequence[delta.DataFile],
-    keys: DataFrame,
-    old: DataFrame,
-    pk: list[str],
-    data_columns: list[str],
-    slow_values: list[Any] | None,
-    cut: datetime | None,
-    untracked: bool,
-    slow_rows: int | None = None,
-    old_rows: int | None = None,
+    a: _Attempt, s: _Split, old: DataFrame, old_rows: int | None
 ) -> tuple[DataFrame, list[delta.DataFile], DataFrame, DataFrame]:
     """The events the slow keys are refolded from, the change-log files read for them, each
     slow key's ``_CHECKPOINT`` (null: refolded from its first event) and ``old`` without the
@@ -679,11 +828,14 @@ def _slow_events(
     a version and tables with untracked columns (a version's stored image is that of its last
     step, so it cannot stand for its first) are refolded from all their events.
 
-    ``slow_rows`` bounds the slow keys' rows (``lib.joins``: broadcast only when small);
     ``old_rows`` bounds ``old``'s when a small run read it by key (joins of two tiny sides are
-    shuffles), as the Delta statistics of the change-log files read bound the events'.
+    shuffles), as the Delta statistics of the change-log files read bound the events'; the
+    slow keys' count bounds theirs (``lib.joins``: broadcast only when small).
     """
     from pyspark.sql import functions as F
+
+    pk, keys, cut, slow_values, slow_rows = a.pk, s.keys, s.cut, s.slow_values, s.slow_count
+    untracked = bool(a.history_columns.untracked(a.data_columns))
 
     slow = (
         keys.filter(col(_SLOW))
@@ -718,9 +870,9 @@ def _slow_events(
     # Key statistics skip files holding no slow key (compacted files are key-sorted), time
     # statistics those logged entirely before every checkpoint.
     log_read = [
-        f for f in _files_maybe_holding(log_files, pk, slow_values) if _may_reach(f, TS, since)
+        f for f in _files_maybe_holding(a.log_files, pk, slow_values) if _may_reach(f, TS, since)
     ]
-    log = changelog.read_files(spark, paths.changelog, log_schema, log_read)
+    log = changelog.read_files(a.spark, a.paths.changelog, a.log_schema, log_read)
     if slow_values is not None:  # held: the events of other keys never reach the join
         log = log.filter(joins.in_keys(pk, slow_values))
     logged = (
@@ -741,7 +893,7 @@ def _slow_events(
         old.join(joins.build_side(checkpoints, slow_rows, old_rows), pk, "inner")
         .filter(col(START) == col(_CHECKPOINT))
         .select(
-            *cols([*pk, *data_columns]),
+            *cols([*pk, *a.data_columns]),
             F.lit("INSERT").alias(OP),
             F.lit(REPLAY_SEQ).cast("long").alias(SEQ),
             col(START).alias(TS),
@@ -757,21 +909,12 @@ def _slow_events(
     return events, log_read, checkpoints, from_checkpoint
 
 
-def _read_closed(
-    spark: SparkSession,
-    paths: TablePaths,
-    schema: StructType,
-    files: Sequence[delta.DataFile],
-    slow_keys: DataFrame,
-    slow_rows: int,
-    slow_values: list[Any] | None,
-    pk: list[str],
-) -> DataFrame:
+def _read_closed(a: _Attempt, s: _Split, files: Sequence[delta.DataFile]) -> DataFrame:
     """The slow keys' rows in closed history ``files``: a filter when their values are held."""
-    if slow_values is not None:
-        return _read_history(spark, paths.history, schema, files, joins.in_keys(pk, slow_values))
-    return _read_history(spark, paths.history, schema, files).join(
-        joins.build_side(slow_keys, slow_rows), pk, "left_semi"
+    if s.slow_values is not None:
+        return a.read_history(files, joins.in_keys(a.pk, s.slow_values))
+    return a.read_history(files).join(
+        joins.build_side(s.slow_keys, s.slow_count), a.pk, "left_semi"
     )
 
 
