@@ -104,6 +104,33 @@ def test_a_side_known_large_is_never_broadcast_whatever_spark_estimates(spark):
     assert large.count() == small.count() == unknown.count() == 10
 
 
+def test_a_held_key_set_filters_exactly_whatever_the_values_and_the_key_name(spark, tmp_path):
+    """``in_keys`` is SQL text: quotes, backticks, backslashes, NULs, newlines and an injection
+    attempt in the values, and a backtick and a dot in the key's name, select exactly those
+    keys (never a null key, never another one); integers at the ends of their range too. The
+    filter still reaches Parquet as an ``In`` (row groups pruned by statistics)."""
+    from pyspark.sql import functions as F
+
+    weird = ["a'b", "c`d", "x\\y", "", "e\u0000z", "\U0001f642", "' OR 1=1 --", "a\nb", "'"]
+    name = "k.e`y"
+    df = spark.createDataFrame([(w,) for w in [*weird, "other", None]], "`k.e``y` string")
+    kept = [r[0] for r in df.filter(joins.in_keys([name], weird)).collect()]
+    assert sorted(kept) == sorted(weird)
+    outside = ~F.coalesce(joins.in_keys([name], weird), F.lit(False))
+    assert sorted(df.filter(outside).collect(), key=str) == sorted(
+        df.filter(~F.col("`k.e``y`").isin(weird) | F.col("`k.e``y`").isNull()).collect(), key=str
+    )
+    ends = [-(2**63), 0, 2**63 - 1]
+    longs = spark.createDataFrame([(v,) for v in [*ends, -1, 7]], "k long")
+    assert sorted(r[0] for r in longs.filter(joins.in_keys(["k"], ends)).collect()) == ends
+    assert longs.filter(joins.in_keys(["k"], [])).count() == 0
+    path = str(tmp_path / "keys.parquet")
+    spark.range(100).withColumnRenamed("id", "k").write.parquet(path)
+    held = spark.read.parquet(path).filter(joins.in_keys(["k"], list(range(0, 40, 2))))
+    assert "PushedFilters: [In(k" in _plan(held)
+    assert held.count() == 20
+
+
 def test_row_bounds():
     class F:
         def __init__(self, n: int | None) -> None:

@@ -81,6 +81,13 @@ def quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
+def string_sql(value: str) -> str:
+    """``value`` as a Spark SQL string literal that no value can break out of: its UTF-8 bytes
+    in hex (quotes, backslashes and NULs are bytes like any other). Raises
+    ``UnicodeEncodeError`` for a string that is not valid Unicode (a lone surrogate)."""
+    return f"CAST(X'{value.encode('utf-8').hex()}' AS STRING)"
+
+
 def col(name: str) -> Column:
     """The column called exactly ``name`` (dots and backticks are part of the name)."""
     from pyspark.sql import functions as F
