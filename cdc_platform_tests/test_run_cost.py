@@ -170,20 +170,21 @@ def test_a_failed_run_leaves_no_stopwatch_behind(spark, lake, monkeypatch):
 def test_a_small_run_plans_whole_and_restores_the_sessions_setting(spark):
     """Adaptive execution is off for a run below ``SMALL_RUN_BYTES`` (each of its shuffle
     stages would be a Spark job of its own) and the session's own setting comes back after."""
-    from cdc_platform.lib.pipeline import SMALL_RUN_BYTES, adaptive_restored, plan_whole_if_small
+    from cdc_platform.lib.pipeline import SMALL_RUN_BYTES, plan_whole_if_small
+    from cdc_platform.lib.spark import ADAPTIVE as key
+    from cdc_platform.lib.spark import conf_restored
 
-    key = "spark.sql.adaptive.enabled"
     before = spark.conf.get(key)
     try:
         spark.conf.set(key, "true")
-        with adaptive_restored(spark):
+        with conf_restored(spark, key):
             plan_whole_if_small(spark, SMALL_RUN_BYTES - 1)
             assert spark.conf.get(key) == "false"
         assert spark.conf.get(key) == "true"
-        with adaptive_restored(spark):
+        with conf_restored(spark, key):
             plan_whole_if_small(spark, SMALL_RUN_BYTES)
             assert spark.conf.get(key) == "true"
-        with pytest.raises(RuntimeError), adaptive_restored(spark):
+        with pytest.raises(RuntimeError), conf_restored(spark, key):
             plan_whole_if_small(spark, 0)
             raise RuntimeError("a failed run")
         assert spark.conf.get(key) == "true"

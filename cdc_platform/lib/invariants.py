@@ -10,7 +10,7 @@ version of the keys it touched, and the carried rows of other keys too).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import TYPE_CHECKING, Any
@@ -33,10 +33,17 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    quote,
+    string_sql,
 )
 from cdc_platform.lib.history import HistoryColumns, dedupe_events, tmax_literal
 from cdc_platform.lib.merge import TOUCHED_KEYS
-from cdc_platform.lib.spark import ADAPTIVE, adaptive_restored
+from cdc_platform.lib.spark import (
+    ADAPTIVE,
+    BROADCAST_THRESHOLD,
+    SHUFFLE_PARTITIONS,
+    conf_restored,
+)
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -93,10 +100,15 @@ class CheckOutcome:
 
 @dataclass(frozen=True)
 class Scope:
-    """The keys a check verifies; ``listed``: the few a run's merge commit named."""
+    """The keys a check verifies; ``values``: the few a run's merge commit named (a one-column
+    key), held on the driver so that every read is a filter."""
 
     keys: DataFrame
-    listed: bool = False
+    values: list[Any] | None = None
+
+    @property
+    def listed(self) -> bool:
+        return self.values is not None
 
 
 def touched_keys(
@@ -113,7 +125,8 @@ def touched_keys(
     listed = _listed_keys(dt, since_version, list(primary_key))
     if listed is not None and _fit(listed, schema[primary_key[0]].dataType):
         key_schema = StructType([schema[primary_key[0]]])
-        return Scope(spark.createDataFrame([(v,) for v in listed], key_schema), listed=True)
+        keys = spark.createDataFrame([(v,) for v in listed], key_schema)
+        return Scope(keys, values=listed)
     return Scope(_keys_in_files_since(spark, paths, dt, schema, primary_key, since_version))
 
 
@@ -213,89 +226,100 @@ def run_checks(
         if files
         else spark.createDataFrame([], schema)
     )
-    with adaptive_restored(spark):
-        if scope is not None and scope.listed:
-            # A small run's keys: plans run whole, as the run's own (adaptive execution would
-            # submit each shuffle stage of each check as a Spark job of its own).
+    events = changelog.read(spark, paths.changelog)
+    with conf_restored(spark, ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS):
+        if scope is not None and scope.values is not None:
+            # A small run's keys: every read is a filter, and every check is planned whole into
+            # one Spark job (adaptive execution and broadcasts would each add jobs of their own)
+            # whose shuffles move a few keys' rows: one task each, not one per core.
             spark.conf.set(ADAPTIVE, "false")
-        if scope is not None:
+            spark.conf.set(BROADCAST_THRESHOLD, "-1")
+            spark.conf.set(SHUFFLE_PARTITIONS, "1")
+            where = joins.in_keys(pk, scope.values)
+            table = table.filter(where)
+            events = events.filter(where) if events is not None else None
+        elif scope is not None:
             table = table.join(scope.keys, pk, "left_semi")
-        # Every check below scans these rows (about ten Spark jobs): read the files once.
+        # Every check below scans these rows: read the files once.
         table = table.persist(StorageLevel.MEMORY_AND_DISK)
         try:
-            outcomes += _table_checks(
-                spark, paths, pk, table, dt, whole_table=scope is None, hide_keys=hide_keys
+            failing = _failing_keys(
+                pk, table, events, HistoryColumns.of_table(dt), whole_table=scope is None
             )
+            outcomes += _evaluate(failing, table, pk, hide_keys)
         finally:
             table.unpersist()
     order = {n: i for i, n in enumerate(CHECK_NAMES)}
     return sorted(outcomes, key=lambda o: order[o.name])
 
 
-def _table_checks(
-    spark: SparkSession,
-    paths: TablePaths,
-    pk: list[str],
-    table: DataFrame,
-    dt: DeltaTable,
-    whole_table: bool,
-    hide_keys: bool = False,
+@dataclass(frozen=True)
+class _Failing:
+    """The keys failing one invariant: a query, run with all the others (``_evaluate``)."""
+
+    name: str
+    keys: DataFrame
+    detail: str = ""
+
+
+def _evaluate(
+    failing: list[_Failing], table: DataFrame, pk: list[str], hide_keys: bool
 ) -> list[CheckOutcome]:
-    """The invariants of the history rows in ``table`` (the whole table or a scope's keys)."""
+    """Count every check's failing keys, and the keys checked, in one query; sample the keys of
+    the checks that fail (a query each, only then)."""
     from pyspark.sql import functions as F
 
-    outcomes: list[CheckOutcome] = []
-    checked = table.select(*cols(pk)).distinct().count()
+    tag = internal("check")
+    branches = [table.select(*cols(pk), F.lit(-1).alias(tag))]
+    branches += [f.keys.select(*cols(pk), F.lit(i).alias(tag)) for i, f in enumerate(failing)]
+    tagged = reduce(lambda a, b: a.unionByName(b), branches).distinct()
+    counts = {r[tag]: int(r["count"]) for r in tagged.groupBy(tag).count().collect()}
+    outcomes = []
+    for i, f in enumerate(failing):
+        n = counts.get(i, 0)
+        sample: list[Any] = []
+        if n and hide_keys:
+            sample = [REDACTED]
+        elif n:
+            keys = f.keys.select(*cols(pk)).distinct().limit(SAMPLE_SIZE).collect()
+            sample = [_key(r, pk) for r in keys]
+        outcomes.append(CheckOutcome(f.name, n == 0, n, sample, counts.get(-1, 0), f.detail))
+    return outcomes
 
-    def outcome(name: str, failing_rows: DataFrame, detail: str = "") -> CheckOutcome:
-        keys = failing_rows.select(*cols(pk)).distinct()
-        n = keys.count()
-        if hide_keys:
-            sample: list[Any] = [REDACTED] if n else []
-        else:
-            sample = [_key(r, pk) for r in keys.limit(SAMPLE_SIZE).collect()] if n else []
-        return CheckOutcome(name, n == 0, n, sample, checked, detail)
 
-    tmax = tmax_literal()
+def _failing_keys(
+    pk: list[str],
+    table: DataFrame,
+    events: DataFrame | None,
+    history_columns: HistoryColumns,
+    whole_table: bool,
+) -> list[_Failing]:
+    """The invariants of the history rows in ``table`` (the whole table or a scope's keys),
+    each as the query of its failing keys; ``events``: the change log (None: not created)."""
+    from pyspark.sql import functions as F
+
     # Column objects, never SQL text: a key name is data (a backtick in it must not end it).
     any_null = reduce(lambda a, b: a | b, [col(c).isNull() for c in pk])
-    outcomes.append(outcome(PK_NOT_NULL, table.filter(any_null)))
     keyed = table.filter(~any_null)
-    outcomes.append(
-        outcome(
-            ONE_ACTIVE, keyed.filter(F.col(ACTIVE)).groupBy(*cols(pk)).count().filter("count > 1")
-        )
-    )
-    open_ended = F.col(END).eqNullSafe(tmax)
-    outcomes.append(
-        outcome(
-            ACTIVE_IFF_OPEN, keyed.filter(~F.coalesce(F.col(ACTIVE) == open_ended, F.lit(False)))
-        )
-    )
-    outcomes.append(
-        outcome(
-            START_NOT_AFTER_END, keyed.filter(~F.coalesce(F.col(START) <= F.col(END), F.lit(False)))
-        )
-    )
-    outcomes.append(
-        outcome(UNIQUE_KEY_START, keyed.groupBy(*cols([*pk, START])).count().filter("count > 1"))
-    )
-
+    open_ended = F.col(END).eqNullSafe(tmax_literal())
     pairs = _consecutive_pairs(keyed, pk)
-    outcomes.append(outcome(NO_OVERLAP, pairs.filter(F.col("_next_start") <= F.col(END))))
-    outcomes.append(_contiguity(spark, paths, pk, keyed, pairs, outcome))
-    outcomes.append(
-        _reconciliation(
-            spark,
-            paths,
-            pk,
-            keyed,
-            outcome,
-            HistoryColumns.of_table(dt),
-            whole_table=whole_table,
-        )
-    )
-    return outcomes
+    return [
+        _Failing(PK_NOT_NULL, table.filter(any_null)),
+        _Failing(
+            ONE_ACTIVE, keyed.filter(F.col(ACTIVE)).groupBy(*cols(pk)).count().filter("count > 1")
+        ),
+        _Failing(
+            ACTIVE_IFF_OPEN, keyed.filter(~F.coalesce(F.col(ACTIVE) == open_ended, F.lit(False)))
+        ),
+        _Failing(
+            START_NOT_AFTER_END,
+            keyed.filter(~F.coalesce(F.col(START) <= F.col(END), F.lit(False))),
+        ),
+        _Failing(UNIQUE_KEY_START, keyed.groupBy(*cols([*pk, START])).count().filter("count > 1")),
+        _Failing(NO_OVERLAP, pairs.filter(F.col("_next_start") <= F.col(END))),
+        _contiguity(pk, pairs, events),
+        _reconciliation(pk, keyed, events, history_columns, whole_table=whole_table),
+    ]
 
 
 def _consecutive_pairs(table: DataFrame, pk: list[str]) -> DataFrame:
@@ -306,14 +330,7 @@ def _consecutive_pairs(table: DataFrame, pk: list[str]) -> DataFrame:
     return table.withColumn("_next_start", F.lead(START).over(w))
 
 
-def _contiguity(
-    spark: SparkSession,
-    paths: TablePaths,
-    pk: list[str],
-    table: DataFrame,
-    pairs: DataFrame,
-    outcome: Callable[..., CheckOutcome],
-) -> CheckOutcome:
+def _contiguity(pk: list[str], pairs: DataFrame, events: DataFrame | None) -> _Failing:
     """A version that does not hand over to its successor 1 ms later must end at a delete."""
     from pyspark.sql import functions as F
 
@@ -324,26 +341,23 @@ def _contiguity(
         & ~F.col(END).eqNullSafe(tmax)
         & (F.col("_next_start").isNull() | ~(F.col(END) == F.col("_next_start") - one_ms))
     )
-    events = changelog.read(spark, paths.changelog)
     if events is None:
-        return outcome(CONTIGUOUS, needs_delete)
+        return _Failing(CONTIGUOUS, needs_delete)
     deletes = (
         events.filter(F.upper(F.col(OP)) == "DELETE")
         .select(*cols(pk), F.date_trunc("millisecond", F.col(TS)).alias(END))
         .distinct()
     )
-    return outcome(CONTIGUOUS, needs_delete.join(deletes, [*pk, END], "left_anti"))
+    return _Failing(CONTIGUOUS, needs_delete.join(deletes, [*pk, END], "left_anti"))
 
 
 def _reconciliation(
-    spark: SparkSession,
-    paths: TablePaths,
     pk: list[str],
     table: DataFrame,
-    outcome: Callable[..., CheckOutcome],
+    events: DataFrame | None,
     history_columns: HistoryColumns,
     whole_table: bool = False,
-) -> CheckOutcome:
+) -> _Failing:
     """The table against its change log, without the writer's fold (``history.build_versions``).
 
     The writer *derives* versions from events; this *verifies* the table's versions against the
@@ -376,9 +390,8 @@ def _reconciliation(
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    events = changelog.read(spark, paths.changelog)
     if events is None:
-        return outcome(MATCHES_CHANGELOG, table)
+        return _Failing(MATCHES_CHANGELOG, table)
     data_columns = [
         c
         for c in table.columns
@@ -386,7 +399,7 @@ def _reconciliation(
     ]
     missing = [c for c in data_columns if c not in events.columns]
     if missing:
-        return outcome(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")
+        return _Failing(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")
     tracked = history_columns.tracked(data_columns)
     untracked = history_columns.untracked(data_columns)
     keys = (events if whole_table else table).select(*cols(pk)).distinct()
@@ -431,7 +444,7 @@ def _reconciliation(
     )
     is_step, is_version = F.col(kind) == 1, F.col(kind) == 0
     cov, prev = F.col("_cdc_tmp_covering"), F.col("_cdc_tmp_previous")
-    same = _same_image(cov.getField("img"), F.col(f"{step}.img"), tracked)
+    same = _same_image("_cdc_tmp_covering.img", f"{step}.img", tracked)
     live_after = F.col(f"{step}.has_image") & ~F.col(f"{step}.ends_deleted")
     image_then_delete = F.col(f"{step}.has_image") & F.col(f"{step}.ends_deleted")
     not_true = lambda c: ~F.coalesce(c, F.lit(False))  # noqa: E731
@@ -450,7 +463,7 @@ def _reconciliation(
             is_step
             & F.col(f"{step}.has_image")
             & last_of_version
-            & (cov.isNull() | ~_same_image(cov.getField("img"), F.col(f"{step}.img"), untracked))
+            & (cov.isNull() | ~_same_image("_cdc_tmp_covering.img", f"{step}.img", untracked))
         )
     one_ms = F.expr("INTERVAL 1 MILLISECOND")
     next_delete, next_start = F.col("_cdc_tmp_next_delete"), F.col("_cdc_tmp_next_start")
@@ -473,7 +486,7 @@ def _reconciliation(
         | (
             handed_over
             & ~deleted_just_before
-            & _same_image(prev.getField("img"), F.col(f"{ver}.img"), tracked)
+            & _same_image("_cdc_tmp_previous.img", f"{ver}.img", tracked)
         )
         | ~F.col(f"{ver}.end").eqNullSafe(expected_end)
         | ~F.col(f"{ver}.active").eqNullSafe(expected_end == tmax_literal())
@@ -485,14 +498,13 @@ def _reconciliation(
     failing = timeline.filter(step_fails | version_fails).select(*cols(pk))
     if CURRENT in table.columns:
         failing = failing.unionByName(_state_mismatches(table, events, pk, tracked))
-    return outcome(MATCHES_CHANGELOG, failing)
+    return _Failing(MATCHES_CHANGELOG, failing)
 
 
 def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFrame:
     """One row per (key, event millisecond): whether it had a non-delete event, whether its
     last event is a delete, and the image of its last non-delete event (unmodified cells
     resolved to the key's latest modified value before it)."""
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     ev = events.select(
@@ -504,21 +516,15 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
         F.coalesce(F.col(UNMODIFIED), F.array().cast("array<string>")).alias("_cdc_tmp_unmod"),
     )
     so_far = (
-        Window.partitionBy(*cols(pk))
-        .orderBy("_cdc_tmp_ms", "_cdc_tmp_seq")
-        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+        f"PARTITION BY {', '.join(quote(k) for k in pk)} ORDER BY _cdc_tmp_ms, _cdc_tmp_seq "
+        "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
     )
+    # SQL text: a few JVM calls per column, where Column objects took a dozen.
     cells = [
-        F.last(
-            F.when(
-                ~F.col("_cdc_tmp_del") & ~F.array_contains("_cdc_tmp_unmod", c),
-                F.struct(col(c).alias("v")),
-            ),
-            ignorenulls=True,
-        )
-        .over(so_far)
-        .getField("v")
-        .alias(c)
+        F.expr(
+            "(last(CASE WHEN NOT _cdc_tmp_del AND NOT array_contains(_cdc_tmp_unmod, "
+            f"{string_sql(c)}) THEN struct({quote(c)} AS v) END, true) OVER ({so_far})).v"
+        ).alias(c)
         for c in data_columns
     ]
     ev = ev.select(
@@ -544,14 +550,14 @@ def _image(cells: list[Column]) -> Column:
     return F.struct(*cells) if cells else F.struct(F.lit(True).alias("_"))
 
 
-def _same_image(a: Column, b: Column, data_columns: Sequence[str]) -> Column:
-    """Both images present and equal column by column, NULL-safe (``<=>``)."""
+def _same_image(a: str, b: str, data_columns: Sequence[str]) -> Column:
+    """Both images (SQL expressions of working columns) present and equal column by column,
+    NULL-safe (``<=>``): one SQL expression, not a few JVM calls per column."""
     from pyspark.sql import functions as F
 
-    same = a.isNotNull() & b.isNotNull()
-    for c in data_columns:
-        same = same & a.getField(c).eqNullSafe(b.getField(c))
-    return F.coalesce(same, F.lit(False))
+    same = [f"{a} IS NOT NULL", f"{b} IS NOT NULL"]
+    same += [f"{a}.{quote(c)} <=> {b}.{quote(c)}" for c in data_columns]
+    return F.expr(f"coalesce({' AND '.join(same)}, false)")
 
 
 def _state_mismatches(
@@ -576,8 +582,12 @@ def _state_mismatches(
     if CHANGED in table.columns:
         previous = Window.partitionBy(*cols(pk)).orderBy(col(START))
         first = F.lag(col(START)).over(previous).isNull()
+        by_start = f"PARTITION BY {', '.join(quote(k) for k in pk)} ORDER BY {quote(START)}"
         differing = [
-            F.when(~col(c).eqNullSafe(F.lag(col(c)).over(previous)), F.lit(c))
+            F.expr(
+                f"CASE WHEN NOT ({quote(c)} <=> lag({quote(c)}) OVER ({by_start})) "
+                f"THEN {string_sql(c)} END"
+            )
             for c in tracked_columns
         ]
         names = (

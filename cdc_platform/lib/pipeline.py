@@ -36,7 +36,7 @@ from cdc_platform.lib.reading import (
     unify_schema,
 )
 from cdc_platform.lib.run_cost import CostReport, RunCost, lap
-from cdc_platform.lib.spark import ADAPTIVE, adaptive_restored
+from cdc_platform.lib.spark import ADAPTIVE, conf_restored
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -101,7 +101,7 @@ def materialize(
             f" (or mount the landing volume); table {table.name!r} was not materialized"
         )
     paths = TablePaths.of(warehouse_root, table.name)
-    with RunCost(spark, committed_tables(paths)) as cost, adaptive_restored(spark):
+    with RunCost(spark, committed_tables(paths)) as cost, conf_restored(spark, ADAPTIVE):
         outcome = _apply_hours(spark, table, landing_root, paths, hours, keyring, synced_at)
     read = {
         "landing": outcome.landing_bytes_read,

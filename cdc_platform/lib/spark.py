@@ -734,17 +734,20 @@ def _guard(check: Any) -> Any:
 
 
 ADAPTIVE = "spark.sql.adaptive.enabled"
+BROADCAST_THRESHOLD = "spark.sql.autoBroadcastJoinThreshold"
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 
 
 @contextmanager
-def adaptive_restored(spark: SparkSession) -> Iterator[None]:
-    """The session's adaptive-execution setting as it was, whatever the run or the
-    checks set (``pipeline.plan_whole_if_small``, ``invariants.run_checks``)."""
-    before = spark.conf.get(ADAPTIVE, None)
+def conf_restored(spark: SparkSession, *keys: str) -> Iterator[None]:
+    """The session's ``keys`` settings as they were, whatever the run or the checks set
+    (``pipeline.plan_whole_if_small``, ``invariants.run_checks``)."""
+    before = {k: spark.conf.get(k, None) for k in keys}
     try:
         yield
     finally:
-        if before is None:
-            spark.conf.unset(ADAPTIVE)
-        else:
-            spark.conf.set(ADAPTIVE, before)
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
