@@ -20,10 +20,10 @@ from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
-from deltalake import write_deltalake
 
 from cdc_platform.lib import delta
 from cdc_platform.lib.landing import LandingFile
+from cdc_platform.lib.ledger import Ledger
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -75,32 +75,13 @@ def record(
         }
         for a in files
     ]
-    data = pa.Table.from_pylist(rows, schema=SCHEMA)
-    loc = Location.of(path)
-    if not delta.exists(loc):
-        if not rows:
-            return
-        if loc.is_local:
-            loc.path.mkdir(parents=True, exist_ok=True)
-        write_deltalake(loc.uri, data, mode="append", storage_options=loc.storage_options)
-        return
-    if not partitions:
-        return
-    predicate = delta.in_predicate("partition", sorted(set(partitions)))
-    write_deltalake(
-        loc.uri,
-        data,
-        mode="overwrite",
-        predicate=predicate,
-        storage_options=loc.storage_options,
-    )
+    where = delta.in_predicate("partition", sorted(set(partitions))) if partitions else None
+    Ledger(path, SCHEMA).replace(rows, where)
 
 
 def applied(path: Where) -> set[FileIdentity]:
     """Every (file, size, mtime_ns) recorded; empty when nothing was recorded yet."""
-    if not delta.exists(path):
-        return set()
-    tbl = delta.read_arrow(path, columns=["file", "size", "mtime_ns"])
+    tbl = Ledger(path, SCHEMA).read(columns=["file", "size", "mtime_ns"])
     return set(
         zip(
             tbl["file"].to_pylist(),

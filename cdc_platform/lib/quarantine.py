@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import pyarrow as pa
-from deltalake import write_deltalake
 
 from cdc_platform.lib import delta
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.ledger import Ledger
+from cdc_platform.lib.storage import Where
 
 SCHEMA = pa.schema(
     [
@@ -52,33 +52,15 @@ def record(
     """
     if not files_read and not entries and not partitions:
         return
-    data = pa.Table.from_pylist([e.__dict__ for e in entries], schema=SCHEMA)
-    loc = Location.of(path)
-    if not delta.exists(loc):
-        if not entries:
-            return
-        if loc.is_local:
-            loc.path.mkdir(parents=True, exist_ok=True)
-        write_deltalake(loc.uri, data, mode="append", storage_options=loc.storage_options)
-        return
     files = sorted(set(files_read) | {e.file for e in entries})
     clauses = [
         delta.in_predicate(column, values)
         for column, values in (("file", files), ("partition", sorted(set(partitions))))
         if values
     ]
-    predicate = " OR ".join(clauses)
-    write_deltalake(
-        loc.uri,
-        data,
-        mode="overwrite",
-        predicate=predicate,
-        storage_options=loc.storage_options,
-    )
+    Ledger(path, SCHEMA).replace([e.__dict__ for e in entries], " OR ".join(clauses))
 
 
 def current(path: Where) -> list[QuarantinedFile]:
-    if not delta.exists(path):
-        return []
-    rows = delta.read_arrow(path).to_pylist()
+    rows = Ledger(path, SCHEMA).rows()
     return sorted((QuarantinedFile(**r) for r in rows), key=lambda q: q.file)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import pyarrow as pa
-from deltalake import write_deltalake
 
 from cdc_platform.lib import delta
 from cdc_platform.lib.columns import SOURCE_FILE
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.ledger import Ledger
+from cdc_platform.lib.storage import Where
 
 SCHEMA = pa.schema(
     [
@@ -38,9 +38,7 @@ class RevokedFile:
 
 def revoked(path: Where) -> list[RevokedFile]:
     """Every revoked file, by name; empty when none ever was."""
-    if not delta.exists(path):
-        return []
-    rows = delta.read_arrow(path).to_pylist()
+    rows = Ledger(path, SCHEMA).rows()
     return sorted((RevokedFile(**r) for r in rows), key=lambda r: r.file)
 
 
@@ -64,15 +62,7 @@ def add(path: Where, files: Sequence[str], reason: str, run_id: str, at: datetim
     if not new:
         return []
     rows = [{"file": f, "reason": reason, "run_id": run_id, "revoked_at": at} for f in new]
-    loc = Location.of(path)
-    if loc.is_local:
-        loc.path.mkdir(parents=True, exist_ok=True)
-    write_deltalake(
-        loc.uri,
-        pa.Table.from_pylist(rows, schema=SCHEMA),
-        mode="append",
-        storage_options=loc.storage_options,
-    )
+    Ledger(path, SCHEMA).append(rows)
     return new
 
 
@@ -81,5 +71,5 @@ def remove(path: Where, files: Sequence[str]) -> list[str]:
     gone = sorted(set(files) & revoked_names(path))
     if not gone:
         return []
-    delta.open_table(path).delete(delta.in_predicate("file", gone))
+    Ledger(path, SCHEMA).delete(delta.in_predicate("file", gone))
     return gone
