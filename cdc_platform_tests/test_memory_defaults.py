@@ -125,10 +125,13 @@ def test_a_held_key_set_filters_exactly_whatever_the_values_and_the_key_name(spa
     assert sorted(r[0] for r in longs.filter(joins.in_keys(["k"], ends)).collect()) == ends
     assert longs.filter(joins.in_keys(["k"], [])).count() == 0
     path = str(tmp_path / "keys.parquet")
-    spark.range(100).withColumnRenamed("id", "k").write.parquet(path)
+    spark.range(100).selectExpr("id AS k", "CAST(id AS STRING) AS s").write.parquet(path)
     held = spark.read.parquet(path).filter(joins.in_keys(["k"], list(range(0, 40, 2))))
     assert "PushedFilters: [In(k" in _plan(held)
     assert held.count() == 20
+    held = spark.read.parquet(path).filter(joins.in_keys(["s"], ["0", "7", "it's"]))
+    assert "PushedFilters: [In(s" in _plan(held)
+    assert held.count() == 2
 
 
 def test_row_bounds():

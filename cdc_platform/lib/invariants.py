@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from pyspark.sql.types import DataType, StructType
 
 SAMPLE_SIZE = 5
+ONE_TASK_KEYS = 1_000
 # What a check's sample says instead of key values for an encrypted table: its keys are
 # decrypted data, and samples reach the UI, logs and alerts.
 REDACTED = "redacted (encrypted table)"
@@ -231,10 +232,12 @@ def run_checks(
         if scope is not None and scope.values is not None:
             # A small run's keys: every read is a filter, and every check is planned whole into
             # one Spark job (adaptive execution and broadcasts would each add jobs of their own)
-            # whose shuffles move a few keys' rows: one task each, not one per core.
+            # whose shuffles move a few keys' rows: one task each, not one per core, for up to
+            # ``ONE_TASK_KEYS`` keys (a key's versions and events are sorted in one task anyway).
             spark.conf.set(ADAPTIVE, "false")
             spark.conf.set(BROADCAST_THRESHOLD, "-1")
-            spark.conf.set(SHUFFLE_PARTITIONS, "1")
+            if len(scope.values) <= ONE_TASK_KEYS:
+                spark.conf.set(SHUFFLE_PARTITIONS, "1")
             where = joins.in_keys(pk, scope.values)
             table = table.filter(where)
             events = events.filter(where) if events is not None else None
@@ -298,7 +301,8 @@ def _failing_keys(
     each as the query of its failing keys; ``events``: the change log (None: not created)."""
     from pyspark.sql import functions as F
 
-    # Column objects, never SQL text: a key name is data (a backtick in it must not end it).
+    # Column objects, or SQL text with every name quoted (``quote``): a key name is data (a
+    # backtick in it must not end it).
     any_null = reduce(lambda a, b: a | b, [col(c).isNull() for c in pk])
     keyed = table.filter(~any_null)
     open_ended = F.col(END).eqNullSafe(tmax_literal())

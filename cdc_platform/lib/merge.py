@@ -289,6 +289,7 @@ class _Attempt:
     pk: list[str]
     history_columns: HistoryColumns
     snap: _Snapshot
+    log_version: int  # the change-log version this attempt reads up to
     pending: list[delta.DataFile]
     retracted: DataFrame | None  # keys an un-apply took events from (``_pending_retractions``)
     retracted_rows: int | None
@@ -302,10 +303,6 @@ class _Attempt:
     # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``).
     small: bool
     stack: ExitStack  # what the attempt keeps (``keep``) is released when it ends
-
-    @property
-    def log_version(self) -> int:
-        return self.snap.changelog.version()
 
     @property
     def columns(self) -> list[str]:
@@ -407,7 +404,7 @@ def _apply_once(
         compared, last_events = _fold(a, split, gathered, synced_at)
         old_rows = gathered.old_rows if touched.tiny else None
         change = _changes(compared, gathered.old, a.pk, gathered.version_rows, old_rows)
-        rewritten = [f for f in a.files if f.path in change.rewritten]
+        rewritten = _rewritten(a, change)
         lap("merge_write")
         adds = _write(a, gathered, compared, rewritten)
         lap("merge_commit")
@@ -431,6 +428,20 @@ def _apply_once(
         history_version=version,
         changelog_version=a.log_version,
     )
+
+
+def _rewritten(a: _Attempt, change: _Changes) -> list[delta.DataFile]:
+    """The files to remove. Each name comes from a row's file URL (``table_relative``); one
+    that is not a file of the snapshot would leave its rows in place beside their new copies,
+    so the run stops before writing anything."""
+    rewritten = [f for f in a.files if f.path in change.rewritten]
+    unknown = change.rewritten - {f.path for f in rewritten}
+    if unknown:
+        raise RuntimeError(
+            f"{a.paths.history}: rows came from files the table's snapshot does not list "
+            f"({sorted(unknown)[:3]}); nothing was written"
+        )
+    return rewritten
 
 
 def _open_attempt(
@@ -482,6 +493,7 @@ def _open_attempt(
         pk=pk,
         history_columns=history_columns,
         snap=snap,
+        log_version=log_version,
         pending=pending,
         retracted=retracted,
         retracted_rows=retracted_rows,

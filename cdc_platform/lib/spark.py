@@ -58,6 +58,9 @@ REQUIRED_CONF: dict[str, str] = {
     "spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
     "spark.hadoop.parquet.summary.metadata.level": "NONE",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
+    # The platform writes some expressions as SQL text with backticked names (``columns.quote``):
+    # a backticked name must stay a name, never become a regular expression.
+    "spark.sql.parser.quotedRegexColumnNames": "false",
     # Security: never overridable. Shuffle and spill files hold decrypted rows; the I/O
     # encryption keys travel over Spark's RPC, so it is authenticated and encrypted.
     "spark.io.encryption.enabled": "true",
