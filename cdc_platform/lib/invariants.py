@@ -243,9 +243,11 @@ def run_checks(
             events = events.filter(where) if events is not None else None
         elif scope is not None:
             table = table.join(scope.keys, pk, "left_semi")
-        # Every check below scans these rows: read the files once.
+        # Every check below scans these rows: read the files once, before the checks' query
+        # (its stages run side by side and would each compute the same cached partitions).
         table = table.persist(StorageLevel.MEMORY_AND_DISK)
         try:
+            table.count()
             failing = _failing_keys(
                 pk, table, events, HistoryColumns.of_table(dt), whole_table=scope is None
             )
