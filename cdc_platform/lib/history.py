@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import reduce
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib.columns import (
@@ -42,6 +41,8 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    quote,
+    string_sql,
 )
 
 if TYPE_CHECKING:
@@ -201,18 +202,20 @@ def build_versions(
     )
 
     # Rule 1: resolve unmodified cells against the key's last image (deletes carry no image).
-    w_events = (
-        Window.partitionBy(*pkc)
-        .orderBy(col(_MS), col(_SEQ))
-        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    # The per-column expressions are SQL text, every name quoted and every name literal in hex
+    # (``columns.string_sql``): one call into the JVM each, where Column objects made dozens.
+    by_key = ", ".join(quote(k) for k in pk)
+    so_far = (
+        f"PARTITION BY {by_key} ORDER BY {quote(_MS)}, {quote(_SEQ)} "
+        "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
     )
-    resolved = []
-    for c in data_columns:
-        known = F.when(
-            ~col(_DEL) & ~F.array_contains(col(_UNMOD), F.lit(c)), F.struct(col(c).alias("v"))
-        )
-        resolved.append(F.last(known, ignorenulls=True).over(w_events).getField("v").alias(c))
-    image = F.struct(*resolved) if data_columns else F.struct(F.lit(True).alias("_"))
+    resolved = [
+        f"(last(CASE WHEN NOT {quote(_DEL)} AND NOT array_contains({quote(_UNMOD)}, "
+        f"{string_sql(c)}) THEN struct({quote(c)} AS v) END, true) OVER ({so_far})).v "
+        f"AS {quote(c)}"
+        for c in data_columns
+    ]
+    image = F.expr(f"struct({', '.join(resolved)})" if data_columns else "struct(true AS _)")
     ev = ev.select(*pkc, col(_SEQ), col(_MS), col(_DEL), image.alias(_IMG))
 
     # One step per (key, millisecond).
@@ -230,7 +233,7 @@ def build_versions(
     steps = steps.withColumn(_PREV_IMG, F.lag(col(_IMG)).over(w_steps))
     tracked = history_columns.tracked(data_columns)
     untracked = history_columns.untracked(data_columns)
-    same_image = _images_equal(col(_IMG), col(_PREV_IMG), tracked)
+    same_image = _images_equal(quote(_IMG), quote(_PREV_IMG), tracked)
     steps = steps.withColumn(_OPENS, col(_HAS_IMAGE) & ~(col(_LIVE_BEFORE) & same_image))
     if untracked:
         # A step that opens no version but has an image belongs to the live version: the
@@ -263,19 +266,21 @@ def build_versions(
     )
     opened = steps.filter(col(_OPENS))
     # Which columns differ from the key's previous version (null for the first one it folds).
-    previous = F.lag(col(_IMG)).over(Window.partitionBy(*pkc).orderBy(col(_MS)))
+    previous = f"(lag({quote(_IMG)}) OVER (PARTITION BY {by_key} ORDER BY {quote(_MS)}))"
     differing = [
-        F.when(~col(_IMG).getField(c).eqNullSafe(previous.getField(c)), F.lit(c)) for c in tracked
+        f"CASE WHEN NOT ({quote(_IMG)}.{quote(c)} <=> {previous}.{quote(c)}) "
+        f"THEN {string_sql(c)} END"
+        for c in tracked
     ]
-    changed = F.when(
-        previous.isNotNull(),
-        F.filter(F.array(*differing), lambda name: name.isNotNull())
+    names = (
+        f"filter(array({', '.join(differing)}), `_cdc_x` -> `_cdc_x` IS NOT NULL)"
         if differing
-        else F.array().cast("array<string>"),
+        else "CAST(array() AS array<string>)"
     )
+    changed = F.expr(f"CASE WHEN {previous} IS NOT NULL THEN {names} END")
     versions = opened.select(
         *pkc,
-        *[col(_IMG).getField(c).alias(c) for c in data_columns],
+        *[F.expr(f"{quote(_IMG)}.{quote(c)} AS {quote(c)}") for c in data_columns],
         col(_MS).alias(START),
         end.alias(END),
         changed.alias(CHANGED),
@@ -283,11 +288,11 @@ def build_versions(
     return versions.withColumn(ACTIVE, col(END) == tmax_literal())
 
 
-def _images_equal(a: Column, b: Column, data_columns: Sequence[str]) -> Column:
-    """NULL-safe equality of two images, column by column (``<=>``, never ``=``)."""
+def _images_equal(a: str, b: str, data_columns: Sequence[str]) -> Column:
+    """NULL-safe equality of two images (quoted names of struct columns), column by column
+    (``<=>``, never ``=``), as one SQL expression."""
+    from pyspark.sql import functions as F
 
     if not data_columns:
-        return b.isNotNull()
-    return reduce(
-        lambda x, y: x & y, [a.getField(c).eqNullSafe(b.getField(c)) for c in data_columns]
-    )
+        return F.expr(f"{b} IS NOT NULL")
+    return F.expr(" AND ".join(f"{a}.{quote(c)} <=> {b}.{quote(c)}" for c in data_columns))

@@ -66,6 +66,7 @@ from cdc_platform.lib.columns import (
     cols,
     from_unix_micros,
     internal,
+    quote,
     timestamp_lit,
     unix_micros,
 )
@@ -1149,7 +1150,7 @@ def _compare(
     prior = old.select(
         *cols(pk),
         START,
-        *[col(c).alias(a) for c, a in renamed.items()],
+        *[F.expr(f"{quote(c)} AS {quote(a)}") for c, a in renamed.items()],
         col(SYNCED).alias(_OLD_SYNCED),
         col(_FILE).alias(internal("prior_file")),
     )
@@ -1169,12 +1170,11 @@ def _compare(
         CHANGED,
         F.when(from_first, col(CHANGED)).otherwise(F.coalesce(col(CHANGED), col(renamed[CHANGED]))),
     ).drop(_SLOW, _CHECKPOINT)
-    same_version: Column = existed
-    for c in [*data_columns, END, ACTIVE]:
-        same_version = same_version & col(c).eqNullSafe(col(renamed[c]))
-    same_row = same_version
-    for c in STATE_COLUMNS:
-        same_row = same_row & col(c).eqNullSafe(col(renamed[c]))
+    # SQL text, names quoted: one call into the JVM, where Column objects made a few a column.
+    existed_sql = f"{quote(internal('prior_file'))} IS NOT NULL"
+    as_before = [f"{quote(c)} <=> {quote(renamed[c])}" for c in compared_columns]
+    same_version = F.expr(" AND ".join([existed_sql, *as_before[: len(data_columns) + 2]]))
+    same_row = F.expr(" AND ".join([existed_sql, *as_before]))
     synced = F.when(same_version, col(_OLD_SYNCED)).otherwise(timestamp_lit(synced_at))
     return (
         joined.withColumn(SYNCED, synced)
