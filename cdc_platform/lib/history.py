@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING
 from cdc_platform.lib.columns import (
     ACTIVE,
     CHANGED,
+    CURRENT,
     END,
     INGESTED_AT,
+    LAST_EVENT_AT,
     OP,
     SEQ,
     SOURCE_FILE,
@@ -175,10 +177,14 @@ def build_versions(
     data_columns: Sequence[str],
     deduplicated: bool = False,
     history_columns: HistoryColumns = TRACK_ALL,
+    with_state: bool = False,
 ) -> DataFrame:
     """Every version of every key in ``events``: key, data columns, start, end, active, and
     ``_cdc_changed_columns`` (the tracked data columns whose value differs, ``<=>``, from the
     key's previous version; null for the first version of a key in ``events``).
+    ``with_state`` adds the state columns ``_cdc_current`` (the key's latest version) and
+    ``_cdc_last_event_at`` (on it: the key's last event millisecond), from the same window
+    pass (a join with the keys' last events would shuffle every version again).
 
     ``events`` must hold *all* events of the keys it covers (order does not matter). Column
     names are used verbatim (quoted), and the working columns live under the internal prefix,
@@ -264,6 +270,13 @@ def build_versions(
         .when(col(_NEXT_CLOSE).isNotNull(), col(_NEXT_CLOSE))
         .otherwise(tmax_literal())
     )
+    if with_state:
+        whole_key = w_steps.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+        last_opening = F.max(F.when(col(_OPENS), col(_MS))).over(whole_key)
+        steps = steps.withColumn(CURRENT, col(_OPENS) & (col(_MS) == last_opening))
+        steps = steps.withColumn(
+            LAST_EVENT_AT, F.when(col(CURRENT), F.max(col(_MS)).over(whole_key))
+        )
     opened = steps.filter(col(_OPENS))
     # Which columns differ from the key's previous version (null for the first one it folds).
     previous = f"(lag({quote(_IMG)}) OVER (PARTITION BY {by_key} ORDER BY {quote(_MS)}))"
@@ -284,6 +297,7 @@ def build_versions(
         col(_MS).alias(START),
         end.alias(END),
         changed.alias(CHANGED),
+        *([col(CURRENT), col(LAST_EVENT_AT)] if with_state else []),
     )
     return versions.withColumn(ACTIVE, col(END) == tmax_literal())
 

@@ -404,7 +404,8 @@ def _apply_once(
         gathered = _gather(a, touched, split)
         compared, last_events = _fold(a, split, gathered, synced_at)
         old_rows = gathered.old_rows if touched.tiny else None
-        change = _changes(compared, gathered.old, a.pk, gathered.version_rows, old_rows)
+        old = gathered.old if gathered.old_rows != 0 else None  # a first load has no old rows
+        change = _changes(compared, old, a.pk, gathered.version_rows, old_rows)
         rewritten = _rewritten(a, change)
         lap("merge_write")
         adds = _write(a, gathered, compared, rewritten)
@@ -528,6 +529,8 @@ def _touch(a: _Attempt) -> _Touched:
     events = dedupe_events(
         changelog.read_files(a.spark, a.paths.changelog, a.log_schema, a.pending), pk
     )
+    if not a.small:  # read and sorted once for the keys, their last events and the fold
+        events = a.keep(events)
     ms = F.date_trunc("millisecond", col(TS))
     keys = events.select(*cols(pk), ms.alias(_MIN_MS), F.lit(False).alias(_FORCED))
     if a.retracted is not None:
@@ -634,11 +637,14 @@ def _gather(a: _Attempt, t: _Touched, s: _Split) -> _Gathered:
     def fast(df: DataFrame) -> DataFrame:
         return joins.restrict(df, s.fast_keys, pk, s.fast_count, s.fast_values)
 
-    events = (
-        fast(t.events)
-        .unionByName(_state_events(fast(t.current), pk, a.data_columns), allowMissingColumns=True)
-        .unionByName(_ghost_events(fast(t.unversioned_touched), pk), allowMissingColumns=True)
+    # With no slow key (a first load, an hour of new keys) the touched keys' events and
+    # current rows are all the fast path's: no join to restrict them.
+    fast_events, fast_current = (
+        (fast(t.events), fast(t.current)) if s.slow_count else (t.events, t.current)
     )
+    events = fast_events.unionByName(
+        _state_events(fast_current, pk, a.data_columns), allowMissingColumns=True
+    ).unionByName(_ghost_events(fast(t.unversioned_touched), pk), allowMissingColumns=True)
     old = t.current.select(*cols([*a.columns, _FILE]))
     closed_read: list[delta.DataFile] = []
     if s.slow_count:
@@ -684,35 +690,36 @@ def _gather(a: _Attempt, t: _Touched, s: _Split) -> _Gathered:
 def _fold(a: _Attempt, s: _Split, g: _Gathered, synced_at: datetime) -> tuple[DataFrame, DataFrame]:
     """The keys' versions (rules 3-7: ``history.build_versions``), each marked current or not,
     compared with the old rows (``_compare``); and each key's last event time, which the
-    delete-only side table needs after the commit (kept: recomputing it would read every
-    touched key's events again)."""
+    delete-only side table needs after the commit (from the kept events: computed then)."""
     from pyspark.sql import functions as F
 
     pk = a.pk
-    last_events = a.keep(
-        g.events.groupBy(*cols(pk)).agg(
-            F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
-        )
+    last_events = g.events.groupBy(*cols(pk)).agg(
+        F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
     )
-    versions = _with_state(
-        build_versions(
-            g.events,
-            pk,
-            a.data_columns,
-            deduplicated=True,
-            history_columns=a.history_columns,
-        ),
-        joins.build_side(last_events, s.affected, g.probe),
+    versions = build_versions(
+        g.events,
         pk,
+        a.data_columns,
+        deduplicated=True,
+        history_columns=a.history_columns,
+        with_state=True,
     )
     # One row per key (``current`` may hold more than one row of a key when file statistics
     # cannot tell closed files apart, so ``keys`` may repeat a key).
-    slow_of = s.keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
-    if g.checkpoints is not None:
-        slow_of = slow_of.join(joins.build_side(g.checkpoints, s.slow_count, g.probe), pk, "left")
-    else:
-        slow_of = slow_of.withColumn(_CHECKPOINT, F.lit(None).cast("timestamp"))
-    versions = versions.join(joins.build_side(slow_of, s.affected, g.probe), pk, "left")
+    if s.slow_count:
+        slow_of = s.keys.groupBy(*cols(pk)).agg(F.max(col(_SLOW)).alias(_SLOW))
+        if g.checkpoints is not None:
+            slow_of = slow_of.join(
+                joins.build_side(g.checkpoints, s.slow_count, g.probe), pk, "left"
+            )
+        else:
+            slow_of = slow_of.withColumn(_CHECKPOINT, F.lit(None).cast("timestamp"))
+        versions = versions.join(joins.build_side(slow_of, s.affected, g.probe), pk, "left")
+    else:  # every key fast: nothing to join
+        versions = versions.select(
+            "*", F.lit(False).alias(_SLOW), F.lit(None).cast("timestamp").alias(_CHECKPOINT)
+        )
     compared = _compare(
         versions,
         joins.build_side(g.old, g.old_rows, g.probe),
@@ -1109,20 +1116,6 @@ def _ghost_events(unversioned: DataFrame, pk: list[str]) -> DataFrame:
     )
 
 
-def _with_state(versions: DataFrame, last_events: DataFrame, pk: list[str]) -> DataFrame:
-    """Mark each key's latest version current and give it the time of the key's last event."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    latest = F.row_number().over(Window.partitionBy(*cols(pk)).orderBy(col(START).desc())) == 1
-    return (
-        versions.withColumn(CURRENT, latest)
-        .join(last_events.withColumnRenamed(LAST_EVENT_AT, internal("last")), pk, "left")
-        .withColumn(LAST_EVENT_AT, F.when(col(CURRENT), col(internal("last"))))
-        .drop(internal("last"))
-    )
-
-
 def _compare(
     versions: DataFrame,
     old: DataFrame,
@@ -1195,7 +1188,7 @@ class _Changes:
 
 def _changes(
     compared: DataFrame,
-    old: DataFrame,
+    old: DataFrame | None,
     pk: list[str],
     compared_rows: int | None = None,
     old_rows: int | None = None,
@@ -1203,26 +1196,29 @@ def _changes(
     """What the run changes, in one Spark job: the files to rewrite (an old row not kept as it
     is) and the counts of the run's result. A vanished row was active and has no version at the
     same start any more (a late event moved the key's history). ``compared_rows`` and
-    ``old_rows`` bound the rows of each side (``lib.joins``)."""
+    ``old_rows`` bound the rows of each side (``lib.joins``); ``old`` None: there are none
+    (nothing to rewrite, nothing vanished: the versions are not shuffled to meet them)."""
     from pyspark.sql import functions as F
 
-    new = compared.select(
-        *cols([*pk, START]),
-        col(_OLD_FILE).isNotNull().alias(internal("kept")),
-        F.lit(True).alias(internal("exists")),
-    )
-    joined = old.join(joins.build_side(new, compared_rows, old_rows), [*pk, START], "left")
-    kept = F.coalesce(col(internal("kept")), F.lit(False))
-    of_old = joined.agg(
-        F.collect_set(F.when(~kept, col(_FILE))).alias("files"),
-        F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("long")).alias("vanished"),
-    )
     of_new = compared.agg(
         F.sum(col(_OLD_ACTIVE).isNull().cast("long")).alias("opened"),
         F.sum((col(_OLD_ACTIVE) & ~col(ACTIVE)).cast("long")).alias("closed"),
         F.count_distinct(*cols(pk)).alias("keys"),
     )
-    rows = of_old.unionByName(of_new, allowMissingColumns=True).collect()  # one row each
+    if old is not None:
+        new = compared.select(
+            *cols([*pk, START]),
+            col(_OLD_FILE).isNotNull().alias(internal("kept")),
+            F.lit(True).alias(internal("exists")),
+        )
+        joined = old.join(joins.build_side(new, compared_rows, old_rows), [*pk, START], "left")
+        kept = F.coalesce(col(internal("kept")), F.lit(False))
+        of_old = joined.agg(
+            F.collect_set(F.when(~kept, col(_FILE))).alias("files"),
+            F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("long")).alias("vanished"),
+        )
+        of_new = of_old.unionByName(of_new, allowMissingColumns=True)
+    rows = of_new.collect()  # one row per aggregate
     got = {k: v for r in rows for k, v in r.asDict().items() if v is not None}
     return _Changes(
         rewritten=set(got.get("files") or []),
