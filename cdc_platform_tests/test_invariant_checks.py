@@ -28,6 +28,12 @@ from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.history import TMAX
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.spark import (
+    ADAPTIVE,
+    BROADCAST_THRESHOLD,
+    SHUFFLE_PARTITIONS,
+    WHOLE_STAGE_CODEGEN,
+)
 from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
@@ -431,7 +437,11 @@ def test_a_small_runs_scope_is_the_keys_its_merge_lists(spark, copy: Path) -> No
         paths.history,
         lambda rows: edit(3, T0, **{ACTIVE: False})(edit(1, T0, **{END: T0 - MS})(rows)),
     )
+    # The checks of a listed scope tune the session for a few keys' rows, and only meanwhile.
+    tuned = (ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS, WHOLE_STAGE_CODEGEN)
+    settings = {k: spark.conf.get(k, None) for k in tuned}
     scoped = outcomes_by_name(spark, copy, scope)
+    assert {k: spark.conf.get(k, None) for k in tuned} == settings
     assert invariants.START_NOT_AFTER_END in failing(scoped)  # the run's key: caught hourly
     assert invariants.ACTIVE_IFF_OPEN not in failing(scoped)
     assert scoped[invariants.START_NOT_AFTER_END].sample == [1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,9 @@ from cdc_platform.lib.spark import (
     ADAPTIVE,
     BROADCAST_THRESHOLD,
     SHUFFLE_PARTITIONS,
+    WHOLE_STAGE_CODEGEN,
     conf_restored,
+    persisted,
 )
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -209,8 +212,6 @@ def run_checks(
 
     ``hide_keys`` (an encrypted table): a failing check's sample holds ``REDACTED``, never a
     key value; the counts are unchanged."""
-    from pyspark import StorageLevel
-
     pk = list(primary_key)
     outcomes = [_quarantine_check(paths), _revoked_check(spark, paths)]
     if not delta.exists(paths.history):
@@ -228,34 +229,62 @@ def run_checks(
         else spark.createDataFrame([], schema)
     )
     events = changelog.read(spark, paths.changelog)
-    with conf_restored(spark, ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS):
+    settings = (ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS, WHOLE_STAGE_CODEGEN)
+    with conf_restored(spark, *settings), ExitStack() as kept:
         if scope is not None and scope.values is not None:
-            # A small run's keys: every read is a filter, and every check is planned whole into
-            # one Spark job (adaptive execution and broadcasts would each add jobs of their own)
-            # whose shuffles move a few keys' rows: one task each, not one per core, for up to
-            # ``ONE_TASK_KEYS`` keys (a key's versions and events are sorted in one task anyway).
-            spark.conf.set(ADAPTIVE, "false")
-            spark.conf.set(BROADCAST_THRESHOLD, "-1")
-            if len(scope.values) <= ONE_TASK_KEYS:
-                spark.conf.set(SHUFFLE_PARTITIONS, "1")
-            where = joins.in_keys(pk, scope.values)
-            table = table.filter(where)
-            events = events.filter(where) if events is not None else None
-        elif scope is not None:
-            table = table.join(scope.keys, pk, "left_semi")
-        # Every check below scans these rows: read the files once, before the checks' query
-        # (its stages run side by side and would each compute the same cached partitions).
-        table = table.persist(StorageLevel.MEMORY_AND_DISK)
-        try:
+            table, events = _listed_rows(spark, table, events, pk, scope.values, kept)
+        else:
+            if scope is not None:
+                table = table.join(scope.keys, pk, "left_semi")
+            # Every check scans these rows: read the files once, before the checks' query (its
+            # stages run side by side and would each compute the same cached partitions).
+            table = kept.enter_context(persisted(table))
             table.count()
-            failing = _failing_keys(
-                pk, table, events, HistoryColumns.of_table(dt), whole_table=scope is None
-            )
-            outcomes += _evaluate(failing, table, pk, hide_keys)
-        finally:
-            table.unpersist()
+        failing = _failing_keys(
+            pk, table, events, HistoryColumns.of_table(dt), whole_table=scope is None
+        )
+        outcomes += _evaluate(failing, table, pk, hide_keys)
     order = {n: i for i, n in enumerate(CHECK_NAMES)}
     return sorted(outcomes, key=lambda o: order[o.name])
+
+
+def _listed_rows(
+    spark: SparkSession,
+    table: DataFrame,
+    events: DataFrame | None,
+    pk: list[str],
+    values: list[Any],
+    kept: ExitStack,
+) -> tuple[DataFrame, DataFrame | None]:
+    """The table's and the change log's rows of a small run's keys, read once by one Spark job
+    (an ``IN`` filter each), for a query that plans every check whole into one more job.
+
+    Adaptive execution and broadcasts would each add jobs of their own. Up to
+    ``ONE_TASK_KEYS`` keys, each side is one partition: a key's rows are sorted in one task
+    anyway, and a plan over single partitions needs no shuffle before its windows, joins and
+    groupings. On a few thousand rows, compiling the plan's generated code costs more than
+    running it interpreted, so whole-stage code generation is off (the results are the same).
+    Called inside ``conf_restored``; both stay cached until ``kept`` closes.
+    """
+    from pyspark.sql import functions as F
+
+    spark.conf.set(ADAPTIVE, "false")
+    spark.conf.set(BROADCAST_THRESHOLD, "-1")
+    where = joins.in_keys(pk, values)
+    table = table.filter(where)
+    events = events.filter(where) if events is not None else None
+    if len(values) <= ONE_TASK_KEYS:
+        spark.conf.set(SHUFFLE_PARTITIONS, "1")
+        spark.conf.set(WHOLE_STAGE_CODEGEN, "false")
+        table = table.coalesce(1)
+        events = events.coalesce(1) if events is not None else None
+    table = kept.enter_context(persisted(table))
+    if events is None:
+        table.count()
+        return table, None
+    events = kept.enter_context(persisted(events))
+    table.select(F.lit(1)).union(events.select(F.lit(1))).count()  # one job fills both
+    return table, events
 
 
 @dataclass(frozen=True)

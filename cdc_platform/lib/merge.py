@@ -78,7 +78,7 @@ from cdc_platform.lib.history import (
     dedupe_events,
 )
 from cdc_platform.lib.run_cost import lap
-from cdc_platform.lib.spark import ADAPTIVE
+from cdc_platform.lib.spark import ADAPTIVE, persisted
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -991,8 +991,6 @@ def _files_maybe_holding(
 def _cached(df: DataFrame, small: bool = False) -> Iterator[DataFrame]:
     """Keep a DataFrame that several Spark jobs reuse in memory (spilling) for the block;
     a ``small`` one (a small run's: a few keys' rows) as a local checkpoint."""
-    from pyspark import StorageLevel
-
     if small:
         # Its plan is cut too: the plans built on it stay small, and Spark's driver analyses
         # and optimizes each DataFrame step (two thirds of a small hour's fold was planning).
@@ -1000,11 +998,8 @@ def _cached(df: DataFrame, small: bool = False) -> Iterator[DataFrame]:
         # until the driver no longer references it: ``unpersist`` does not apply.
         yield df.localCheckpoint(eager=False)
         return
-    df = df.persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        yield df
-    finally:
-        df.unpersist()
+    with persisted(df) as kept:
+        yield kept
 
 
 def _read_history(

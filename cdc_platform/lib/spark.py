@@ -46,7 +46,7 @@ from cdc_platform.lib import jars
 from cdc_platform.lib.storage import Location, spark_hadoop_conf
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 REQUIRED_CONF: dict[str, str] = {
     "spark.sql.session.timeZone": "UTC",
@@ -739,6 +739,19 @@ def _guard(check: Any) -> Any:
 ADAPTIVE = "spark.sql.adaptive.enabled"
 BROADCAST_THRESHOLD = "spark.sql.autoBroadcastJoinThreshold"
 SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+WHOLE_STAGE_CODEGEN = "spark.sql.codegen.wholeStage"
+
+
+@contextmanager
+def persisted(df: DataFrame) -> Iterator[DataFrame]:
+    """``df`` kept by the executors (memory, spilling to disk) for the block's Spark jobs."""
+    from pyspark import StorageLevel
+
+    df = df.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        yield df
+    finally:
+        df.unpersist()
 
 
 @contextmanager
