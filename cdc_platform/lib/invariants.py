@@ -43,8 +43,8 @@ from cdc_platform.lib.spark import (
     ADAPTIVE,
     BROADCAST_THRESHOLD,
     SHUFFLE_PARTITIONS,
-    WHOLE_STAGE_CODEGEN,
     conf_restored,
+    interpreted,
     persisted,
 )
 from cdc_platform.lib.warehouse import TablePaths
@@ -229,8 +229,10 @@ def run_checks(
         else spark.createDataFrame([], schema)
     )
     events = changelog.read(spark, paths.changelog)
-    settings = (ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS, WHOLE_STAGE_CODEGEN)
-    with conf_restored(spark, *settings), ExitStack() as kept:
+    with (
+        conf_restored(spark, ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS),
+        ExitStack() as kept,
+    ):
         if scope is not None and scope.values is not None:
             table, events = _listed_rows(spark, table, events, pk, scope.values, kept)
         else:
@@ -262,9 +264,8 @@ def _listed_rows(
     Adaptive execution and broadcasts would each add jobs of their own. Up to
     ``ONE_TASK_KEYS`` keys, each side is one partition: a key's rows are sorted in one task
     anyway, and a plan over single partitions needs no shuffle before its windows, joins and
-    groupings. On a few thousand rows, compiling the plan's generated code costs more than
-    running it interpreted, so whole-stage code generation is off (the results are the same).
-    Called inside ``conf_restored``; both stay cached until ``kept`` closes.
+    groupings, and it runs ``interpreted``. Called inside ``conf_restored``; both stay cached,
+    and the code generation off, until ``kept`` closes.
     """
     from pyspark.sql import functions as F
 
@@ -275,7 +276,7 @@ def _listed_rows(
     events = events.filter(where) if events is not None else None
     if len(values) <= ONE_TASK_KEYS:
         spark.conf.set(SHUFFLE_PARTITIONS, "1")
-        spark.conf.set(WHOLE_STAGE_CODEGEN, "false")
+        kept.enter_context(interpreted(spark))
         table = table.coalesce(1)
         events = events.coalesce(1) if events is not None else None
     table = kept.enter_context(persisted(table))

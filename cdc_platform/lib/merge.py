@@ -78,7 +78,7 @@ from cdc_platform.lib.history import (
     dedupe_events,
 )
 from cdc_platform.lib.run_cost import lap
-from cdc_platform.lib.spark import ADAPTIVE, persisted
+from cdc_platform.lib.spark import ADAPTIVE, interpreted, persisted
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -301,7 +301,8 @@ class _Attempt:
     files: list[delta.DataFile]
     log_schema: StructType
     log_files: list[delta.DataFile]
-    # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``).
+    # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``), and it
+    # runs ``interpreted``.
     small: bool
     stack: ExitStack  # what the attempt keeps (``keep``) is released when it ends
 
@@ -397,6 +398,8 @@ def _apply_once(
         a = _open_attempt(spark, paths, list(primary_key), history_columns, stack)
         if isinstance(a, MergeResult):
             return a
+        if a.small:
+            stack.enter_context(interpreted(spark))
         lap("merge_classify")
         touched = _touch(a)
         split = _split(a, touched)
