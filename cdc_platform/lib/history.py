@@ -157,7 +157,12 @@ def tmax_literal() -> Column:
 
 
 def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
-    """Count each (key, cdc_change_seq) once; the first copy to land wins, deterministically."""
+    """Count each (key, cdc_change_seq) once; the first copy to land wins, deterministically.
+
+    A window over the key alone (a copy is kept when the row before it, in seq and landing
+    order, has another seq): the rows come out partitioned by key, which is all the fold, the
+    classification and the keys' last events need, so none of them shuffles the events again.
+    """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -167,8 +172,9 @@ def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
         for c in (INGESTED_AT, SOURCE_FILE, SOURCE_ROW)
         if c in events.columns
     ]
-    w = Window.partitionBy(*pk, col(SEQ)).orderBy(*(order or [col(SEQ)]))
-    return events.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
+    w = Window.partitionBy(*pk).orderBy(col(SEQ), *order)
+    first = ~F.coalesce(F.lag(col(SEQ)).over(w).eqNullSafe(col(SEQ)), F.lit(False))
+    return events.withColumn(_RN, first).filter(col(_RN)).drop(_RN)
 
 
 def build_versions(
@@ -178,6 +184,7 @@ def build_versions(
     deduplicated: bool = False,
     history_columns: HistoryColumns = TRACK_ALL,
     with_state: bool = False,
+    resolve_unmodified: bool = True,
 ) -> DataFrame:
     """Every version of every key in ``events``: key, data columns, start, end, active, and
     ``_cdc_changed_columns`` (the tracked data columns whose value differs, ``<=>``, from the
@@ -185,6 +192,8 @@ def build_versions(
     ``with_state`` adds the state columns ``_cdc_current`` (the key's latest version) and
     ``_cdc_last_event_at`` (on it: the key's last event millisecond), from the same window
     pass (a join with the keys' last events would shuffle every version again).
+    ``resolve_unmodified`` False: no event carries an unmodified marker, so each image is the
+    event's own cells (rule 1 has nothing to resolve; its running window is skipped).
 
     ``events`` must hold *all* events of the keys it covers (order does not matter). Column
     names are used verbatim (quoted), and the working columns live under the internal prefix,
@@ -221,6 +230,8 @@ def build_versions(
         f"AS {quote(c)}"
         for c in data_columns
     ]
+    if not resolve_unmodified:
+        resolved = [f"{quote(c)} AS {quote(c)}" for c in data_columns]
     image = F.expr(f"struct({', '.join(resolved)})" if data_columns else "struct(true AS _)")
     ev = ev.select(*pkc, col(_SEQ), col(_MS), col(_DEL), image.alias(_IMG))
 

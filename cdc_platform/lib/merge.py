@@ -62,6 +62,7 @@ from cdc_platform.lib.columns import (
     STATE_COLUMNS,
     SYNCED,
     TS,
+    UNMODIFIED,
     col,
     cols,
     from_unix_micros,
@@ -105,6 +106,7 @@ _OLD_SYNCED = internal("old_synced")
 _OLD_ACTIVE = internal("old_active")
 _DELETE_ONLY = internal("delete_only")
 _FORCED = internal("forced")
+_MARKED = internal("marked")  # a key's pending events carry an unmodified marker (rule 1)
 _CHECKPOINT = internal("checkpoint")
 # The seq of a replayed version (``_slow_events``): below any logged event of its millisecond.
 REPLAY_SEQ = -(2**63)
@@ -363,6 +365,7 @@ class _Split:
     fast_keys: DataFrame
     slow_values: list[Any] | None
     fast_values: list[Any] | None
+    resolve_unmodified: bool  # may an event to fold carry an unmodified marker (rule 1)?
 
     @property
     def fast_count(self) -> int:
@@ -535,12 +538,23 @@ def _touch(a: _Attempt) -> _Touched:
     if not a.small:  # read and sorted once for the keys, their last events and the fold
         events = a.keep(events)
     ms = F.date_trunc("millisecond", col(TS))
-    keys = events.select(*cols(pk), ms.alias(_MIN_MS), F.lit(False).alias(_FORCED))
+    marked = F.coalesce(F.size(col(UNMODIFIED)) > 0, F.lit(False))
+    keys = events.select(
+        *cols(pk), ms.alias(_MIN_MS), F.lit(False).alias(_FORCED), marked.alias(_MARKED)
+    )
     if a.retracted is not None:
         no_time = F.lit(None).cast("timestamp").alias(_MIN_MS)
-        keys = keys.unionByName(a.retracted.select(*cols(pk), no_time, F.lit(True).alias(_FORCED)))
+        keys = keys.unionByName(
+            a.retracted.select(
+                *cols(pk), no_time, F.lit(True).alias(_FORCED), F.lit(False).alias(_MARKED)
+            )
+        )
     keys = a.keep(
-        keys.groupBy(*cols(pk)).agg(F.min(_MIN_MS).alias(_MIN_MS), F.max(_FORCED).alias(_FORCED))
+        keys.groupBy(*cols(pk)).agg(
+            F.min(_MIN_MS).alias(_MIN_MS),
+            F.max(_FORCED).alias(_FORCED),
+            F.max(_MARKED).alias(_MARKED),
+        )
     )
     touched_rows = a.touched_rows
     values = joins.key_values(keys, pk, touched_rows)
@@ -601,6 +615,7 @@ def _split(a: _Attempt, t: _Touched) -> _Split:
         F.sum(col(_DELETE_ONLY).cast("int")).alias("delete_only"),
         F.min(F.when(col(_SLOW), F.unix_micros(col(_MIN_MS)))).alias("earliest_late"),
         F.max((col(_SLOW) & (col(_FORCED) | col(_MIN_MS).isNull())).cast("int")).alias("unbounded"),
+        F.max(col(_MARKED).cast("int")).alias("marked"),
         *slow_set,
     ).collect()[0]  # a global aggregate: exactly one row
     affected, slow_count = int(counts["n"]), int(counts["slow"] or 0)
@@ -627,6 +642,8 @@ def _split(a: _Attempt, t: _Touched) -> _Split:
         .select(*cols(pk)),
         slow_values=slow_values,
         fast_values=fast_values,
+        # A slow key is refolded from logged events, which may carry markers.
+        resolve_unmodified=bool(slow_count or counts["marked"]),
     )
 
 
@@ -707,6 +724,7 @@ def _fold(a: _Attempt, s: _Split, g: _Gathered, synced_at: datetime) -> tuple[Da
         deduplicated=True,
         history_columns=a.history_columns,
         with_state=True,
+        resolve_unmodified=s.resolve_unmodified,
     )
     # One row per key (``current`` may hold more than one row of a key when file statistics
     # cannot tell closed files apart, so ``keys`` may repeat a key).
@@ -1054,7 +1072,7 @@ def _classify(
 
     if slow_everything:
         return touched.select(
-            *cols([*pk, _MIN_MS, _FORCED]),
+            *cols([*pk, _MIN_MS, _FORCED, _MARKED]),
             F.lit(True).alias(_SLOW),
             F.lit(False).alias(_DELETE_ONLY),
         )
@@ -1066,7 +1084,7 @@ def _classify(
     # A key with no current row and no delete-only record never had an event: fast.
     slow = col(_MIN_MS) <= F.coalesce(col(internal("last")), col(internal("ghost_last")))
     return joined.select(
-        *cols([*pk, _MIN_MS, _FORCED]),
+        *cols([*pk, _MIN_MS, _FORCED, _MARKED]),
         (col(_FORCED) | F.coalesce(slow, F.lit(False))).alias(_SLOW),
         col(internal("ghost_last")).isNotNull().alias(_DELETE_ONLY),
     )
