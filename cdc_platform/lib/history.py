@@ -159,8 +159,8 @@ def tmax_literal() -> Column:
 def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
     """Count each (key, cdc_change_seq) once; the first copy to land wins, deterministically.
 
-    A window over the key alone (a copy is kept when the row before it, in seq and landing
-    order, has another seq): the rows come out partitioned by key, which is all the fold, the
+    A window over the key alone (a copy is kept when it is the key's first row, in seq and
+    landing order, or the row before it has another seq, null-safe): the rows come out partitioned by key, which is all the fold, the
     classification and the keys' last events need, so none of them shuffles the events again.
     """
     from pyspark.sql import Window
@@ -173,7 +173,7 @@ def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
         if c in events.columns
     ]
     w = Window.partitionBy(*pk).orderBy(col(SEQ), *order)
-    first = ~F.coalesce(F.lag(col(SEQ)).over(w).eqNullSafe(col(SEQ)), F.lit(False))
+    first = (F.row_number().over(w) == 1) | ~F.lag(col(SEQ)).over(w).eqNullSafe(col(SEQ))
     return events.withColumn(_RN, first).filter(col(_RN)).drop(_RN)
 
 

@@ -277,8 +277,9 @@ def _listed_rows(
     if len(values) <= ONE_TASK_KEYS:
         spark.conf.set(SHUFFLE_PARTITIONS, "1")
         kept.enter_context(interpreted(spark))
-        table = table.coalesce(1)
-        events = events.coalesce(1) if events is not None else None
+        # After the filter, so the files are still scanned in parallel.
+        table = table.repartition(1)
+        events = events.repartition(1) if events is not None else None
     table = kept.enter_context(persisted(table))
     if events is None:
         table.count()

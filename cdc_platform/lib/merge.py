@@ -693,7 +693,9 @@ def _gather(a: _Attempt, t: _Touched, s: _Split) -> _Gathered:
         joins.records(log_read),
         old_rows,
     )
-    if a.small:  # read twice (the keys' last events and their versions): computed once
+    if a.small or s.slow_count:
+        # Read twice (the keys' versions, and their last events for the side table): computed
+        # once. A large run without slow keys recomputes only a union over its kept events.
         events = a.keep(events)
     return _Gathered(
         events=events,
@@ -710,7 +712,7 @@ def _gather(a: _Attempt, t: _Touched, s: _Split) -> _Gathered:
 def _fold(a: _Attempt, s: _Split, g: _Gathered, synced_at: datetime) -> tuple[DataFrame, DataFrame]:
     """The keys' versions (rules 3-7: ``history.build_versions``), each marked current or not,
     compared with the old rows (``_compare``); and each key's last event time, which the
-    delete-only side table needs after the commit (from the kept events: computed then)."""
+    delete-only side table needs after the commit (computed then, from ``g.events``)."""
     from pyspark.sql import functions as F
 
     pk = a.pk
