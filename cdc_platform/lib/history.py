@@ -65,7 +65,7 @@ __all__ = [  # the column names are re-exported for existing callers; their home
 ]
 
 # The fold's working columns: under the internal prefix, so never a source column's name.
-_RN = internal("rn")
+_FIRST = internal("first")
 _SEQ = internal("seq")
 _MS = internal("ms")
 _DEL = internal("del")
@@ -160,8 +160,9 @@ def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
     """Count each (key, cdc_change_seq) once; the first copy to land wins, deterministically.
 
     A window over the key alone (a copy is kept when it is the key's first row, in seq and
-    landing order, or the row before it has another seq, null-safe): the rows come out partitioned by key, which is all the fold, the
-    classification and the keys' last events need, so none of them shuffles the events again.
+    landing order, or the row before it has another seq, null-safe): the rows come out
+    partitioned by key, which is all the fold, the classification and the keys' last events
+    need, so none of them shuffles the events again.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -174,7 +175,7 @@ def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
     ]
     w = Window.partitionBy(*pk).orderBy(col(SEQ), *order)
     first = (F.row_number().over(w) == 1) | ~F.lag(col(SEQ)).over(w).eqNullSafe(col(SEQ))
-    return events.withColumn(_RN, first).filter(col(_RN)).drop(_RN)
+    return events.withColumn(_FIRST, first).filter(col(_FIRST)).drop(_FIRST)
 
 
 def build_versions(
@@ -228,10 +229,10 @@ def build_versions(
         f"(last(CASE WHEN NOT {quote(_DEL)} AND NOT array_contains({quote(_UNMOD)}, "
         f"{string_sql(c)}) THEN struct({quote(c)} AS v) END, true) OVER ({so_far})).v "
         f"AS {quote(c)}"
+        if resolve_unmodified
+        else f"{quote(c)} AS {quote(c)}"
         for c in data_columns
     ]
-    if not resolve_unmodified:
-        resolved = [f"{quote(c)} AS {quote(c)}" for c in data_columns]
     image = F.expr(f"struct({', '.join(resolved)})" if data_columns else "struct(true AS _)")
     ev = ev.select(*pkc, col(_SEQ), col(_MS), col(_DEL), image.alias(_IMG))
 
