@@ -22,7 +22,11 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from cdc_platform.defs.alerts import AlertWebhookResource, build_check_failure_alert_sensor
-from cdc_platform.defs.factory import build_definitions, build_table_definitions
+from cdc_platform.defs.factory import (
+    WHOLE_TABLE_WRITTEN,
+    build_definitions,
+    build_table_definitions,
+)
 from cdc_platform.lib import invariants
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.history import TMAX
@@ -409,10 +413,10 @@ def test_scope_is_the_keys_in_files_added_since(spark, copy: Path) -> None:
     assert full[invariants.ACTIVE_IFF_OPEN].sample == [3]
     assert full[invariants.ACTIVE_IFF_OPEN].checked_keys == 6
 
-    # No scope: every key; nothing added since the current version: no key.
-    everything = invariants.touched_keys(spark, paths, PK, None)
-    assert everything is not None
-    assert {r["id"] for r in everything.keys.collect()} == {1, 2, 3, 4, 5, 6}
+    # Every file new (no version before: a first load): the whole table, not a scope of every
+    # key; nothing added since the current version: no key.
+    assert invariants.touched_keys(spark, paths, PK, None) is None
+    assert invariants.touched_keys(spark, paths, PK, -1) is None
     nothing = invariants.touched_keys(spark, paths, PK, DeltaTable(str(paths.history)).version())
     assert nothing is not None and nothing.keys.count() == 0
 
@@ -449,13 +453,8 @@ def test_a_small_runs_scope_is_the_keys_its_merge_lists(spark, copy: Path) -> No
     assert {invariants.START_NOT_AFTER_END, invariants.ACTIVE_IFF_OPEN} <= failing(full)
     assert full[invariants.ACTIVE_IFF_OPEN].sample == [3]  # elsewhere: the full check
 
-    # That rewrite listed no keys (another writer): the files added since give the scope.
-    fallback = invariants.touched_keys(spark, paths, PK, since)
-    assert fallback is not None
-    assert not fallback.listed
-    assert {r["id"] for r in fallback.keys.collect()} == keys_in_files_added_since(
-        paths.history, since
-    )
+    # That rewrite listed no keys (another writer) and replaced every file: the whole table.
+    assert invariants.touched_keys(spark, paths, PK, since) is None
 
 
 # --- through Dagster: the asset, its checks, the alert ------------------------------------------
@@ -509,9 +508,19 @@ def test_dagster_asset_checks_and_alert(spark, lake, webhook: Webhook) -> None:
         evaluations = result.get_asset_check_evaluations()
         assert {e.check_name for e in evaluations} == ALL
         assert all(e.passed for e in evaluations), [e for e in evaluations if not e.passed]
-        assert [e.metadata["scope"].value for e in evaluations] == [
-            "keys touched by this run"
-        ] * len(evaluations)
+        # The first run wrote every file: its checks cover the whole table.
+        assert {e.metadata["scope"].value for e in evaluations} == {WHOLE_TABLE_WRITTEN}
+        # The next hour's checks cover the keys it touched.
+        later = dg.materialize(
+            [defs.asset, defs.checks],
+            partition_key=hour_to_partition_key(H1),
+            instance=instance,
+            resources=resources,
+        )
+        assert later.success
+        evaluations = later.get_asset_check_evaluations()
+        assert all(e.passed for e in evaluations), [e for e in evaluations if not e.passed]
+        assert {e.metadata["scope"].value for e in evaluations} == {"keys touched by this run"}
         cursor = alert_tick(cursor)
         assert [c.body for c in webhook.posted] == []
 

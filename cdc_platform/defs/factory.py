@@ -58,6 +58,10 @@ class TableDefinitions:
     current: dg.AssetsDefinition | None = None  # `<table>_current`, if the config asks for it
 
 
+# The checks' scope after a run that wrote every file of the table (a first load, a rebuild).
+WHOLE_TABLE_WRITTEN = "whole table (this run wrote every file)"
+
+
 def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> TableDefinitions:
     key = dg.AssetKey(table.name)
     paths = TablePaths.of(platform.warehouse_root, table.name)
@@ -143,7 +147,13 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
             if materialized_here
             else None
         )
-        scope_label = "keys touched by this run" if scope is not None else "whole table"
+        scope_label = (
+            "keys touched by this run"
+            if scope is not None
+            else WHOLE_TABLE_WRITTEN
+            if materialized_here
+            else "whole table"
+        )
         hide_keys = table.encryption != "none"  # decrypted key values stay out of the UI
         for o in invariants.run_checks(
             session, paths, table.primary_key, scope, hide_keys=hide_keys

@@ -131,7 +131,7 @@ def touched_keys(
         key_schema = StructType([schema[primary_key[0]]])
         keys = spark.createDataFrame([(v,) for v in listed], key_schema)
         return Scope(keys, values=listed)
-    return Scope(_keys_in_files_since(spark, paths, dt, schema, primary_key, since_version))
+    return _keys_in_files_since(spark, paths, dt, schema, primary_key, since_version)
 
 
 def _keys_in_files_since(
@@ -141,8 +141,10 @@ def _keys_in_files_since(
     schema: StructType,
     primary_key: Sequence[str],
     since_version: int | None,
-) -> DataFrame:
-    """The keys in the files the history table gained after ``since_version``."""
+) -> Scope | None:
+    """The keys in the files the history table gained after ``since_version``; None when every
+    file is new (a first load, a rebuild): the run touched the whole table, and the whole-table
+    checks cost less than a scope of every key (and see keys the table lost)."""
     now = delta.snapshot_files(dt)
     before: set[str] = set()
     if since_version is not None and since_version >= 0:
@@ -151,9 +153,11 @@ def _keys_in_files_since(
             for f in delta.snapshot_files(delta.open_table(paths.history, version=since_version))
         }
     added = [f for f in now if f.path not in before]
+    if now and len(added) == len(now):
+        return None
     if not added:
-        return spark.createDataFrame([], schema).select(*cols(list(primary_key)))
-    return (
+        return Scope(spark.createDataFrame([], schema).select(*cols(list(primary_key))))
+    return Scope(
         spark.read.schema(schema)
         .parquet(*delta.absolute_paths(paths.history, added))
         .select(*cols(list(primary_key)))
@@ -339,7 +343,8 @@ def _failing_keys(
     any_null = reduce(lambda a, b: a | b, [col(c).isNull() for c in pk])
     keyed = table.filter(~any_null)
     open_ended = F.col(END).eqNullSafe(tmax_literal())
-    pairs = _consecutive_pairs(keyed, pk)
+    tracked = history_columns.tracked(_data_columns(keyed, pk))
+    pairs = _with_neighbours(keyed, pk, tracked)
     return [
         _Failing(PK_NOT_NULL, table.filter(any_null)),
         _Failing(
@@ -353,18 +358,49 @@ def _failing_keys(
             keyed.filter(~F.coalesce(F.col(START) <= F.col(END), F.lit(False))),
         ),
         _Failing(UNIQUE_KEY_START, keyed.groupBy(*cols([*pk, START])).count().filter("count > 1")),
-        _Failing(NO_OVERLAP, pairs.filter(F.col("_next_start") <= F.col(END))),
+        _Failing(NO_OVERLAP, pairs.filter(F.col(_NEXT_START) <= F.col(END))),
         _contiguity(pk, pairs, events),
-        _reconciliation(pk, keyed, events, history_columns, whole_table=whole_table),
+        _reconciliation(pk, keyed, pairs, events, history_columns, whole_table=whole_table),
     ]
 
 
-def _consecutive_pairs(table: DataFrame, pk: list[str]) -> DataFrame:
-    from pyspark.sql import Window
+_NEXT_START = internal("next_start")
+_EXPECTED_CHANGED = internal("expected_changed")
+
+
+def _data_columns(table: DataFrame, pk: list[str]) -> list[str]:
+    return [
+        c
+        for c in table.columns
+        if c not in pk and c not in (START, END, ACTIVE, SYNCED, *STATE_COLUMNS)
+    ]
+
+
+def _with_neighbours(table: DataFrame, pk: list[str], tracked: Sequence[str]) -> DataFrame:
+    """Each version with its successor's start (None: the key's latest) and, when the table has
+    ``_fivetran_changed_columns``, the tracked columns that differ from its predecessor's (null
+    on a key's first version): one sort of the rows by key and start, for every check that
+    compares a version with its neighbours."""
     from pyspark.sql import functions as F
 
-    w = Window.partitionBy(*cols(pk)).orderBy(START)
-    return table.withColumn("_next_start", F.lead(START).over(w))
+    by_start = f"PARTITION BY {', '.join(quote(k) for k in pk)} ORDER BY {quote(START)}"
+    neighbours = [F.expr(f"lead({quote(START)}) OVER ({by_start})").alias(_NEXT_START)]
+    if CHANGED in table.columns:
+        first = F.expr(f"lag({quote(START)}) OVER ({by_start})").isNull()
+        differing = [
+            F.expr(
+                f"CASE WHEN NOT ({quote(c)} <=> lag({quote(c)}) OVER ({by_start})) "
+                f"THEN {string_sql(c)} END"
+            )
+            for c in tracked
+        ]
+        names = (
+            F.filter(F.array(*differing), lambda n: n.isNotNull())
+            if differing
+            else F.array().cast("array<string>")
+        )
+        neighbours.append(F.when(~first, names).alias(_EXPECTED_CHANGED))
+    return table.select("*", *neighbours)
 
 
 def _contiguity(pk: list[str], pairs: DataFrame, events: DataFrame | None) -> _Failing:
@@ -376,7 +412,7 @@ def _contiguity(pk: list[str], pairs: DataFrame, events: DataFrame | None) -> _F
     needs_delete = pairs.filter(
         F.col(END).isNotNull()
         & ~F.col(END).eqNullSafe(tmax)
-        & (F.col("_next_start").isNull() | ~(F.col(END) == F.col("_next_start") - one_ms))
+        & (F.col(_NEXT_START).isNull() | ~(F.col(END) == F.col(_NEXT_START) - one_ms))
     )
     if events is None:
         return _Failing(CONTIGUOUS, needs_delete)
@@ -391,6 +427,7 @@ def _contiguity(pk: list[str], pairs: DataFrame, events: DataFrame | None) -> _F
 def _reconciliation(
     pk: list[str],
     table: DataFrame,
+    neighbours: DataFrame,
     events: DataFrame | None,
     history_columns: HistoryColumns,
     whole_table: bool = False,
@@ -429,18 +466,17 @@ def _reconciliation(
 
     if events is None:
         return _Failing(MATCHES_CHANGELOG, table)
-    data_columns = [
-        c
-        for c in table.columns
-        if c not in pk and c not in (START, END, ACTIVE, SYNCED, *STATE_COLUMNS)
-    ]
+    data_columns = _data_columns(table, pk)
     missing = [c for c in data_columns if c not in events.columns]
     if missing:
         return _Failing(MATCHES_CHANGELOG, table, f"columns {missing} are not in the change log")
     tracked = history_columns.tracked(data_columns)
     untracked = history_columns.untracked(data_columns)
-    keys = (events if whole_table else table).select(*cols(pk)).distinct()
-    steps = _steps(dedupe_events(events.join(keys, pk, "left_semi"), pk), pk, data_columns)
+    if whole_table:  # every keyed event: a key the table lost is caught too
+        keyed_events = events.filter(reduce(lambda a, b: a & b, [col(c).isNotNull() for c in pk]))
+    else:
+        keyed_events = events.join(table.select(*cols(pk)).distinct(), pk, "left_semi")
+    steps = _steps(dedupe_events(keyed_events, pk), pk, data_columns)
 
     t, kind, ver, step = "_cdc_tmp_t", "_cdc_tmp_kind", "_cdc_tmp_version", "_cdc_tmp_step"
     image = _image([col(c).alias(c) for c in data_columns])
@@ -518,8 +554,10 @@ def _reconciliation(
     deleted_just_before = F.coalesce(
         F.col("_cdc_tmp_last_delete") == F.col(t) - one_ms, F.lit(False)
     )
+    # Steps sort after the versions of their millisecond: the first step with an image after a
+    # version is at its start exactly when a non-delete event is there.
     version_fails = is_version & (
-        not_true(F.col("_cdc_tmp_step_starts"))
+        not_true(F.col("_cdc_tmp_next_image") == F.col(t))
         | (
             handed_over
             & ~deleted_just_before
@@ -528,13 +566,9 @@ def _reconciliation(
         | ~F.col(f"{ver}.end").eqNullSafe(expected_end)
         | ~F.col(f"{ver}.active").eqNullSafe(expected_end == tmax_literal())
     )
-    image_steps = steps.filter("has_image").select(
-        *cols(pk), F.col("ms").alias(t), F.lit(True).alias("_cdc_tmp_step_starts")
-    )
-    timeline = timeline.join(image_steps, [*pk, t], "left")
     failing = timeline.filter(step_fails | version_fails).select(*cols(pk))
     if CURRENT in table.columns:
-        failing = failing.unionByName(_state_mismatches(table, events, pk, tracked))
+        failing = failing.unionByName(_state_mismatches(neighbours, events, pk))
     return _Failing(MATCHES_CHANGELOG, failing)
 
 
@@ -597,44 +631,23 @@ def _same_image(a: str, b: str, data_columns: Sequence[str]) -> Column:
     return F.expr(f"coalesce({' AND '.join(same)}, false)")
 
 
-def _state_mismatches(
-    table: DataFrame, events: DataFrame, pk: list[str], tracked_columns: Sequence[str]
-) -> DataFrame:
+def _state_mismatches(neighbours: DataFrame, events: DataFrame, pk: list[str]) -> DataFrame:
     """Keys whose state columns (which the merge's fast path trusts) break their definition:
     a key's latest version, and only it, is current and carries the millisecond of the key's
     last event; every other version has no last-event time; a version's changed columns are
     the tracked data columns that differ from the key's previous version (null on its
-    first)."""
-    from pyspark.sql import Window
+    first). ``neighbours``: the versions with ``_with_neighbours``'s columns."""
     from pyspark.sql import functions as F
 
     last = events.groupBy(*cols(pk)).agg(
         F.max(F.date_trunc("millisecond", col(TS))).alias(internal("last_event"))
     )
-    latest = internal("latest")
-    by_start = Window.partitionBy(*cols(pk)).orderBy(col(START).desc())
-    expected_last = F.when(col(latest), col(internal("last_event")))
-    rows = table.join(last, pk, "left").withColumn(latest, F.row_number().over(by_start) == 1)
-    wrong = ~col(CURRENT).eqNullSafe(col(latest)) | ~col(LAST_EVENT_AT).eqNullSafe(expected_last)
-    if CHANGED in table.columns:
-        previous = Window.partitionBy(*cols(pk)).orderBy(col(START))
-        first = F.lag(col(START)).over(previous).isNull()
-        by_start = f"PARTITION BY {', '.join(quote(k) for k in pk)} ORDER BY {quote(START)}"
-        differing = [
-            F.expr(
-                f"CASE WHEN NOT ({quote(c)} <=> lag({quote(c)}) OVER ({by_start})) "
-                f"THEN {string_sql(c)} END"
-            )
-            for c in tracked_columns
-        ]
-        names = (
-            F.filter(F.array(*differing), lambda n: n.isNotNull())
-            if differing
-            else F.array().cast("array<string>")
-        )
-        expected = internal("expected_changed")
-        rows = rows.withColumn(expected, F.when(~first, names))
-        wrong = wrong | ~col(CHANGED).eqNullSafe(col(expected))
+    latest = col(_NEXT_START).isNull()
+    rows = neighbours.join(last, pk, "left")
+    expected_last = F.when(latest, col(internal("last_event")))
+    wrong = ~col(CURRENT).eqNullSafe(latest) | ~col(LAST_EVENT_AT).eqNullSafe(expected_last)
+    if _EXPECTED_CHANGED in neighbours.columns:
+        wrong = wrong | ~col(CHANGED).eqNullSafe(col(_EXPECTED_CHANGED))
     return rows.filter(wrong).select(*cols(pk))
 
 
