@@ -14,6 +14,7 @@ backticks in a name as a struct path or a quoted identifier.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,15 @@ def string_sql(value: str) -> str:
     in hex (quotes, backslashes and NULs are bytes like any other). Raises
     ``UnicodeEncodeError`` for a string that is not valid Unicode (a lone surrogate)."""
     return f"CAST(X'{value.encode('utf-8').hex()}' AS STRING)"
+
+
+def window_sql(partition_by: Sequence[str], order_by: Sequence[str], frame: str = "") -> str:
+    """The text inside ``OVER (...)``, every name quoted (a column name is data)."""
+    text = (
+        f"PARTITION BY {', '.join(quote(c) for c in partition_by)} "
+        f"ORDER BY {', '.join(quote(c) for c in order_by)}"
+    )
+    return f"{text} {frame}" if frame else text
 
 
 def col(name: str) -> Column:

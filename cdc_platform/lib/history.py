@@ -45,6 +45,7 @@ from cdc_platform.lib.columns import (
     internal,
     quote,
     string_sql,
+    window_sql,
 )
 
 if TYPE_CHECKING:
@@ -178,6 +179,20 @@ def dedupe_events(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
     return events.withColumn(_FIRST, first).filter(col(_FIRST)).drop(_FIRST)
 
 
+RUNNING = "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
+
+
+def resolved_cell_sql(column: str, deleted: str, unmodified: str, window: str) -> str:
+    """Rule 1 as SQL text: ``column``'s value in the key's latest event up to this one (in
+    ``window``, a running frame) that is not a delete and does not list it in ``unmodified``.
+    The writer's fold and the reconciliation check share it. Every name is quoted, and the
+    column's name is a hex literal (``columns.string_sql``): one JVM call per column."""
+    return (
+        f"(last(CASE WHEN NOT {quote(deleted)} AND NOT array_contains({quote(unmodified)}, "
+        f"{string_sql(column)}) THEN struct({quote(column)} AS v) END, true) OVER ({window})).v"
+    )
+
+
 def build_versions(
     events: DataFrame,
     primary_key: Sequence[str],
@@ -217,20 +232,11 @@ def build_versions(
         F.coalesce(col(UNMODIFIED), F.array().cast("array<string>")).alias(_UNMOD),
     )
 
-    # Rule 1: resolve unmodified cells against the key's last image (deletes carry no image).
-    # The per-column expressions are SQL text, every name quoted and every name literal in hex
-    # (``columns.string_sql``): one call into the JVM each, where Column objects made dozens.
-    by_key = ", ".join(quote(k) for k in pk)
-    so_far = (
-        f"PARTITION BY {by_key} ORDER BY {quote(_MS)}, {quote(_SEQ)} "
-        "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
-    )
+    # Rule 1: resolve unmodified cells against the key's last image (``resolved_cell_sql``).
+    so_far = window_sql(pk, [_MS, _SEQ], RUNNING)
     resolved = [
-        f"(last(CASE WHEN NOT {quote(_DEL)} AND NOT array_contains({quote(_UNMOD)}, "
-        f"{string_sql(c)}) THEN struct({quote(c)} AS v) END, true) OVER ({so_far})).v "
+        f"{resolved_cell_sql(c, _DEL, _UNMOD, so_far) if resolve_unmodified else quote(c)} "
         f"AS {quote(c)}"
-        if resolve_unmodified
-        else f"{quote(c)} AS {quote(c)}"
         for c in data_columns
     ]
     image = F.expr(f"struct({', '.join(resolved)})" if data_columns else "struct(true AS _)")
@@ -291,7 +297,7 @@ def build_versions(
         )
     opened = steps.filter(col(_OPENS))
     # Which columns differ from the key's previous version (null for the first one it folds).
-    previous = f"(lag({quote(_IMG)}) OVER (PARTITION BY {by_key} ORDER BY {quote(_MS)}))"
+    previous = f"(lag({quote(_IMG)}) OVER ({window_sql(pk, [_MS])}))"
     differing = [
         f"CASE WHEN NOT ({quote(_IMG)}.{quote(c)} <=> {previous}.{quote(c)}) "
         f"THEN {string_sql(c)} END"

@@ -36,8 +36,15 @@ from cdc_platform.lib.columns import (
     internal,
     quote,
     string_sql,
+    window_sql,
 )
-from cdc_platform.lib.history import HistoryColumns, dedupe_events, tmax_literal
+from cdc_platform.lib.history import (
+    RUNNING,
+    HistoryColumns,
+    dedupe_events,
+    resolved_cell_sql,
+    tmax_literal,
+)
 from cdc_platform.lib.merge import TOUCHED_KEYS
 from cdc_platform.lib.spark import (
     ADAPTIVE,
@@ -383,7 +390,7 @@ def _with_neighbours(table: DataFrame, pk: list[str], tracked: Sequence[str]) ->
     compares a version with its neighbours."""
     from pyspark.sql import functions as F
 
-    by_start = f"PARTITION BY {', '.join(quote(k) for k in pk)} ORDER BY {quote(START)}"
+    by_start = window_sql(pk, [START])
     neighbours = [F.expr(f"lead({quote(START)}) OVER ({by_start})").alias(_NEXT_START)]
     if CHANGED in table.columns:
         first = F.expr(f"lag({quote(START)}) OVER ({by_start})").isNull()
@@ -586,16 +593,9 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
         (F.upper(F.col(OP)) == "DELETE").alias("_cdc_tmp_del"),
         F.coalesce(F.col(UNMODIFIED), F.array().cast("array<string>")).alias("_cdc_tmp_unmod"),
     )
-    so_far = (
-        f"PARTITION BY {', '.join(quote(k) for k in pk)} ORDER BY _cdc_tmp_ms, _cdc_tmp_seq "
-        "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW"
-    )
-    # SQL text: a few JVM calls per column, where Column objects took a dozen.
+    so_far = window_sql(pk, ["_cdc_tmp_ms", "_cdc_tmp_seq"], RUNNING)
     cells = [
-        F.expr(
-            "(last(CASE WHEN NOT _cdc_tmp_del AND NOT array_contains(_cdc_tmp_unmod, "
-            f"{string_sql(c)}) THEN struct({quote(c)} AS v) END, true) OVER ({so_far})).v"
-        ).alias(c)
+        F.expr(resolved_cell_sql(c, "_cdc_tmp_del", "_cdc_tmp_unmod", so_far)).alias(c)
         for c in data_columns
     ]
     ev = ev.select(
