@@ -29,6 +29,7 @@ from cdc_platform.lib.columns import (
     START,
     STATE_COLUMNS,
     SYNCED,
+    TMAX_SQL,
     TS,
     UNMODIFIED,
     col,
@@ -468,7 +469,6 @@ def _reconciliation(
     key's latest modified value before the event (rule 1). Never compared: _fivetran_synced.
     Over the whole table the keys are the change log's, so a key the table lost is caught too.
     """
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     if events is None:
@@ -486,17 +486,15 @@ def _reconciliation(
     steps = _steps(dedupe_events(keyed_events, pk), pk, data_columns)
 
     t, kind, ver, step = "_cdc_tmp_t", "_cdc_tmp_kind", "_cdc_tmp_version", "_cdc_tmp_step"
-    image = _image([col(c).alias(c) for c in data_columns])
-    versions = table.select(
-        *cols(pk),
-        F.col(START).alias(t),
-        F.lit(0).alias(kind),
-        F.struct(
-            F.col(START).alias("start"),
-            F.col(END).alias("end"),
-            F.col(ACTIVE).alias("active"),
-            image.alias("img"),
-        ).alias(ver),
+    # SQL text from here on (names quoted, working names plain): a few JVM calls for what
+    # Column objects made hundreds of.
+    image = ", ".join(f"{quote(c)} AS {quote(c)}" for c in data_columns) or "true AS _"
+    versions = table.selectExpr(
+        *[quote(k) for k in pk],
+        f"{quote(START)} AS {t}",
+        f"0 AS {kind}",
+        f"named_struct('start', {quote(START)}, 'end', {quote(END)}, "
+        f"'active', {quote(ACTIVE)}, 'img', struct({image})) AS {ver}",
     )
     timeline = versions.unionByName(
         steps.select(
@@ -504,76 +502,56 @@ def _reconciliation(
         ),
         allowMissingColumns=True,
     )
-    w = Window.partitionBy(*cols(pk)).orderBy(t, kind)
-    before = w.rowsBetween(Window.unboundedPreceding, Window.currentRow)
-    from_here = w.rowsBetween(Window.currentRow, Window.unboundedFollowing)
-    after = w.rowsBetween(1, Window.unboundedFollowing)
-    deleted_at = F.when(F.col(f"{step}.ends_deleted"), F.col(t))
-    timeline = timeline.select(
+    over = window_sql(pk, [t, kind])
+    rest = "ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING"
+    deleted_at = f"CASE WHEN {step}.ends_deleted THEN {t} END"
+    timeline = timeline.selectExpr(
         "*",
-        F.last(ver, ignorenulls=True).over(before).alias("_cdc_tmp_covering"),
-        F.last(F.col(ver), ignorenulls=True)
-        .over(w.rowsBetween(Window.unboundedPreceding, -1))
-        .alias("_cdc_tmp_previous"),
-        F.first(deleted_at, ignorenulls=True).over(from_here).alias("_cdc_tmp_next_delete"),
-        F.first(F.col(f"{ver}.start"), ignorenulls=True).over(after).alias("_cdc_tmp_next_start"),
-        F.last(deleted_at, ignorenulls=True).over(before).alias("_cdc_tmp_last_delete"),
-        F.first(F.when(F.col(f"{step}.has_image"), F.col(t)), ignorenulls=True)
-        .over(after)
-        .alias("_cdc_tmp_next_image"),
+        f"last({ver}, true) OVER ({over} {RUNNING}) AS _cdc_tmp_covering",
+        f"last({ver}, true) OVER ({over} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) "
+        "AS _cdc_tmp_previous",
+        f"first({deleted_at}, true) OVER "
+        f"({over} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS _cdc_tmp_next_delete",
+        f"first({ver}.`start`, true) OVER ({over} {rest}) AS _cdc_tmp_next_start",
+        f"last({deleted_at}, true) OVER ({over} {RUNNING}) AS _cdc_tmp_last_delete",
+        f"first(CASE WHEN {step}.has_image THEN {t} END, true) OVER ({over} {rest}) "
+        "AS _cdc_tmp_next_image",
     )
-    is_step, is_version = F.col(kind) == 1, F.col(kind) == 0
-    cov, prev = F.col("_cdc_tmp_covering"), F.col("_cdc_tmp_previous")
-    same = _same_image("_cdc_tmp_covering.img", f"{step}.img", tracked)
-    live_after = F.col(f"{step}.has_image") & ~F.col(f"{step}.ends_deleted")
-    image_then_delete = F.col(f"{step}.has_image") & F.col(f"{step}.ends_deleted")
-    not_true = lambda c: ~F.coalesce(c, F.lit(False))  # noqa: E731
-    step_fails = is_step & (
-        # A version may end in the millisecond it covers: its successor starts 1 ms later.
-        (live_after & (cov.isNull() | not_true(cov.getField("end") >= F.col(t)) | ~same))
-        | (image_then_delete & (cov.isNull() | not_true(cov.getField("end") == F.col(t)) | ~same))
-        | (~F.col(f"{step}.has_image") & F.coalesce(cov.getField("end") > F.col(t), F.lit(False)))
-    )
+    cov, has_image, ends_deleted = "_cdc_tmp_covering", f"{step}.has_image", f"{step}.ends_deleted"
+    same = _same_image(f"{cov}.img", f"{step}.img", tracked)
+    # A version may end in the millisecond it covers (its successor starts 1 ms later).
+    step_fails = f"""{kind} = 1 AND (
+        ({has_image} AND NOT {ends_deleted}
+            AND ({cov} IS NULL OR NOT coalesce({cov}.`end` >= {t}, false) OR NOT {same}))
+        OR ({has_image} AND {ends_deleted}
+            AND ({cov} IS NULL OR NOT coalesce({cov}.`end` = {t}, false) OR NOT {same}))
+        OR (NOT {has_image} AND coalesce({cov}.`end` > {t}, false)))"""
     if untracked:
         # The last step with an image before the next version: its untracked cells are the
         # covering version's (every earlier one was overwritten in place).
-        next_image, next_version = F.col("_cdc_tmp_next_image"), F.col("_cdc_tmp_next_start")
-        last_of_version = next_image.isNull() | F.coalesce(next_image >= next_version, F.lit(False))
-        step_fails = step_fails | (
-            is_step
-            & F.col(f"{step}.has_image")
-            & last_of_version
-            & (cov.isNull() | ~_same_image("_cdc_tmp_covering.img", f"{step}.img", untracked))
-        )
-    one_ms = F.expr("INTERVAL 1 MILLISECOND")
-    next_delete, next_start = F.col("_cdc_tmp_next_delete"), F.col("_cdc_tmp_next_start")
-    expected_end = (
-        F.when(
-            next_delete.isNotNull() & (next_start.isNull() | (next_delete < next_start)),
-            next_delete,
-        )
-        .when(next_start.isNotNull(), next_start - one_ms)
-        .otherwise(tmax_literal())
-    )
-    handed_over = prev.isNotNull() & F.coalesce(
-        prev.getField("end") == F.col(t) - one_ms, F.lit(False)
-    )
-    deleted_just_before = F.coalesce(
-        F.col("_cdc_tmp_last_delete") == F.col(t) - one_ms, F.lit(False)
-    )
+        same_untracked = _same_image(f"{cov}.img", f"{step}.img", untracked)
+        step_fails = f"""({step_fails}) OR ({kind} = 1 AND {has_image}
+            AND (_cdc_tmp_next_image IS NULL
+                OR coalesce(_cdc_tmp_next_image >= _cdc_tmp_next_start, false))
+            AND ({cov} IS NULL OR NOT {same_untracked}))"""
+    one_ms_before = f"{t} - INTERVAL 1 MILLISECOND"
+    tmax = f"CAST('{TMAX_SQL}' AS TIMESTAMP)"
+    expected_end = f"""(CASE
+        WHEN _cdc_tmp_next_delete IS NOT NULL AND (_cdc_tmp_next_start IS NULL
+            OR _cdc_tmp_next_delete < _cdc_tmp_next_start) THEN _cdc_tmp_next_delete
+        WHEN _cdc_tmp_next_start IS NOT NULL THEN _cdc_tmp_next_start - INTERVAL 1 MILLISECOND
+        ELSE {tmax} END)"""
     # Steps sort after the versions of their millisecond: the first step with an image after a
     # version is at its start exactly when a non-delete event is there.
-    version_fails = is_version & (
-        not_true(F.col("_cdc_tmp_next_image") == F.col(t))
-        | (
-            handed_over
-            & ~deleted_just_before
-            & _same_image("_cdc_tmp_previous.img", f"{ver}.img", tracked)
-        )
-        | ~F.col(f"{ver}.end").eqNullSafe(expected_end)
-        | ~F.col(f"{ver}.active").eqNullSafe(expected_end == tmax_literal())
-    )
-    failing = timeline.filter(step_fails | version_fails).select(*cols(pk))
+    version_fails = f"""{kind} = 0 AND (
+        NOT coalesce(_cdc_tmp_next_image = {t}, false)
+        OR (_cdc_tmp_previous IS NOT NULL
+            AND coalesce(_cdc_tmp_previous.`end` = {one_ms_before}, false)
+            AND NOT coalesce(_cdc_tmp_last_delete = {one_ms_before}, false)
+            AND {_same_image("_cdc_tmp_previous.img", f"{ver}.img", tracked)})
+        OR NOT ({ver}.`end` <=> {expected_end})
+        OR NOT ({ver}.active <=> ({expected_end} = {tmax})))"""
+    failing = timeline.filter(f"({step_fails}) OR ({version_fails})").select(*cols(pk))
     if CURRENT in table.columns:
         failing = failing.unionByName(_state_mismatches(neighbours, events, pk))
     return _Failing(MATCHES_CHANGELOG, failing)
@@ -621,14 +599,12 @@ def _image(cells: list[Column]) -> Column:
     return F.struct(*cells) if cells else F.struct(F.lit(True).alias("_"))
 
 
-def _same_image(a: str, b: str, data_columns: Sequence[str]) -> Column:
-    """Both images (SQL expressions of working columns) present and equal column by column,
-    NULL-safe (``<=>``): one SQL expression, not a few JVM calls per column."""
-    from pyspark.sql import functions as F
-
+def _same_image(a: str, b: str, data_columns: Sequence[str]) -> str:
+    """SQL text: both images (expressions of working columns) present and equal column by
+    column, NULL-safe (``<=>``); never null."""
     same = [f"{a} IS NOT NULL", f"{b} IS NOT NULL"]
     same += [f"{a}.{quote(c)} <=> {b}.{quote(c)}" for c in data_columns]
-    return F.expr(f"coalesce({' AND '.join(same)}, false)")
+    return f"coalesce({' AND '.join(same)}, false)"
 
 
 def _state_mismatches(neighbours: DataFrame, events: DataFrame, pk: list[str]) -> DataFrame:
