@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import padding
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from deltalake import DeltaTable
 
-from cdc_platform.lib import quarantine
+from cdc_platform.lib import invariants, quarantine
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import IN_SUBFOLDER, SYMLINK, hour_folder
@@ -123,11 +123,17 @@ def test_string_commit_timestamps_mixed_zoned_naive_and_nanoseconds(spark, lake)
 # -- items 9 and 10: hostile column names --------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["order.id", "a`b"])
+# Named like working columns of the fold and the checks, now or before.
+WORKING_NAMES = ["_rn", "_seq", "_ms", "_opened", "_closed", "_del", "_img", "ms", "img", "count"]
+WORKING_NAMES += ["has_image", "ends_deleted", "a.b", "a`b2"]
+
+
+@pytest.mark.parametrize("key", ["order.id", "a`b", "count", "ms"])
 def test_hostile_column_names_survive_end_to_end(spark, lake, key):
-    """Data columns named like the fold's old working columns, with dots and backticks."""
+    """Key and data columns named like working columns, with dots and backticks: merged, and
+    checked (whole table and the last run's keys) without a clash."""
     table = TableConfig(name="t", primary_key=(key,), start=H0)
-    names = ["_rn", "_seq", "_ms", "_opened", "_closed", "_del", "_img", "a.b", "a`b2"]
+    names = [n for n in WORKING_NAMES if n != key]
 
     def row(op: str, seq: int, ts: datetime, k: int, v: int) -> dict[str, Any]:
         return ev(op, seq, ts, k, key_column=key, **{n: v * 10 + i for i, n in enumerate(names)})
@@ -166,8 +172,14 @@ def test_hostile_column_names_survive_end_to_end(spark, lake, key):
     write_parquet_events(
         lake["landing"], "t", H1 + timedelta(hours=1), [row("INSERT", 7, H1, 3, 4)]
     )
+    since = DeltaTable(str(paths(lake).history)).version()
     later_run = run(spark, lake, [H1 + timedelta(hours=1)], table)
     assert later_run.merge.keys_affected == 1
+    scope = invariants.touched_keys(spark, paths(lake), [key], since)
+    assert scope is not None and scope.values == [3]
+    for checked in (None, scope):
+        outcomes = invariants.run_checks(spark, paths(lake), [key], checked)
+        assert [o.name for o in outcomes if not o.passed] == []
 
 
 # -- item 9: every Arrow type Parquet can carry ------------------------------------------------

@@ -58,8 +58,9 @@ class TableDefinitions:
     current: dg.AssetsDefinition | None = None  # `<table>_current`, if the config asks for it
 
 
-# The checks' scope after a run that wrote every file of the table (a first load, a rebuild).
-WHOLE_TABLE_WRITTEN = "whole table (this run wrote every file)"
+# The checks' scope after a run that left no file of the table from before it (a first load,
+# a rebuild).
+WHOLE_TABLE_WRITTEN = "whole table (no file from before this run is left)"
 
 
 def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> TableDefinitions:

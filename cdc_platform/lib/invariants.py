@@ -3,8 +3,8 @@
 Each check returns how many keys fail and a few of them, so an alert can point at real rows.
 A check can run over the whole table or only over the keys a materialization touched: those
 its merge commit lists (a small run's; a correct merge changes no other key's rows, and copies
-the rows it carries byte for byte), else those in the files the commit added (each holds every
-version of the keys it touched, and the carried rows of other keys too).
+the rows it carries byte for byte), else those in the files the commits added or removed (an
+added file holds every version of the keys it touched, and the carried rows of other keys too).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from cdc_platform.lib.spark import (
     interpreted,
     persisted,
 )
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -150,27 +151,38 @@ def _keys_in_files_since(
     primary_key: Sequence[str],
     since_version: int | None,
 ) -> Scope | None:
-    """The keys in the files the history table gained after ``since_version``; None when every
-    file is new (a first load, a rebuild): the run touched the whole table, and the whole-table
-    checks cost less than a scope of every key (and see keys the table lost)."""
+    """The keys in the files the history table gained or lost after ``since_version`` (a lost
+    file's keys: rows another writer removed change no added file); None when no file from
+    before is left (a first load, a rebuild, every file removed: the whole-table checks cost
+    less than a scope of every key, and see keys the table lost), or when a lost file is gone
+    from storage (vacuumed: its keys are unknown)."""
     now = delta.snapshot_files(dt)
-    before: set[str] = set()
+    old = []
     if since_version is not None and since_version >= 0:
-        before = {
-            f.path
-            for f in delta.snapshot_files(delta.open_table(paths.history, version=since_version))
-        }
-    added = [f for f in now if f.path not in before]
-    if now and len(added) == len(now):
+        old = delta.snapshot_files(delta.open_table(paths.history, version=since_version))
+    before, after = {f.path for f in old}, {f.path for f in now}
+    if not before & after:
         return None
-    if not added:
+    changed = [f for f in now if f.path not in before]
+    removed = [f for f in old if f.path not in after]
+    if removed and not _all_stored(paths, removed):
+        return None
+    changed += removed
+    if not changed:
         return Scope(spark.createDataFrame([], schema).select(*cols(list(primary_key))))
     return Scope(
         spark.read.schema(schema)
-        .parquet(*delta.absolute_paths(paths.history, added))
+        .parquet(*delta.absolute_paths(paths.history, changed))
         .select(*cols(list(primary_key)))
         .distinct()
     )
+
+
+def _all_stored(paths: TablePaths, files: Sequence[delta.DataFile]) -> bool:
+    import pyarrow.fs as pafs
+
+    infos = Location.of(paths.history).filesystem().get_file_info([f.path for f in files])
+    return all(i.type == pafs.FileType.File for i in infos)
 
 
 def _listed_keys(dt: DeltaTable, since_version: int | None, pk: list[str]) -> list[Any] | None:
@@ -355,9 +367,7 @@ def _failing_keys(
     pairs = _with_neighbours(keyed, pk, tracked)
     return [
         _Failing(PK_NOT_NULL, table.filter(any_null)),
-        _Failing(
-            ONE_ACTIVE, keyed.filter(F.col(ACTIVE)).groupBy(*cols(pk)).count().filter("count > 1")
-        ),
+        _Failing(ONE_ACTIVE, _repeated(keyed.filter(F.col(ACTIVE)), pk)),
         _Failing(
             ACTIVE_IFF_OPEN, keyed.filter(~F.coalesce(F.col(ACTIVE) == open_ended, F.lit(False)))
         ),
@@ -365,11 +375,20 @@ def _failing_keys(
             START_NOT_AFTER_END,
             keyed.filter(~F.coalesce(F.col(START) <= F.col(END), F.lit(False))),
         ),
-        _Failing(UNIQUE_KEY_START, keyed.groupBy(*cols([*pk, START])).count().filter("count > 1")),
+        _Failing(UNIQUE_KEY_START, _repeated(keyed, [*pk, START])),
         _Failing(NO_OVERLAP, pairs.filter(F.col(_NEXT_START) <= F.col(END))),
         _contiguity(pk, pairs, events),
         _reconciliation(pk, keyed, pairs, events, history_columns, whole_table=whole_table),
     ]
+
+
+def _repeated(rows: DataFrame, columns: list[str]) -> DataFrame:
+    """The values of ``columns`` that more than one row holds (a working name for the count:
+    a key column may be called ``count``)."""
+    from pyspark.sql import functions as F
+
+    n = internal("rows")
+    return rows.groupBy(*cols(columns)).agg(F.count(F.lit(1)).alias(n)).filter(col(n) > 1)
 
 
 _NEXT_START = internal("next_start")
@@ -469,7 +488,6 @@ def _reconciliation(
     key's latest modified value before the event (rule 1). Never compared: _fivetran_synced.
     Over the whole table the keys are the change log's, so a key the table lost is caught too.
     """
-    from pyspark.sql import functions as F
 
     if events is None:
         return _Failing(MATCHES_CHANGELOG, table)
@@ -497,8 +515,12 @@ def _reconciliation(
         f"'active', {quote(ACTIVE)}, 'img', struct({image})) AS {ver}",
     )
     timeline = versions.unionByName(
-        steps.select(
-            *cols(pk), F.col("ms").alias(t), F.lit(1).alias(kind), F.struct("*").alias(step)
+        steps.selectExpr(
+            *[quote(k) for k in pk],
+            f"_cdc_tmp_ms AS {t}",
+            f"1 AS {kind}",
+            "named_struct('has_image', _cdc_tmp_has_image, 'ends_deleted', "
+            f"_cdc_tmp_ends_deleted, 'img', _cdc_tmp_img) AS {step}",
         ),
         allowMissingColumns=True,
     )
@@ -583,11 +605,12 @@ def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFra
         "_cdc_tmp_del",
         _image(cells).alias("_cdc_tmp_img"),
     )
-    return ev.groupBy(*cols(pk), F.col("_cdc_tmp_ms").alias("ms")).agg(
-        F.max(~F.col("_cdc_tmp_del")).alias("has_image"),
-        F.max_by("_cdc_tmp_del", "_cdc_tmp_seq").alias("ends_deleted"),
+    # Working names only beside the key columns (a key column may be called ``ms`` or ``img``).
+    return ev.groupBy(*cols(pk), "_cdc_tmp_ms").agg(
+        F.max(~F.col("_cdc_tmp_del")).alias("_cdc_tmp_has_image"),
+        F.max_by("_cdc_tmp_del", "_cdc_tmp_seq").alias("_cdc_tmp_ends_deleted"),
         F.max_by("_cdc_tmp_img", F.when(~F.col("_cdc_tmp_del"), F.col("_cdc_tmp_seq"))).alias(
-            "img"
+            "_cdc_tmp_img"
         ),
     )
 
