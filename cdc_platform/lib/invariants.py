@@ -163,11 +163,11 @@ def _keys_in_files_since(
     before, after = {f.path for f in old}, {f.path for f in now}
     if not before & after:
         return None
-    changed = [f for f in now if f.path not in before]
+    added = [f for f in now if f.path not in before]
     removed = [f for f in old if f.path not in after]
     if removed and not _all_stored(paths, removed):
         return None
-    changed += removed
+    changed = added + removed
     if not changed:
         return Scope(spark.createDataFrame([], schema).select(*cols(list(primary_key))))
     return Scope(
@@ -360,7 +360,7 @@ def _failing_keys(
 
     # Column objects, or SQL text with every name quoted (``quote``): a key name is data (a
     # backtick in it must not end it).
-    any_null = reduce(lambda a, b: a | b, [col(c).isNull() for c in pk])
+    any_null = _any_null(pk)
     keyed = table.filter(~any_null)
     open_ended = F.col(END).eqNullSafe(tmax_literal())
     tracked = history_columns.tracked(_data_columns(keyed, pk))
@@ -380,6 +380,10 @@ def _failing_keys(
         _contiguity(pk, pairs, events),
         _reconciliation(pk, keyed, pairs, events, history_columns, whole_table=whole_table),
     ]
+
+
+def _any_null(pk: list[str]) -> Column:
+    return reduce(lambda a, b: a | b, [col(c).isNull() for c in pk])
 
 
 def _repeated(rows: DataFrame, columns: list[str]) -> DataFrame:
@@ -498,7 +502,7 @@ def _reconciliation(
     tracked = history_columns.tracked(data_columns)
     untracked = history_columns.untracked(data_columns)
     if whole_table:  # every keyed event: a key the table lost is caught too
-        keyed_events = events.filter(reduce(lambda a, b: a & b, [col(c).isNotNull() for c in pk]))
+        keyed_events = events.filter(~_any_null(pk))
     else:
         keyed_events = events.join(table.select(*cols(pk)).distinct(), pk, "left_semi")
     steps = _steps(dedupe_events(keyed_events, pk), pk, data_columns)
