@@ -16,7 +16,13 @@ from cdc_platform.lib import changelog, delta, invariants, revoked_files
 from cdc_platform.lib.columns import CHANGED, STATE_COLUMNS
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.revocation import NoMatchingFileError, _remove_events, readmit, unapply
+from cdc_platform.lib.revocation import (
+    NoMatchingFileError,
+    _remove_events,
+    hour_of,
+    readmit,
+    unapply,
+)
 from cdc_platform.lib.storage import Where
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
@@ -209,6 +215,44 @@ def test_revoking_a_file_not_applied_yet_fences_off_racing_appends(spark, lake):
     assert delta.version_or_none(paths.changelog) == log_before + 1
     out = materialize(spark, TABLE, landing, warehouse, [H1])
     assert (out.revoked, out.events_new) == ((BAD,), 0)
+
+
+@pytest.mark.parametrize(
+    ("name", "hour"),
+    [
+        (BAD, H1),
+        ("orders/year=2024/month=1/day=1/hour=1/x.parquet", H1),  # unpadded
+        ("orders/year=10000000000/month=01/day=01/hour=01/x.parquet", None),  # OverflowError
+        ("orders/year=2024/month=01/day=01/hour=99999999999999999999/x.parquet", None),
+        ("orders/year=2024/month=13/day=01/hour=01/x.parquet", None),
+        ("orders/year=0000/month=01/day=01/hour=01/x.parquet", None),
+        ("orders/year=\u0662\u0660\u0662\u0664/month=01/day=01/hour=01/x.parquet", None),
+        ("orders/year=2" + "0" * 5000 + "/month=01/day=01/hour=01/x.parquet", None),
+        ("orders/x.parquet", None),
+    ],
+)
+def test_hour_of_is_total(name, hour):
+    """Any file name gives an hour or None, never an error: un-apply and re-admit ask for it
+    after their commits (a number ``datetime`` overflows on raised OverflowError there)."""
+    assert hour_of(name) == hour
+
+
+def test_a_file_under_a_huge_year_folder_is_unapplied_and_readmitted(spark, lake):
+    """The folder's year overflows ``datetime``: the un-apply commits and still returns (its
+    run reports success), with no hour to report; re-admitting it materializes no hour."""
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    land(landing, {k: v for k, v in deliveries().items() if k[1] == "good.parquet"})
+    materialize(spark, TABLE, landing, warehouse, [H0])
+    huge = "orders/year=10000000000/month=01/day=01/hour=00/huge.parquet"
+    (landing / huge).parent.mkdir(parents=True)
+    (landing / huge).write_bytes(b"not read")
+    paths = TablePaths.of(warehouse, TABLE.name)
+    r = unapply(spark, TABLE, landing, warehouse, [huge], "odd folder", "r1")
+    assert (r.files, r.newly_revoked, r.hours) == ((huge,), (huge,), ())
+    assert [f.file for f in revoked_files.revoked(paths.revoked_files)] == [huge]
+    back = readmit(spark, TABLE, landing, warehouse, [huge])
+    assert (back.files, back.hours, back.outcome) == ((huge,), (), None)
+    assert revoked_files.revoked(paths.revoked_files) == []
 
 
 def test_names_that_match_nothing_are_refused(spark, lake):

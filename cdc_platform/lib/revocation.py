@@ -59,7 +59,11 @@ GONE = internal("gone")
 ADOPT_PREFIX = "adopt:"
 RESYNC_PREFIX = "resync:at="
 TRUNCATE_PREFIX = "truncate:before="
-_HOUR_PARTS = re.compile(r"/year=(\d+)/month=(\d+)/day=(\d+)/hour=(\d+)/[^/]+$")
+# Digits the landing layout can hold (padded or not): ASCII only, never more than a year's
+# four (an unbounded group would hand ``datetime`` a number it overflows on).
+_HOUR_PARTS = re.compile(
+    r"/year=([0-9]{1,4})/month=([0-9]{1,2})/day=([0-9]{1,2})/hour=([0-9]{1,2})/[^/]+$"
+)
 
 
 class NoMatchingFileError(LookupError):
@@ -89,13 +93,14 @@ class ReadmitResult:
 
 
 def hour_of(file: str) -> datetime | None:
-    """The hour folder a landing-relative file is in (None if it is not in one)."""
+    """The hour folder a landing-relative file is in (None if it is not in one, or its parts
+    are no hour). Total: un-apply and re-admit call it after their commits, so it never raises."""
     m = _HOUR_PARTS.search("/" + file.replace(os.sep, "/"))
     if m is None:
         return None
     try:
         return datetime(*(int(g) for g in m.groups()), tzinfo=UTC)  # type: ignore[misc]
-    except ValueError:
+    except (ValueError, OverflowError):
         return None
 
 
