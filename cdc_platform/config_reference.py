@@ -128,6 +128,12 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
         "The Dagster asset group of the table's assets: the asset graph shows a group as one "
         "box, so hundreds of tables stay navigable when grouped by source or domain.",
     ),
+    "max_file_bytes": (
+        "positive int",
+        "A landing file whose plaintext (decrypted and decompressed; for Parquet, its "
+        "uncompressed row groups) is larger is set aside, decoding stopped there: a "
+        "decompression bomb costs at most this much memory. Default 2 GiB.",
+    ),
 }
 DISCOVER_KEYS: dict[str, tuple[str, str]] = {
     "primary_key": ("list of columns", "Every discovered table's primary key."),

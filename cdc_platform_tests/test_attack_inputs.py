@@ -262,7 +262,7 @@ def test_a_file_swapped_after_the_listing_is_not_read(site) -> None:
 
     path.unlink()  # -> another regular file (same name, another inode)
     shutil.copy(secret, path)
-    assert "replaced since it was listed" in str(reader.inspect(str(path)).error)
+    assert "changed since it was listed" in str(reader.inspect(str(path)).error)
 
     path.unlink()  # the hour folder -> a symlink to a folder holding a file of that name
     folder = path.parent
@@ -331,11 +331,11 @@ def test_a_file_swapped_while_spark_reads_it_is_never_taken_even_when_spark_fail
     keyring = site["private"] / "keyring.json"
     real_read = pipeline.read_events
 
-    def swap_then_read(*args: Any) -> Any:
+    def swap_then_read(*args: Any, **kwargs: Any) -> Any:
         if args[4] and not path.is_symlink():  # the native read: Spark opens by path
             os.replace(path, site["private"] / "kept.parquet")
             path.symlink_to(keyring)
-        return real_read(*args)
+        return real_read(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "read_events", swap_then_read)
     try:

@@ -10,6 +10,11 @@ only the first and last cipher blocks are decrypted, to check the PKCS7 padding 
 plaintext starts like a ZSTD frame (or a Parquet/CSV file); the whole file is then decoded
 with the first plausible key, falling back to the next one if the ZSTD stream does not decode.
 
+Decoding is bounded: a file whose plaintext would exceed ``max_bytes`` (the table's
+``max_file_bytes``) stops decoding there and is refused, so a decompression bomb (zeros
+compress about 32,700:1) costs at most that much memory, never the machine. ZSTD input is fed
+to the decompressor in small pieces, so no single call can produce more than about 32 MiB.
+
 Error messages never contain key material.
 """
 
@@ -31,6 +36,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 Source = str | BinaryIO
 
 __all__ = [
+    "DEFAULT_MAX_BYTES",
     "LandingFileError",
     "compress_zstd",
     "decode_file",
@@ -44,6 +50,11 @@ __all__ = [
 BLOCK = 16
 KEY_BYTES = 32
 CHUNK = 1 << 20  # bytes of ciphertext / compressed data read at a time
+# Compressed bytes per decompressor call: ZSTD's best ratio (an RLE block) is about 32,768:1,
+# so one call yields at most ~32 MiB; measured no slower than whole chunks.
+ZSTD_PIECE = 1 << 10
+# A landing file's plaintext is refused above this (the config's ``max_file_bytes`` default).
+DEFAULT_MAX_BYTES = 2 << 30
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 PARQUET_MAGIC = b"PAR1"
 COMPRESSIONS = ("none", "zstd")
@@ -116,27 +127,27 @@ def decode_file(
     file_format: str | None = None,
     table: str | None = None,
     relative_path: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> bytes:
     """The plaintext of a landing file, in memory.
 
     ``keys`` are the candidate AES keys in the order to try (ignored when not encrypted).
     ``file_format`` ("parquet"/"csv"), when given, sharpens the wrong-key check of
     uncompressed encrypted files; ``table``/``relative_path`` only improve the message when no
-    key is available. Raises LandingFileError with a clear reason.
+    key is available. A plaintext over ``max_bytes`` is refused (``too_large``). Raises
+    LandingFileError with a clear reason.
     """
     _check_modes(compression, encryption)
     if encryption == "none":
         with _opened(path) as fh:
-            if compression == "none":
-                return fh.read()
-            return b"".join(_zstd_chunks(_file_chunks(fh, 0)))
+            return b"".join(_bounded(_plain_file_chunks(fh, compression), max_bytes))
 
     candidates = _candidate_keys(path, compression, keys, file_format, table, relative_path)
     first_error: LandingFileError | None = None
     for key in candidates:
         try:
             with _opened(path) as fh:
-                return b"".join(_plain_chunks(fh, key, compression))
+                return b"".join(_bounded(_plain_chunks(fh, key, compression), max_bytes))
         except LandingFileError as exc:  # the ZSTD stream did not decode with this key
             first_error = first_error or exc
     assert first_error is not None
@@ -152,11 +163,14 @@ def open_decoded_stream(
     file_format: str | None = None,
     table: str | None = None,
     relative_path: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> BinaryIO:
     """A read-only binary stream of the plaintext, decoded chunk by chunk as it is read.
 
     The key is chosen up front from the first and last cipher blocks (padding and magic
-    number); a corrupt or truncated ZSTD stream surfaces as LandingFileError from ``read``.
+    number); a corrupt or truncated ZSTD stream, or a plaintext over ``max_bytes``, surfaces
+    as LandingFileError from ``read``. Decoding is lazy: reading a sample decodes about that
+    much (plus one ``ZSTD_PIECE``'s output), whatever the file expands to.
     Unlike ``decode_file`` there is no fallback to another key once reading has started.
     Close the stream (or use it as a context manager) to close the file.
     """
@@ -181,7 +195,42 @@ def open_decoded_stream(
     except BaseException:
         fh.close()
         raise
-    return io.BufferedReader(_ChunkStream(chunks, fh), buffer_size=CHUNK)
+    return io.BufferedReader(_ChunkStream(_bounded(chunks, max_bytes), fh), buffer_size=CHUNK)
+
+
+def too_large(max_bytes: int) -> str:
+    """The reason a file whose plaintext exceeds ``max_bytes`` is set aside."""
+    return (
+        f"decodes to more than {_size(max_bytes)} (the table's max_file_bytes): a decompression"
+        " bomb, or a file larger than this table allows; decoding stopped there. If the file is"
+        " genuine, raise max_file_bytes and materialize its hour again"
+    )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n:,} bytes"
+
+
+def _bounded(chunks: Iterator[bytes], max_bytes: int) -> Iterator[bytes]:
+    """``chunks`` as they come, refused (``too_large``) once they add up to over ``max_bytes``."""
+    total = 0
+    for chunk in chunks:
+        total += len(chunk)
+        if total > max_bytes:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+            raise LandingFileError(too_large(max_bytes))
+        yield chunk
+
+
+def _plain_file_chunks(fh: BinaryIO, compression: str) -> Iterator[bytes]:
+    """An unencrypted file's plaintext, chunk by chunk."""
+    chunks = _file_chunks(fh, 0)
+    return _zstd_chunks(chunks) if compression == "zstd" else chunks
 
 
 # -- internals ------------------------------------------------------------------------------------
@@ -348,27 +397,30 @@ def _decrypt_chunks(chunks: Iterator[bytes], key: bytes, iv: bytes) -> Iterator[
 
 
 def _zstd_chunks(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Decompress a stream of one or more ZSTD frames (content size in the header or not)."""
+    """Decompress a stream of one or more ZSTD frames (content size in the header or not),
+    ``ZSTD_PIECE`` compressed bytes per call so that no call's output is unbounded."""
     dctx = zstandard.ZstdDecompressor()
     frame = None  # the decompressor of the frame in progress
     frames = 0
     for chunk in chunks:
-        data = chunk
-        while data:
-            if frame is None:
-                frame = dctx.decompressobj()
-            try:
-                out = frame.decompress(data)
-            except zstandard.ZstdError as exc:
-                raise LandingFileError(f"corrupt ZSTD data: {exc}") from None
-            if out:
-                yield out
-            if frame.eof:
-                data = frame.unused_data
-                frame = None
-                frames += 1
-            else:
-                data = b""
+        view = memoryview(chunk)
+        for start in range(0, len(view), ZSTD_PIECE):
+            data = view[start : start + ZSTD_PIECE]
+            while data:
+                if frame is None:
+                    frame = dctx.decompressobj()
+                try:
+                    out = frame.decompress(data)
+                except zstandard.ZstdError as exc:
+                    raise LandingFileError(f"corrupt ZSTD data: {exc}") from None
+                if out:
+                    yield out
+                if frame.eof:
+                    data = frame.unused_data
+                    frame = None
+                    frames += 1
+                else:
+                    data = b""
     if frame is not None:
         raise LandingFileError(
             "truncated ZSTD stream: the data ends inside a frame (the file was cut short)"

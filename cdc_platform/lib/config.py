@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from cdc_platform.lib.codecs import DEFAULT_MAX_BYTES
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
 from cdc_platform.lib.history import TRACK_ALL, HistoryColumns
 from cdc_platform.lib.source_roots import checked_root, overlaps
@@ -94,6 +95,9 @@ class TableConfig:
     # The Dagster asset group of the table's assets (the asset graph shows one box per group
     # until opened: at hundreds of tables, group them by source system or domain).
     group: str = DEFAULT_GROUP
+    # A landing file whose plaintext (decrypted, decompressed; a Parquet file's uncompressed
+    # row groups) is larger is set aside: a decompression bomb costs at most this much memory.
+    max_file_bytes: int = DEFAULT_MAX_BYTES
 
     @property
     def start_partition_key(self) -> str:
@@ -166,6 +170,7 @@ _TABLE_FIELDS = {
     "ignore_history_columns",
     "widen_types",
     "group",
+    "max_file_bytes",
 }
 _TOP_FIELDS = {
     "landing_root",
@@ -514,6 +519,7 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         history_columns=_history_columns(raw, pk, fail),
         widen_types=choice("widen_types", WIDEN_TYPES),
         group=_group(raw.get("group", DEFAULT_GROUP), fail),
+        max_file_bytes=positive_int("max_file_bytes", DEFAULT_MAX_BYTES),
     )
 
 

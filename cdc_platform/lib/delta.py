@@ -498,8 +498,11 @@ def file_stats(meta: pq.FileMetaData) -> dict[str, Any]:
                 if st.null_count != meta.row_group(rg).num_rows:
                     bounded = False
                 continue
-            lo = st.min if lo is None else min(lo, st.min)
-            hi = st.max if hi is None else max(hi, st.max)
+            try:
+                lo = st.min if lo is None else min(lo, st.min)
+                hi = st.max if hi is None else max(hi, st.max)
+            except UnicodeDecodeError:  # bytes that are no text: no bounds, never a failure
+                bounded = False
         if null_count is not None:
             nulls[field.name] = null_count
         if bounded and lo is not None:

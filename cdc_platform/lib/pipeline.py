@@ -14,7 +14,7 @@ the bytes each of its Delta commits added and removed, on the outcome's ``cost``
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,17 +30,20 @@ from cdc_platform.lib.reading import (
     LandingReader,
     NativeGuard,
     NativeReadChangedError,
+    changed_files_named,
     event_schema,
     inspect_files,
     read_events,
     unify_schema,
 )
 from cdc_platform.lib.run_cost import CostReport, RunCost, lap
+from cdc_platform.lib.safe_open import CHANGED
 from cdc_platform.lib.spark import ADAPTIVE, conf_restored
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import SparkSession
 
 
@@ -185,59 +188,28 @@ def _apply_hours(
         if not r.ok or r.path in clashes
     ]
 
-    events_read = sum(r.num_rows for r in good)
     new_events = 0
     native: dict[str, str] = {}
-    if events_read:
+    with_rows = [r for r in good if r.num_rows]
+    if with_rows:
         lap("changelog_append")
-        with_rows = [r for r in good if r.num_rows]
-        # A file whose column is narrower than the table's (the table widened) is cast up by
-        # the Python decoder, as every widening is (Arrow's casts, one engine for all of them).
-        unified = {f.name: f.type for f in fields}
-        native = {
-            r.path: r.source_uri
-            for r in with_rows
-            if r.native
-            and r.source_uri
-            and r.schema is not None
-            and all(unified.get(f.name, f.type) == f.type for f in r.schema)
-        }
-        # Spark reads these by path: checked before, and before the commit (``NativeGuard``).
-        guard = NativeGuard(reader, sorted(native))
-        native = {p: uri for p, uri in native.items() if p in guard.readable}
-        # Every file with rows has a seq range: a missing seq sets the file aside.
-        seq_range = (
-            min(r.seq_min for r in with_rows if r.seq_min is not None),
-            max(r.seq_max for r in with_rows if r.seq_max is not None),
+        appended, native, changed = _append_events(
+            spark, table, reader, paths, fields, with_rows, synced_at, revoked_now
         )
-
-        def append(native: dict[str, str]) -> changelog.AppendResult:
-            events = read_events(
-                spark, reader, [r.path for r in with_rows], event_schema(fields), native
+        new_events = appended.new_events if appended is not None else 0
+        with_rows = [r for r in with_rows if r.path not in changed]
+        set_aside += [
+            quarantine.QuarantinedFile(
+                file=reader.relative(p),
+                partition=partition_of[p],
+                reason=CHANGED,
+                row=None,
+                bad_rows=0,
+                detected_at=synced_at,
             )
-            return changelog.append(
-                spark,
-                paths.changelog,
-                events,
-                table.primary_key,
-                seq_range,
-                events_read,
-                synced_at,
-                revoked=revoked_now,
-                forgotten=paths.forgotten_events,
-                before_commit=guard.verify if native else None,
-            )
-
-        try:
-            appended = append(native)
-        except Exception as exc:
-            # A file swapped under Spark may fail its read before the guard is asked (an
-            # error naming the swapped-in target): a changed file means the read was not ours.
-            if not native or not (isinstance(exc, NativeReadChangedError) or guard.changed()):
-                raise
-            native = {}  # every file through the checked descriptor, in Python
-            appended = append(native)
-        new_events = appended.new_events
+            for p in sorted(changed)
+        ]
+    events_read = sum(r.num_rows for r in with_rows)
     lap("quarantine")
     quarantine.record(
         paths.quarantine,
@@ -269,6 +241,122 @@ def _apply_hours(
         read_natively=tuple(sorted(reader.relative(p) for p in native)),
         revoked=tuple(sorted(skipped)),
         landing_bytes_read=sum(size_of[p] for p in all_paths if p not in not_read),
+    )
+
+
+# Attempts at the change-log append when files change under it: each attempt sets the changed
+# files aside and appends the rest (a file rewritten again and again cannot hold its hour).
+APPEND_ATTEMPTS = 3
+
+
+def _append_events(
+    spark: SparkSession,
+    table: TableConfig,
+    reader: LandingReader,
+    paths: TablePaths,
+    fields: Sequence[pa.Field],
+    files: Sequence[FileReport],
+    synced_at: datetime,
+    revoked: Callable[[], set[str]],
+) -> tuple[changelog.AppendResult | None, dict[str, str], set[str]]:
+    """Append the events of ``files`` (inspected, with rows) to the change log.
+
+    Returns the append (None if every file changed), the files read natively, and the files
+    set aside because they are no longer what the listing and pass 1 saw (rewritten in place,
+    replaced): their hour is read again when the landing sensor sees the change. A read that
+    fails for another reason raises, with nothing committed.
+    """
+    unified = {f.name: f.type for f in fields}
+    # A file whose column is narrower than the table's (the table widened) is cast up by
+    # the Python decoder, as every widening is (Arrow's casts, one engine for all of them).
+    native = {
+        r.path: r.source_uri
+        for r in files
+        if r.native
+        and r.source_uri
+        and r.schema is not None
+        and all(unified.get(f.name, f.type) == f.type for f in r.schema)
+    }
+    # Spark reads these by path: checked before, and before the commit (``NativeGuard``).
+    guard = NativeGuard(reader, sorted(native))
+    native = {p: uri for p, uri in native.items() if p in guard.readable}
+    changed: set[str] = set()
+    left = list(files)
+    for attempt in range(APPEND_ATTEMPTS):
+        listed = [r.path for r in left]
+
+        def before_commit(listed: list[str] = listed, native: dict[str, str] = native) -> None:
+            if native:
+                guard.verify()
+            if reader.changed_since_listed(listed):
+                raise NativeReadChangedError("a landing file changed while it was read")
+
+        try:
+            return (
+                _append_once(
+                    spark,
+                    table,
+                    reader,
+                    paths,
+                    fields,
+                    left,
+                    synced_at,
+                    revoked,
+                    native,
+                    before_commit,
+                ),
+                native,
+                changed,
+            )
+        except Exception as exc:
+            now_changed = reader.changed_since_listed(listed) | {
+                p for p in listed if reader.relative(p) in changed_files_named(exc)
+            }
+            swapped = bool(native) and (isinstance(exc, NativeReadChangedError) or guard.changed())
+            if (not now_changed and not swapped) or attempt == APPEND_ATTEMPTS - 1:
+                raise
+        # A file swapped under Spark's by-path read: every file through the checked descriptor.
+        native = {} if swapped else {p: u for p, u in native.items() if p not in now_changed}
+        changed |= now_changed
+        left = [r for r in left if r.path not in now_changed]
+        if not left:
+            return None, native, changed
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _append_once(
+    spark: SparkSession,
+    table: TableConfig,
+    reader: LandingReader,
+    paths: TablePaths,
+    fields: Sequence[pa.Field],
+    files: Sequence[FileReport],
+    synced_at: datetime,
+    revoked: Callable[[], set[str]],
+    native: dict[str, str],
+    before_commit: Callable[[], None],
+) -> changelog.AppendResult:
+    """One attempt: read ``files`` (pass 2, checked against pass 1) and append them."""
+    # Every file with rows has a seq range: a missing seq sets the file aside.
+    seq_range = (
+        min(r.seq_min for r in files if r.seq_min is not None),
+        max(r.seq_max for r in files if r.seq_max is not None),
+    )
+    inspected = {r.path: r for r in files}
+    events = read_events(
+        spark, reader, [r.path for r in files], event_schema(fields), native, inspected=inspected
+    )
+    return changelog.append(
+        spark,
+        paths.changelog,
+        events,
+        table.primary_key,
+        seq_range,
+        sum(r.num_rows for r in files),
+        synced_at,
+        revoked=revoked,
+        forgotten=paths.forgotten_events,
+        before_commit=before_commit,
     )
 
 

@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cdc_platform.lib.codecs import LandingFileError, decode_file
+from cdc_platform.lib.codecs import LandingFileError, decode_file, too_large
 from cdc_platform.lib.columns import (
     CDC_COLUMNS,
     OP,
@@ -50,7 +51,8 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.csv_format import read_csv_events
 from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.safe_open import FileId, open_beneath, path_ids
+from cdc_platform.lib.landing import printable_path
+from cdc_platform.lib.safe_open import CHANGED, FileId, check_unchanged, open_beneath, path_ids
 from cdc_platform.lib.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
 if TYPE_CHECKING:
@@ -233,10 +235,25 @@ def _native_type(t: pa.DataType, top_level: bool = True) -> bool:
     if pa.types.is_timestamp(t):
         return t.unit == "us"
     if _is_list(t):
-        return pa.types.is_list(t) and _native_type(t.value_type, top_level=False)
+        # A list of strings is checked for UTF-8 natively; text deeper down only in Python.
+        inner = t.value_type
+        if _is_string_like(inner) or pa.types.is_binary(inner):
+            return pa.types.is_list(t) and _native_type(inner, top_level=False)
+        return pa.types.is_list(t) and _native_type(inner, top_level=False) and not _has_text(inner)
     if pa.types.is_struct(t):
-        return all(_native_type(f.type, top_level=False) for f in t)
+        return all(_native_type(f.type, top_level=False) and not _has_text(f.type) for f in t)
     return not pa.types.is_null(t) and normalize_type(t) == t
+
+
+def _has_text(t: pa.DataType) -> bool:
+    """Whether a type holds strings anywhere (checked for UTF-8 by the Python inspection)."""
+    if _is_string_like(t):
+        return True
+    if _is_list(t):
+        return _has_text(t.value_type)
+    if pa.types.is_struct(t):
+        return any(_has_text(f.type) for f in t)
+    return False
 
 
 def _spark_widens(t: pa.DataType) -> bool:
@@ -279,12 +296,42 @@ def _natively_readable(
     return codecs <= _NATIVE_CODECS
 
 
+def parquet_bytes(meta: pq.FileMetaData) -> int:
+    """The uncompressed size of a Parquet file's row groups, as its footer gives it."""
+    return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+
+
+def check_parquet_size(meta: pq.FileMetaData, max_bytes: int) -> None:
+    """Refuse a Parquet file whose row groups expand past ``max_bytes`` (a Parquet bomb:
+    its pages compress as well as any ZSTD stream) before any page is read."""
+    if parquet_bytes(meta) > max_bytes:
+        raise LandingFileError(too_large(max_bytes))
+
+
+def _first_invalid_row(values: pa.Array) -> int | None:
+    """The first row of ``values`` that fails Arrow's full validation (bisecting prefixes)."""
+    lo, hi = 0, len(values)  # the first bad row is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            values.slice(lo, mid - lo).validate(full=True)
+            lo = mid
+        except pa.ArrowInvalid:
+            hi = mid
+    try:
+        values.slice(lo, 1).validate(full=True)
+    except pa.ArrowInvalid:
+        return lo
+    return None
+
+
 def _needs_value_check(t: pa.DataType) -> bool:
     """True if normalizing a column of type ``t`` can fail on some value (checked in pass 1)."""
     if pa.types.is_dictionary(t):
         return _needs_value_check(t.value_type)
     return (
         pa.types.is_uint64(t)
+        or _has_text(t)
         or pa.types.is_timestamp(t)
         or pa.types.is_date(t)
         or pa.types.is_decimal(t)
@@ -341,10 +388,29 @@ class LandingReader:
         """Read each of these paths only if it is still the file the listing saw."""
         self.expected.update({os.path.abspath(p): i for p, i in listed.items()})
 
+    def listed(self, path: str) -> FileId | None:
+        """The file the listing saw at ``path`` (None: not listed, nothing to compare)."""
+        return self.expected.get(os.path.abspath(path))
+
     def open(self, path: str) -> BinaryIO:
         """``path`` opened through ``safe_open.open_beneath``: below the root, no symlink, a
         regular file, the one listed. Every read of a file's bytes goes through this."""
-        return open_beneath(self.root, path, self.expected.get(os.path.abspath(path)))
+        return open_beneath(self.root, path, self.listed(path))
+
+    def changed_since_listed(self, paths: Sequence[str]) -> set[str]:
+        """The paths that are no longer the file the listing saw (gone, a symlink or another
+        file now, or rewritten in place: size or times moved), by ``lstat`` from the driver."""
+        changed = set()
+        for path in paths:
+            listed = self.listed(path)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                changed.add(path)
+                continue
+            if not stat.S_ISREG(st.st_mode) or (listed is not None and not listed.matches(st)):
+                changed.add(path)
+        return changed
 
     def __repr__(self) -> str:
         return f"LandingReader({self.table.name!r})"
@@ -352,7 +418,9 @@ class LandingReader:
     # -- decoding ---------------------------------------------------------------------------
 
     def relative(self, path: str) -> str:
-        return os.path.relpath(path, self.landing_root)
+        """A file's name as the change log, the quarantine and the ledgers record it (a name
+        that is not UTF-8, only ever set aside, with ``\\x`` escapes)."""
+        return printable_path(os.path.relpath(path, self.landing_root))
 
     def show(self, value: object) -> str:
         """A cell as a reason may quote it: never for an encrypted table."""
@@ -370,7 +438,8 @@ class LandingReader:
         try:
             if not t.is_encoded:
                 with self.open(path) as fh:
-                    tbl = pq.read_table(fh, columns=list(columns) if columns else None)
+                    tbl = self._read_parquet(fh, columns)
+                    check_unchanged(fh, self.listed(path))
             else:
                 keys = (
                     self.keyring.keys_for(t.name, self.relative(path))
@@ -386,20 +455,43 @@ class LandingReader:
                         file_format=t.format,
                         table=t.name,
                         relative_path=self.relative(path),
+                        max_bytes=t.max_file_bytes,
                     )
+                    check_unchanged(fh, self.listed(path))
                 if t.format == "csv":
                     tbl = read_csv_events(data, t, source=path, hide_values=self.hide_values)
                 else:
-                    tbl = pq.read_table(
-                        io.BytesIO(data), columns=list(columns) if columns else None
-                    )
+                    tbl = self._read_parquet(io.BytesIO(data), columns)
         except LandingFileError:
             raise
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             kind = "Parquet" if t.format == "parquet" else t.format.upper()
             raise LandingFileError(f"not a readable {kind} file{self._detail(exc)}") from None
         self._check_names(tbl.schema)
+        self._check_utf8(tbl)
         return self._normalize(tbl)
+
+    def _check_utf8(self, tbl: pa.Table) -> None:
+        """Every string is valid UTF-8 (Parquet readers take any bytes as text): else the
+        first bad row and column, never the value."""
+        for i, (name, column) in enumerate(zip(tbl.column_names, tbl.columns, strict=True)):
+            if not _has_text(column.type):
+                continue
+            try:
+                column.validate(full=True)
+            except pa.ArrowInvalid:
+                row = _first_invalid_row(column.combine_chunks())
+                where = f"row {row + 1}, " if row is not None else ""
+                raise LandingFileError(
+                    f"{where}column {self.label(name, i)}: text that is not valid UTF-8",
+                    row + 1 if row is not None else None,
+                ) from None
+
+    def _read_parquet(self, source: BinaryIO, columns: Sequence[str] | None) -> pa.Table:
+        """A Parquet file's rows, once its footer says they fit in ``max_file_bytes``."""
+        pf = pq.ParquetFile(source)
+        check_parquet_size(pf.metadata, self.table.max_file_bytes)
+        return pf.read(columns=list(columns) if columns else None)
 
     def label(self, name: str, position: int) -> str:
         """How a reason names a column of a file: by name (a landing file's own schema)."""
@@ -499,6 +591,8 @@ class LandingReader:
             return None
         if not _natively_readable(schema, meta, self.table.primary_key):
             return None
+        if parquet_bytes(meta) > self.table.max_file_bytes:
+            return None  # the inspection sets it aside, saying why
         normalized = pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
         return FileReport(path, meta.num_rows, normalized, native=True)
 
@@ -551,9 +645,22 @@ class LandingReader:
 
     # -- pass 2: read -------------------------------------------------------------------------
 
-    def read_conformed(self, path: str, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-        """The file's events shaped exactly as ``schema`` (missing columns become nulls)."""
-        tbl = self.load(path)
+    def read_conformed(
+        self, path: str, schema: pa.Schema, inspected: FileReport | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """The file's events shaped exactly as ``schema`` (missing columns become nulls).
+
+        With ``inspected`` (pass 1's report), the rows must still be the ones inspected: valid,
+        as many, within its seq range; else the file changed between the passes and nothing of
+        it is returned (``changed_file_error``), as when it no longer loads at all."""
+        try:
+            tbl = self.load(path)
+        except LandingFileError:
+            if inspected is None:
+                raise
+            raise changed_file_error(self.relative(path)) from None
+        if inspected is not None:
+            self._check_as_inspected(path, tbl, inspected)
         n = tbl.num_rows
         arrays = []
         for field in schema:
@@ -566,6 +673,17 @@ class LandingReader:
             else:
                 arrays.append(pa.nulls(n, field.type))
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
+
+    def _check_as_inspected(self, path: str, tbl: pa.Table, inspected: FileReport) -> None:
+        error, _, _ = validate_rows(tbl, self.table.primary_key, self.show)
+        bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}  # pyright: ignore[reportAttributeAccessIssue]
+        same = (tbl.num_rows, bounds["min"], bounds["max"]) == (
+            inspected.num_rows,
+            inspected.seq_min,
+            inspected.seq_max,
+        )
+        if error or not same:
+            raise changed_file_error(self.relative(path))
 
 
 def validate_rows(
@@ -737,6 +855,28 @@ class NativeReadChangedError(LandingFileError):
     """A file Spark read by path changed while it read it (a symlink swapped in and out)."""
 
 
+# A file found changed in pass 2 is named in the error by this marker and its relative path in
+# hex (a Spark task's error reaches the driver as text; hex survives any name).
+_CHANGED_MARKER = "cdc-changed-file:"
+_CHANGED_RE = re.compile(re.escape(_CHANGED_MARKER) + r"([0-9a-fA-F]+)")
+
+
+def changed_file_error(relative: str) -> LandingFileError:
+    """Pass 2 found a file other than pass 1 inspected (rewritten in place between them)."""
+    return LandingFileError(f"{CHANGED} [{_CHANGED_MARKER}{relative.encode().hex()}]")
+
+
+def changed_files_named(exc: BaseException) -> set[str]:
+    """The relative paths a failed read named as changed (``changed_file_error``)."""
+    names = set()
+    for match in _CHANGED_RE.finditer(str(exc)):
+        try:
+            names.add(bytes.fromhex(match.group(1)).decode())
+        except ValueError:
+            continue
+    return names
+
+
 class NativeGuard:
     """What makes Spark's by-path reads of plain Parquet safe against a swapped path.
 
@@ -790,6 +930,9 @@ class NativeGuard:
 NATIVE_READ_OPTIONS = {"datetimeRebaseMode": "CORRECTED", "int96RebaseMode": "CORRECTED"}
 _FILE = "_cdc_tmp_file"
 _ROW = "_cdc_tmp_row"
+_ROWS = "_cdc_tmp_rows"
+_SEQ_MIN = "_cdc_tmp_seq_min"
+_SEQ_MAX = "_cdc_tmp_seq_max"
 _log = logging.getLogger(__name__)
 
 
@@ -797,12 +940,43 @@ def _checked_signature(schema: pa.Schema, pk: Sequence[str]) -> tuple[tuple[str,
     """The columns pass 1 checks, with their types: keys, change columns, then top-level dates
     and timestamps (whose values must lie in the years 1 to 9999)."""
     head = [*pk, *CDC_COLUMNS]
-    ranged = [
-        f.name
-        for f in schema
-        if f.name not in head and (pa.types.is_timestamp(f.type) or pa.types.is_date(f.type))
-    ]
+    ranged = [f.name for f in schema if f.name not in head and _value_checked(f.type)]
     return tuple((n, str(schema.field(n).type)) for n in (*head, *ranged))
+
+
+def _value_checked(t: pa.DataType) -> bool:
+    """A column whose values the native validation checks: dates and timestamps (years 1 to
+    9999), and text (valid UTF-8: Spark reads any bytes as a string, and a change log holding
+    invalid text is one some Delta readers refuse)."""
+    return (
+        pa.types.is_timestamp(t)
+        or pa.types.is_date(t)
+        or _is_string_like(t)
+        or (_is_list(t) and _is_string_like(t.value_type))
+    )
+
+
+def _seen_bounds(report: FileReport | None) -> tuple[int | None, int | None, int | None]:
+    """(rows, seq min, seq max) pass 1 saw in a file; nulls compare as nothing changed."""
+    if report is None:
+        return None, None, None
+    return report.num_rows, report.seq_min, report.seq_max
+
+
+def _row_check(pk: Sequence[str]) -> Column:
+    """The number of the first check a row fails, in ``validate_rows``'s order, or null."""
+    from pyspark.sql import functions as F
+
+    from cdc_platform.lib.columns import col
+
+    op = F.upper(col(OP))
+    checks = [col(k).isNull() for k in pk]
+    checks.append(~F.coalesce(op.isin(*OPERATIONS), F.lit(False)))
+    checks.append(col(SEQ).isNull())
+    checks.append(col(TS).isNull())
+    tmin, tmax = F.lit("0001-01-01").cast("timestamp"), F.lit(TMAX_SQL).cast("timestamp")
+    checks.append(F.coalesce((col(TS) < tmin) | (col(TS) >= tmax), F.lit(False)))
+    return F.coalesce(*[F.when(c, F.lit(i)) for i, c in enumerate(checks)])
 
 
 def _validation_summary(df: DataFrame, pk: Sequence[str], ranged: Sequence[str]) -> DataFrame:
@@ -816,18 +990,25 @@ def _validation_summary(df: DataFrame, pk: Sequence[str], ranged: Sequence[str])
         bounds = F.lit("0001-01-01").cast(kind), F.lit(hi).cast(kind)
         return col(name).isNull() | col(name).between(*bounds)
 
+    def valid_utf8(name: str, kind: str) -> Column:
+        if kind == "array":
+            return F.forall(col(name), lambda x: F.coalesce(F.is_valid_utf8(x), F.lit(True)))
+        return F.coalesce(F.is_valid_utf8(col(name)), F.lit(True))
+
     types = {f.name: f.dataType.typeName() for f in df.schema.fields}
     op = F.upper(col(OP))
-    checks = [col(k).isNull() for k in pk]
-    checks.append(~F.coalesce(op.isin(*OPERATIONS), F.lit(False)))
-    checks.append(col(SEQ).isNull())
-    checks.append(col(TS).isNull())
-    tmin, tmax = F.lit("0001-01-01").cast("timestamp"), F.lit(TMAX_SQL).cast("timestamp")
-    checks.append(F.coalesce((col(TS) < tmin) | (col(TS) >= tmax), F.lit(False)))
-    check = F.coalesce(*[F.when(c, F.lit(i)) for i, c in enumerate(checks)])
+    check = _row_check(pk)
+    # A value the Python inspection reports (out of range, not UTF-8): inspected there instead.
     conv = F.lit(False)
     for name in [TS, *ranged]:
-        conv = conv | ~in_years_1_to_9999(name, types[name])
+        kind = types[name]
+        if kind in ("date", "timestamp"):
+            conv = conv | ~in_years_1_to_9999(name, kind)
+        else:
+            conv = conv | ~F.coalesce(valid_utf8(name, kind), F.lit(True))
+    for name in [OP, *pk]:
+        if types[name] == "string":
+            conv = conv | ~valid_utf8(name, "string")
     rows = df.select(
         F.col("_metadata.file_path").alias(_FILE),
         (F.col("_metadata.row_index") + 1).alias(_ROW),
@@ -1064,22 +1245,27 @@ def read_events(
     paths: Sequence[str],
     schema: pa.Schema,
     native: Mapping[str, str] | None = None,
+    inspected: Mapping[str, FileReport] | None = None,
 ) -> DataFrame:
     """Pass 2: a DataFrame of every event in ``paths`` (lazy).
 
     Files in ``native`` (path -> the file as Spark names it, ``FileReport.source_uri``) are read
-    by Spark's vectorized Parquet reader; every other file is decoded in Python tasks.
+    by Spark's vectorized Parquet reader; every other file is decoded in Python tasks. With
+    ``inspected`` (pass 1's reports), each file's rows are checked again as they are read:
+    a file rewritten between the passes fails the read, naming it (``changed_files_named``),
+    never reaching the change log unvalidated.
     """
     from pyspark.sql.pandas.types import from_arrow_schema
 
     native = native or {}
+    inspected = inspected or {}
     parts = []
     decoded = [p for p in paths if p not in native]
     if decoded:
-        parts.append(_read_decoded(spark, reader, decoded, schema))
+        parts.append(_read_decoded(spark, reader, decoded, schema, inspected))
     natively = {p: native[p] for p in paths if p in native}
     if natively:
-        parts.append(_read_native(spark, reader, natively, schema))
+        parts.append(_read_native(spark, reader, natively, schema, inspected))
     if not parts:
         return spark.createDataFrame([], from_arrow_schema(schema))
     out = parts[0]
@@ -1089,24 +1275,41 @@ def read_events(
 
 
 def _read_decoded(
-    spark: SparkSession, reader: LandingReader, paths: Sequence[str], schema: pa.Schema
+    spark: SparkSession,
+    reader: LandingReader,
+    paths: Sequence[str],
+    schema: pa.Schema,
+    inspected: Mapping[str, FileReport],
 ) -> DataFrame:
     from pyspark.sql.pandas.types import from_arrow_schema
 
     path_df = _path_frame(spark, paths)
+    # Only what the check needs travels to the tasks (not the schemas).
+    seen = {
+        p: FileReport(p, r.num_rows, None, seq_min=r.seq_min, seq_max=r.seq_max)
+        for p, r in inspected.items()
+        if p in set(paths)
+    }
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for path in batch.column(0).to_pylist():
-                yield from reader.read_conformed(path, schema)
+                yield from reader.read_conformed(path, schema, seen.get(path))
 
     return path_df.mapInArrow(decode, from_arrow_schema(schema))
 
 
 def _read_native(
-    spark: SparkSession, reader: LandingReader, files: Mapping[str, str], schema: pa.Schema
+    spark: SparkSession,
+    reader: LandingReader,
+    files: Mapping[str, str],
+    schema: pa.Schema,
+    inspected: Mapping[str, FileReport],
 ) -> DataFrame:
-    """The files read by Spark itself; provenance from its ``_metadata`` column (1-based rows)."""
+    """The files read by Spark itself; provenance from its ``_metadata`` column (1-based rows).
+
+    Each row is checked again as it is read (``_row_check``, its row number and seq within
+    what pass 1 saw): a file rewritten since fails the read, naming it."""
     from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -1127,6 +1330,16 @@ def _read_native(
         F.col("_metadata.file_path").alias(_FILE),
         (F.col("_metadata.row_index") + 1).cast("long").alias(SOURCE_ROW),
     ).join(F.broadcast(names), _FILE)
+    changed = (
+        _row_check(list(reader.table.primary_key)).isNotNull()
+        | (col(SOURCE_ROW) > col(_ROWS))
+        | (col(SEQ) < col(_SEQ_MIN))
+        | (col(SEQ) > col(_SEQ_MAX))
+    )
+    marker = F.concat(
+        F.lit(f"{CHANGED} [{_CHANGED_MARKER}"), F.lower(F.hex(col(SOURCE_FILE))), F.lit("]")
+    )
+    rows = rows.filter(F.when(changed, F.raise_error(marker)).otherwise(F.lit(True)))
     return rows.select(
         *[F.upper(col(OP)).alias(OP) if f.name == OP else col(f.name).alias(f.name) for f in schema]
     )

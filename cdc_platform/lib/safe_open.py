@@ -6,8 +6,10 @@ symlink (to the keyring, say). So a file is never opened by path alone: ``open_b
 walks from a trusted root one component at a time with ``O_NOFOLLOW`` (a symlink anywhere
 below the root is refused, not followed), opens the file without following it and without
 blocking (a FIFO cannot hang the reader), checks with ``fstat`` on the opened descriptor that
-it is a regular file, and that it is the file the listing saw (``FileId``: device and inode).
-Everything is then read through that descriptor.
+it is a regular file, and that it is the file the listing saw (``FileId``: device and inode,
+and its size, modification and change times, so a file rewritten in place since the listing
+is refused too: the rewrite moves the inode's change time, which nobody can set back).
+Everything is then read through that descriptor, and ``unchanged`` checks it again once read.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from cdc_platform.lib.codecs import LandingFileError
 
 SYMLINK = "symlink: links in the landing zone are not followed"
 NOT_A_FILE = "not a regular file"
-CHANGED = "replaced since it was listed (another file is at this path now); not read"
+CHANGED = (
+    "changed since it was listed (replaced, or rewritten in place); not read in this run. Its"
+    " hour is read again once the file is stable (the landing sensor sees the change)"
+)
 OUTSIDE = "outside the folder it was listed in; not read"
 
 _HOST = socket.gethostname()
@@ -33,21 +38,27 @@ _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 @dataclass(frozen=True)
 class FileId:
-    """Which file a listing saw at a path: device and inode (and the host that listed it: on a
-    mount seen from another host, a Spark executor's, the device number may differ, so only
-    the inode is compared there)."""
+    """Which file a listing saw at a path: device and inode, and its size, modification and
+    change times (0: not known, not compared). On a mount seen from another host (a Spark
+    executor's) the device number may differ, so only the rest is compared there."""
 
     dev: int
     ino: int
+    size: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
     host: str = _HOST
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileId:
-        return cls(st.st_dev, st.st_ino)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def matches(self, st: os.stat_result) -> bool:
         same_device = self.dev == st.st_dev or self.host != _HOST
-        return same_device and self.ino == st.st_ino
+        times = (self.size, self.mtime_ns, self.ctime_ns)
+        now = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        same_content = all(a == b for a, b in zip(times, now, strict=True) if a)
+        return same_device and self.ino == st.st_ino and same_content
 
 
 def open_beneath(root: str, path: str, expected: FileId | None = None) -> BinaryIO:
@@ -68,6 +79,13 @@ def open_beneath(root: str, path: str, expected: FileId | None = None) -> Binary
     except BaseException:
         os.close(fd)
         raise
+
+
+def check_unchanged(fh: BinaryIO, expected: FileId | None) -> None:
+    """Raise LandingFileError(CHANGED) if the opened file no longer matches the listing: a
+    rewrite in place while it was being read."""
+    if expected is not None and not expected.matches(os.fstat(fh.fileno())):
+        raise LandingFileError(CHANGED)
 
 
 def _open_fd(root: str, path: str) -> int:

@@ -282,14 +282,18 @@ def _newest(files: Iterable[LandingFile]) -> int:
 
 
 def _newest_in_folder(folder: Path) -> int:
-    """Newest mtime of the data files directly in one folder (0 if none or gone)."""
+    """Newest mtime of the data files (and links, set aside when read) directly in one folder
+    (0 if none, gone or unlistable: a symlink loop or a folder without permission never
+    stops the sweep). Links are never followed."""
     newest = 0
     try:
         with os.scandir(folder) as entries:
             for entry in entries:
-                if entry.is_file() and is_data_file(entry.name):
-                    newest = max(newest, entry.stat().st_mtime_ns)
-    except FileNotFoundError:
+                if not is_data_file(entry.name):
+                    continue
+                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
+    except OSError:
         return 0
     return newest
 

@@ -1,0 +1,393 @@
+"""A landing zone cannot stop, crash or silently corrupt the platform (issue 31): decompression
+bombs, folder shapes no exporter writes, files rewritten in place between the two reads, and
+bytes that are no text. Each test drives the real path (the pipeline with a real Spark session,
+the sensor's cursor, discovery) and fails without the change it covers."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from deltalake import DeltaTable
+
+from cdc_platform.lib import discovery, quarantine, sensor_cursor
+from cdc_platform.lib.codecs import LandingFileError, decode_file, open_decoded_stream
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.landing import (
+    BAD_NAME,
+    IN_SUBFOLDER,
+    all_hour_folders,
+    files_in_hour,
+    fingerprint,
+    hour_folder,
+)
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.reading import LandingReader, changed_files_named, event_schema
+from cdc_platform.lib.safe_open import CHANGED, FileId
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import event as ev
+from cdc_platform_tests.helpers import history_rows, write_parquet_events
+
+H5 = datetime(2024, 1, 1, 5, tzinfo=UTC)
+TS = datetime(2024, 1, 1, 5, 1, tzinfo=UTC)
+TABLE = TableConfig(name="t", primary_key=("id",), start=H5 - timedelta(hours=24))
+CSV = replace(
+    TABLE,
+    format="csv",
+    compression="zstd",
+    columns={"id": "long", "v": "string"},
+    null_string="NULL",
+)
+MiB = 1 << 20
+
+
+def zeros_bomb(expanded: int) -> bytes:
+    """ZSTD frames of zeros: ~32,700:1, with no content size in the header (streamed)."""
+    cctx = zstandard.ZstdCompressor(level=3, write_content_size=False)
+    out = bytearray()
+    block = b"\0" * (64 * MiB)
+    for _ in range(max(1, expanded // len(block))):
+        out += cctx.compress(block)
+    return bytes(out)
+
+
+def csv_zst(rows: list[tuple[Any, ...]]) -> bytes:
+    lines = ["id,v,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp"]
+    lines += [",".join(str(c) for c in r) for r in rows]
+    return zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode())
+
+
+def land(lake: dict[str, Path], name: str, data: bytes, table: str = "t") -> Path:
+    folder = hour_folder(lake["landing"], table, H5)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(data)
+    return folder / name
+
+
+def reasons(lake: dict[str, Path], table: str = "t") -> dict[str, str]:
+    q = quarantine.current(TablePaths.of(lake["warehouse"], table).quarantine)
+    return {e.file.rsplit("/", 1)[-1]: e.reason for e in q}
+
+
+def logged_keys(lake: dict[str, Path], table: str = "t") -> list[Any]:
+    log = TablePaths.of(lake["warehouse"], table).changelog
+    return sorted(DeltaTable(log.uri).to_pyarrow_table(columns=["id"])["id"].to_pylist())
+
+
+# -- 1. decompression bombs ------------------------------------------------------------------------
+
+
+def test_a_zstd_bomb_is_refused_having_decoded_at_most_the_limit() -> None:
+    """32 MiB of zeros compress to about a kilobyte; the limit stops decoding there."""
+    import io
+
+    bomb = zeros_bomb(128 * MiB)
+    assert len(bomb) < 16 * 1024
+    tracemalloc.start()
+    with pytest.raises(LandingFileError, match="decodes to more than 16 MiB"):
+        decode_file(io.BytesIO(bomb), "zstd", "none", [], max_bytes=16 * MiB)
+    # A sample of a stream decodes about what is read, whatever the file expands to.
+    with open_decoded_stream(io.BytesIO(bomb), "zstd", "none", []) as stream:
+        assert stream.read(4) == b"\0\0\0\0"
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 100 * MiB, peak
+
+
+def test_discovery_samples_a_bomb_without_expanding_it(tmp_path: Path) -> None:
+    """The new-tables sensor (and a ``discover:`` config) sniffs a new folder's first file in
+    the code server: a 1 MiB file that expands to 32 GiB costs a sample, not the process."""
+    landing = tmp_path / "landing"
+    folder = hour_folder(landing, "bombs", H5)
+    folder.mkdir(parents=True)
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    with open(folder / "part-1.csv.zst", "wb") as fh, cctx.stream_writer(fh) as w:
+        w.write(b"id,v,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp\n")
+        zeros = b"\0" * (64 * MiB)
+        for _ in range(512):  # 32 GiB of plaintext, about 1 MiB on disk
+            w.write(zeros)
+    assert (folder / "part-1.csv.zst").stat().st_size < 4 * MiB
+    tracemalloc.start()
+    found = discovery.describe(landing, "bombs")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert found.encoding.compression == "zstd" and found.encoding.format == "csv"
+    assert peak < 256 * MiB, peak
+
+
+def test_a_bomb_among_good_files_is_set_aside_and_the_hour_applied(spark, lake) -> None:
+    table = replace(CSV, max_file_bytes=8 * MiB)
+    land(lake, "good.csv.zst", csv_zst([(1, "a", "INSERT", 1, "2024-01-01T05:01:00Z")]))
+    land(lake, "bomb.csv.zst", zeros_bomb(64 * MiB))
+    out = materialize(spark, table, lake["landing"], lake["warehouse"], [H5])
+    assert out.events_read == 1
+    assert "decodes to more than 8 MiB" in reasons(lake)["bomb.csv.zst"]
+    assert logged_keys(lake) == [1]
+
+
+def test_a_parquet_file_whose_row_groups_expand_past_the_limit_is_set_aside(spark, lake) -> None:
+    """Parquet's own pages compress as well: the footer's sizes are checked before a page."""
+    table = replace(TABLE, max_file_bytes=1 * MiB)
+    n = 200_000
+    rows = pa.table(
+        {
+            "id": pa.array(range(n), pa.int64()),
+            "v": pa.array(["x" * 20] * n),
+            "cdc_operation_type": pa.array(["INSERT"] * n),
+            "cdc_change_seq": pa.array(range(n), pa.int64()),
+            "cdc_commit_timestamp": pa.array([TS] * n, pa.timestamp("us", tz="UTC")),
+        }
+    )
+    folder = hour_folder(lake["landing"], "t", H5)
+    folder.mkdir(parents=True)
+    pq.write_table(rows, folder / "big.parquet", compression="zstd")
+    assert (folder / "big.parquet").stat().st_size < 1 * MiB
+    write_parquet_events(
+        lake["landing"], "t", H5, [ev("INSERT", 1, TS, 7, v="ok")], name="ok.parquet"
+    )
+    out = materialize(spark, table, lake["landing"], lake["warehouse"], [H5])
+    assert "decodes to more than 1 MiB" in reasons(lake)["big.parquet"]
+    assert out.events_read == 1 and logged_keys(lake) == [7]
+
+
+# -- 2. folder shapes that stopped a sensor --------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _remove_deep_folders(tmp_path: Path) -> Any:
+    """pytest removes old temporary folders recursively: a 1,000-deep tree would overflow it."""
+    yield
+    import subprocess
+
+    subprocess.run(["rm", "-rf", str(tmp_path)], check=False)
+
+
+def odd_tree(landing: Path, table: str = "t") -> Path:
+    """One real hour plus every shape that used to raise out of the walk."""
+    write_parquet_events(landing, table, H5, [ev("INSERT", 1, TS, 1, v="a")], name="ok.parquet")
+    base = landing / table
+    (base / "year=10000000000" / "month=01" / "day=01" / "hour=00").mkdir(parents=True)
+    (base / "year=2024" / "month=99999999999999999999" / "day=01").mkdir(parents=True)
+    loop = base / "year=2024" / "month=01" / "day=01" / "hour=07"
+    loop.symlink_to(loop)  # a link to itself: ELOOP when followed
+    (base / "year=2024" / "month=01" / "day=02").symlink_to("day=02")
+    hour = hour_folder(landing, table, H5)
+    (hour / os.fsdecode(b"bad-\xff\xfe.parquet")).write_bytes(b"PAR1")
+    deep = hour / "nest"
+    deep.mkdir()
+    # ~1,000 levels below the hour folder (past Python's recursion limit), a file at the bottom.
+    fd = os.open(deep, os.O_RDONLY)
+    try:
+        for _ in range(1000):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        with open(os.open("f.parquet", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd), "wb") as fh:
+            fh.write(b"x")
+    finally:
+        os.close(fd)
+    return hour
+
+
+def test_odd_folder_shapes_never_raise_out_of_the_walk_or_the_sensor(lake) -> None:
+    odd_tree(lake["landing"])
+    hours = [h for h, _ in all_hour_folders(lake["landing"], "t")]
+    assert H5 in hours and all(h.year < 10000 for h in hours)
+    files = files_in_hour(lake["landing"], "t", H5)
+    by_reason = {f.set_aside for f in files}
+    assert BAD_NAME in by_reason and IN_SUBFOLDER in by_reason
+    assert len(fingerprint(files)) == 16
+    # The sensor's first tick walks everything (a full sweep): it asks for the real hour.
+    requests, state = sensor_cursor.evaluate(
+        TABLE, lake["landing"], H5 + timedelta(hours=30), sensor_cursor.CursorState()
+    )
+    asked = {k for r in requests for k in r.partition_keys}
+    assert H5.strftime("%Y-%m-%d-%H:00") in asked
+    assert state.last_sweep_started is not None
+
+
+def test_odd_folder_shapes_are_set_aside_and_the_hour_applied(spark, lake) -> None:
+    odd_tree(lake["landing"])
+    out = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [H5])
+    assert out.events_read == 1 and logged_keys(lake) == [1]
+    got = reasons(lake)
+    assert got["bad-\\xff\\xfe.parquet"] == BAD_NAME
+    assert got["f.parquet"] == IN_SUBFOLDER
+
+
+def test_a_new_table_folder_with_odd_shapes_is_discovered_without_raising(lake) -> None:
+    odd_tree(lake["landing"], table="fresh")
+    assert discovery.unlisted_tables(lake["landing"], []) == ["fresh"]
+    found = discovery.describe(lake["landing"], "fresh")
+    assert found.first_hour == H5 and "id" in dict(found.columns)
+
+
+# -- 3. a file rewritten in place between the listing, pass 1 and pass 2 ---------------------------
+
+
+def rewrite_in_place(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Same inode, same modification time: only the inode's change time can tell."""
+    st = path.stat()
+    tbl = pa.Table.from_pylist(rows)
+    sink = pa.BufferOutputStream()
+    pq.write_table(tbl, sink)
+    with open(path, "r+b") as fh:
+        fh.truncate(0)
+        fh.write(sink.getvalue().to_pybytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_ino == st.st_ino
+
+
+BAD_ROWS = [ev("DELETE", 9, TS, None, v="no key"), ev("BOGUS", 10, TS, 2, v="no op")]
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["native", "decoded"])
+def test_a_file_rewritten_in_place_after_inspection_is_set_aside_never_logged(
+    spark, lake, monkeypatch, encoded
+) -> None:
+    from cdc_platform.lib import pipeline
+
+    table = TABLE
+    victim = write_parquet_events(
+        lake["landing"], "t", H5, [ev("INSERT", 1, TS, 1, v="a")], name="victim.parquet"
+    )
+    if encoded:  # a uint64 column, nanoseconds: not read natively, decoded in Python tasks
+        pq.write_table(
+            pa.table(
+                {
+                    "id": pa.array([1], pa.uint8()),
+                    "v": ["a"],
+                    "n": pa.array([1], pa.uint64()),
+                    "cdc_operation_type": ["INSERT"],
+                    "cdc_change_seq": pa.array([1], pa.int64()),
+                    "cdc_commit_timestamp": pa.array([TS], pa.timestamp("ns", tz="UTC")),
+                }
+            ),
+            victim,
+        )
+    write_parquet_events(
+        lake["landing"], "t", H5, [ev("INSERT", 5, TS, 5, v="b")], name="other.parquet"
+    )
+    real_read = pipeline.read_events
+
+    def rewrite_then_read(*args: Any, **kwargs: Any) -> Any:
+        if victim.stat().st_size and not getattr(rewrite_then_read, "done", False):
+            rewrite_then_read.done = True  # type: ignore[attr-defined]
+            rewrite_in_place(victim, BAD_ROWS)
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "read_events", rewrite_then_read)
+    out = materialize(spark, table, lake["landing"], lake["warehouse"], [H5])
+    assert reasons(lake)["victim.parquet"] == CHANGED
+    assert logged_keys(lake) == [5] and out.events_read == 1
+    assert [r["id"] for r in history_rows(TablePaths.of(lake["warehouse"], "t").history)] == [5]
+
+    # Once the file is stable, its hour read again applies what inspection allows: nothing
+    # of it (bad rows set it aside), the quarantine naming the row.
+    monkeypatch.setattr(pipeline, "read_events", real_read)
+    materialize(spark, table, lake["landing"], lake["warehouse"], [H5])
+    assert "row 1: primary key column 'id' is null" in reasons(lake)["victim.parquet"]
+    assert logged_keys(lake) == [5]
+
+
+def test_pass_two_checks_rows_again_even_when_the_file_looks_unchanged(
+    spark, lake, monkeypatch
+) -> None:
+    """A rewrite the file system cannot show (a coarse clock, a mount that reports times
+    poorly): Spark's pass 2 validates every row again, within pass 1's rows and seq range."""
+    from cdc_platform.lib import pipeline
+
+    monkeypatch.setattr(FileId, "matches", lambda self, st: self.ino == st.st_ino)
+    victim = write_parquet_events(
+        lake["landing"], "t", H5, [ev("INSERT", 1, TS, 1, v="a")], name="victim.parquet"
+    )
+    write_parquet_events(
+        lake["landing"], "t", H5, [ev("INSERT", 5, TS, 5, v="b")], name="other.parquet"
+    )
+    real_read = pipeline.read_events
+
+    def rewrite_then_read(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(rewrite_then_read, "done", False):
+            rewrite_then_read.done = True  # type: ignore[attr-defined]
+            rewrite_in_place(victim, [ev("INSERT", 99, TS, 1, v="a")])  # seq out of range
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "read_events", rewrite_then_read)
+    materialize(spark, TABLE, lake["landing"], lake["warehouse"], [H5])
+    assert reasons(lake)["victim.parquet"] == CHANGED
+    assert logged_keys(lake) == [5]
+
+
+def test_the_python_decoder_checks_rows_again_and_names_the_file(lake, monkeypatch) -> None:
+    """The decoded path's pass 2 (run here in process, as a Spark task runs it)."""
+    monkeypatch.setattr(FileId, "matches", lambda self, st: self.ino == st.st_ino)
+    header = b"id,v,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp\n"
+    path = land(lake, "victim.csv", header + b"1,a,INSERT,1,2024-01-01T05:01:00Z\n")
+    table = replace(CSV, compression="none")
+    (listed,) = files_in_hour(lake["landing"], "t", H5)
+    reader = LandingReader(table, lake["landing"])
+    reader.expect({listed.path: listed.file_id})
+    report = reader.inspect(str(path))
+    assert report.ok and (report.num_rows, report.seq_min, report.seq_max) == (1, 1, 1)
+    schema = event_schema([pa.field("id", pa.int64()), pa.field("v", pa.string())])
+    for rewritten in (
+        b"NULL,x,DELETE,1,2024-01-01T05:01:00Z\n",  # a null key
+        b"1,a,INSERT,1,2024-01-01T05:01:00Z\n2,b,INSERT,1,2024-01-01T05:01:00Z\n",  # a row more
+        b"1,a,INSERT,7,2024-01-01T05:01:00Z\n",  # another seq
+    ):
+        st = path.stat()
+        with open(path, "r+b") as fh:
+            fh.truncate(0)
+            fh.write(header + rewritten)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(LandingFileError) as err:
+            list(reader.read_conformed(str(path), schema, report))
+        assert changed_files_named(err.value) == {reader.relative(str(path))}
+
+
+# -- 4. bytes that are no text ---------------------------------------------------------------------
+
+
+def invalid_utf8_file(path: Path, key: int = 1) -> None:
+    text = pa.array([b"\xff\xfe not text"], pa.binary()).view(pa.string())
+    pq.write_table(
+        pa.table(
+            {
+                "id": pa.array([key], pa.int64()),
+                "v": text,
+                "cdc_operation_type": ["INSERT"],
+                "cdc_change_seq": pa.array([1], pa.int64()),
+                "cdc_commit_timestamp": pa.array([TS], pa.timestamp("us", tz="UTC")),
+            }
+        ),
+        path,
+    )
+
+
+def test_text_that_is_not_utf8_sets_the_file_aside_naming_row_and_column(spark, lake) -> None:
+    folder = hour_folder(lake["landing"], "t", H5)
+    folder.mkdir(parents=True)
+    invalid_utf8_file(folder / "bad.parquet")
+    write_parquet_events(
+        lake["landing"], "t", H5, [ev("INSERT", 2, TS, 2, v="ok")], name="ok.parquet"
+    )
+    out = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [H5])
+    assert reasons(lake)["bad.parquet"] == "row 1, column 'v': text that is not valid UTF-8"
+    assert out.events_read == 1 and logged_keys(lake) == [2]
+
+
+def test_file_stats_of_bytes_that_are_no_text_give_no_bounds(tmp_path: Path) -> None:
+    from cdc_platform.lib import delta
+
+    invalid_utf8_file(tmp_path / "f.parquet")
+    stats = delta.file_stats(pq.ParquetFile(tmp_path / "f.parquet").metadata)
+    assert stats["numRecords"] == 1 and "v" not in stats["maxValues"]
