@@ -218,6 +218,39 @@ def test_a_source_that_cannot_be_adopted_is_refused_with_its_reason(spark, lake,
         adopt(spark, TABLE, warehouse, bad, "delta", now=NOW, **roots(lake))
 
 
+@pytest.mark.parametrize("key", [("n",), ("at",), ("at", "n")])
+def test_key_columns_named_like_the_checks_working_names_adopt(spark, lake, key):
+    """The repeated-key check counts and lists rows under working names: a key column called
+    ``n`` or ``at`` neither clashes with them (an ambiguous reference) nor is read as them (a
+    message naming key values instead of rows)."""
+    table = TableConfig(name="orders", primary_key=key, start=H0)
+    ids = {k: [1, 2] for k in key}
+    source = lake["root"] / "export"
+    source.mkdir()
+    pq.write_table(pa.table({**ids, "status": ["a", "b"]}), source / "part-0.parquet")
+    r = adopt(spark, table, lake["warehouse"], source, now=NOW, **roots(lake))
+    assert (r.live_rows, r.deleted_rows) == (2, 0)
+    paths = TablePaths.of(lake["warehouse"], table.name)
+    assert normalize(history_rows(paths.history), [*key, "status", *COLUMNS[3:]]) == [
+        (*[1] * len(key), "a", NOW, TMAX, True),
+        (*[2] * len(key), "b", NOW, TMAX, True),
+    ]
+    outcomes = invariants.run_checks(spark, paths, key)
+    assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
+
+    bad = lake["root"] / "bad"
+    bad.mkdir()
+    pq.write_table(
+        pa.table({**{k: [7] * 4 for k in key}, "status": list("wxyz")}), bad / "p.parquet"
+    )
+    with pytest.raises(
+        AdoptionError,
+        match=r"one key is on .*p.parquet row 1 and .*p.parquet row 2 and "
+        r".*p.parquet row 3 \(4 rows\)$",
+    ):
+        adopt(spark, table, lake["warehouse"], bad, now=NOW, **roots(lake))
+
+
 def test_the_dagster_job_adopt_table(spark, tmp_path: Path):
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\nadoption_roots: [exports]\ntables:\n"

@@ -238,6 +238,59 @@ def test_a_missing_or_empty_snapshot_folder_is_refused(spark, lake):
         )
 
 
+@pytest.mark.parametrize("key", ["n", "at"])
+def test_key_columns_named_like_the_checks_working_names_resync(spark, lake, key):
+    """The repeated-key check counts and lists rows under working names: a key column called
+    ``n`` or ``at`` neither clashes with them nor is read as them."""
+    table = TableConfig(name="t", primary_key=(key,), start=D2)
+    cdc = [
+        ev(
+            e["cdc_operation_type"],
+            e["cdc_change_seq"],
+            e["cdc_commit_timestamp"],
+            e["id"],
+            key,
+            counter=e["counter"],
+        )
+        for e in CDC
+    ]
+    write_parquet_events(lake["landing"], table.name, D2, cdc[::2], name="jan2.parquet")
+    write_parquet_events(lake["landing"], table.name, D3, cdc[1:2], name="jan3.parquet")
+    materialize(spark, table, lake["landing"], lake["warehouse"], [D2, D3])
+    paths = TablePaths.of(lake["warehouse"], table.name)
+    folder = snapshot(lake["root"], {key: ["a"], "counter": [30]})
+    r = resync(
+        spark, table, lake["landing"], lake["warehouse"], folder, R, snapshot_roots=[lake["root"]]
+    )
+    assert (r.rows, r.keys_closed, r.keys_replaced) == (1, 1, 0)
+    assert normalize(history_rows(paths.history), [key, *COLUMNS[1:]]) == [
+        ("a", 10, D2, D3 - MS, False),
+        ("a", 30, D3, TMAX, True),
+        ("b", 5, D2, R, False),
+    ]
+    outcomes = invariants.run_checks(spark, paths, table.primary_key)
+    assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
+
+    seen = versions(paths)
+    (lake["root"] / "twice").mkdir()
+    twice = snapshot(lake["root"] / "twice", {key: ["c"] * 4, "counter": [1, 2, 3, 4]})
+    with pytest.raises(
+        ResyncError,
+        match=r"one key is on .*part-0.parquet row 1 and .*part-0.parquet row 2 and "
+        r".*part-0.parquet row 3 \(4 rows\)$",
+    ):
+        resync(
+            spark,
+            table,
+            lake["landing"],
+            lake["warehouse"],
+            twice,
+            R,
+            snapshot_roots=[lake["root"]],
+        )
+    assert versions(paths) == seen
+
+
 def test_the_dagster_job_resync_table(spark, tmp_path: Path):
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\nsnapshot_roots: [snapshot]\ntables:\n"

@@ -52,6 +52,7 @@ from cdc_platform.lib.columns import (
     UNMODIFIED,
     col,
     cols,
+    internal,
     timestamp_lit,
 )
 from cdc_platform.lib.config import TableConfig
@@ -83,6 +84,10 @@ SOURCE_PREFIX = "resync:at="
 # adoption's (from -2**62), below a truncate's (-T in ms, at least -2.6e14) and any real seq.
 SEQ_BASE = -(2**61)
 _SAMPLE = 5
+# The repeated-key check's aggregates: working names, so a key column called ``n`` or ``at``
+# cannot clash with them.
+_ROWS = internal("resync_rows")
+_PLACES = internal("resync_places")
 
 
 class ResyncError(ValueError):
@@ -313,17 +318,20 @@ def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path) -
     twice = (
         events.groupBy(*cols(list(pk)))
         .agg(
-            F.count(F.lit(1)).alias("n"),
-            F.sort_array(F.collect_list(F.struct(col(SOURCE_FILE), col(SOURCE_ROW)))).alias("at"),
+            F.count(F.lit(1)).alias(_ROWS),
+            F.sort_array(F.collect_list(F.struct(col(SOURCE_FILE), col(SOURCE_ROW)))).alias(
+                _PLACES
+            ),
         )
-        .filter(col("n") > 1)
+        .filter(col(_ROWS) > 1)
+        .select(_ROWS, _PLACES)
         .limit(_SAMPLE)
         .collect()
     )
     if twice:
         sample = "; ".join(
-            " and ".join(f"{a[0]} row {a[1]}" for a in r["at"][:3])
-            + (f" ({r['n']} rows)" if r["n"] > 3 else "")
+            " and ".join(f"{a[0]} row {a[1]}" for a in r[_PLACES][:3])
+            + (f" ({r[_ROWS]} rows)" if r[_ROWS] > 3 else "")
             for r in twice
         )
         raise ResyncError(f"{folder}: a snapshot holds one row per key; one key is on {sample}")
@@ -338,7 +346,7 @@ def _history(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
     if not files:
         return None
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    return spark.read.schema(schema).parquet(*delta.absolute_paths(paths.history, files))
+    return delta.read_files(spark.read.schema(schema), paths.history, files)
 
 
 def _remove_history_of(
