@@ -391,3 +391,36 @@ def test_file_stats_of_bytes_that_are_no_text_give_no_bounds(tmp_path: Path) -> 
     invalid_utf8_file(tmp_path / "f.parquet")
     stats = delta.file_stats(pq.ParquetFile(tmp_path / "f.parquet").metadata)
     assert stats["numRecords"] == 1 and "v" not in stats["maxValues"]
+
+
+def test_odd_folder_shapes_through_the_asset_and_its_ledger(spark, tmp_path) -> None:
+    """The asset records every listed file in the applied-files ledger: a name that is not
+    UTF-8 is recorded escaped (a Delta string holds UTF-8 only), and the run succeeds."""
+    import dagster as dg
+
+    from cdc_platform.defs.factory import build_table_definitions
+    from cdc_platform.lib import applied_files
+    from cdc_platform.lib.config import load_config
+    from cdc_platform_tests.helpers import dagster_resources
+
+    (tmp_path / "cdc_platform.yaml").write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        "  - {name: t, primary_key: [id], start: '2023-12-31-05:00'}\n"
+    )
+    odd_tree(tmp_path / "landing")
+    platform = load_config(tmp_path / "cdc_platform.yaml")
+    defs = build_table_definitions(platform, platform.table("t"))
+    result = dg.materialize(
+        [defs.asset],
+        partition_key="2024-01-01-05:00",
+        instance=dg.DagsterInstance.ephemeral(),
+        resources=dagster_resources(),
+    )
+    assert result.success
+    recorded = {
+        f
+        for f, _, _ in applied_files.applied(
+            applied_files.ledger_path(platform.warehouse_root, "t")
+        )
+    }
+    assert "t/year=2024/month=01/day=01/hour=05/bad-\\xff\\xfe.parquet" in recorded

@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from cdc_platform.lib import delta
-from cdc_platform.lib.landing import LandingFile
+from cdc_platform.lib.landing import LandingFile, printable_path
 from cdc_platform.lib.ledger import Ledger
 from cdc_platform.lib.storage import Location, Where
 from cdc_platform.lib.warehouse import TablePaths
@@ -52,7 +52,9 @@ def ledger_path(warehouse_root: Where, table: str) -> Location:
 
 
 def identity(landing_root: Path, f: LandingFile) -> FileIdentity:
-    return (os.path.relpath(f.path, landing_root), f.size, f.mtime_ns)
+    """A file as the ledger records it: a name that is not UTF-8 with ``\\x`` escapes (a Delta
+    string holds UTF-8 only), as the quarantine names it."""
+    return (printable_path(os.path.relpath(f.path, landing_root)), f.size, f.mtime_ns)
 
 
 def record(
