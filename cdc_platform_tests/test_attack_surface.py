@@ -496,3 +496,65 @@ def test_secret_settings_never_reach_a_command_line():
     jvms, leaks = out.stdout.split("jvms ")[1].split(" leaks ")
     assert int(jvms) >= 1 and int(leaks) == 0, out.stdout
     assert secret not in out.stderr
+
+
+def _planted_zip(path: Path) -> bytes:
+    """A package zip another local user could have put at ``path``: its code would run on
+    every executor."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("cdc_platform/__init__.py", "PLANTED = True\n")
+    return path.read_bytes()
+
+
+def _is_the_real_package(path: Path) -> bool:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        return "cdc_platform/lib/spark.py" in names and b"PLANTED" not in z.read(
+            "cdc_platform/__init__.py"
+        )
+
+
+def test_the_shipped_package_zip_is_never_one_another_user_planted(tmp_path, monkeypatch):
+    """The zip executors import the platform from is built in a folder only this user can
+    write: a file at its name in the shared temporary folder, or in a folder of that name
+    whose mode lets others in or that is a symlink, is never shipped."""
+    import tempfile
+
+    from cdc_platform.lib import spark as spark_lib
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    name = spark_lib.package_zip(elsewhere).name
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    planted = _planted_zip(shared / name)  # the old, predictable path
+
+    got = spark_lib.package_zip()
+    assert got != shared / name
+    private = shared / f"cdc_platform-{os.getuid()}"
+    assert got == private / name and _is_the_real_package(got)
+    st = private.stat()
+    assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o700
+    assert (shared / name).read_bytes() == planted  # untouched, and never used
+
+    # A folder of the private name that others could write: its zip is not reused.
+    private.chmod(0o777)
+    _planted_zip(got)
+    other = spark_lib.package_zip()
+    assert other.parent != private and _is_the_real_package(other)
+    assert other.parent.stat().st_mode & 0o777 == 0o700
+
+    # The private name as a symlink to a folder of planted files: not followed.
+    decoy = tmp_path / "decoy"
+    decoy.mkdir(mode=0o700)
+    _planted_zip(decoy / name)
+    (private / name).unlink()
+    private.rmdir()
+    private.symlink_to(decoy)
+    third = spark_lib.package_zip()
+    assert third.parent not in (private, decoy) and _is_the_real_package(third)

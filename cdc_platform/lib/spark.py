@@ -24,6 +24,7 @@ options map to (``spark.hadoop.fs.s3a.*`` for S3) and, for S3, the connector's j
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import hmac
 import json
@@ -401,9 +402,11 @@ def _escape_property(value: str) -> str:
 def package_zip(folder: Path | None = None) -> Path:
     """This installed ``cdc_platform`` package as a zip, named by its content's hash (built
     once per version of the code). Executors import the platform from it, never from their
-    working directory or whatever their Python path happens to hold."""
-    import hashlib
-    import tempfile
+    working directory or whatever their Python path happens to hold.
+
+    Kept in a folder only this user can write (``private_temp_folder``): a zip reused from a
+    name in the shared temporary folder could be one another local user put there, and its
+    code would run on every executor."""
     import zipfile
 
     root = Path(__file__).resolve().parent.parent  # the cdc_platform package folder
@@ -415,7 +418,7 @@ def package_zip(folder: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for p in sources:
         digest.update(str(p.relative_to(root.parent)).encode() + b"\0" + p.read_bytes())
-    out = (folder or Path(tempfile.gettempdir())) / f"cdc_platform-{digest.hexdigest()[:16]}.zip"
+    out = (folder or private_temp_folder()) / f"cdc_platform-{digest.hexdigest()[:16]}.zip"
     if not out.exists():
         partial = out.with_suffix(f".{os.getpid()}.tmp")
         with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as z:
@@ -423,6 +426,28 @@ def package_zip(folder: Path | None = None) -> Path:
                 z.write(p, p.relative_to(root.parent).as_posix())
         partial.replace(out)  # atomic: a concurrent run never ships a half-written zip
     return out
+
+
+def private_temp_folder() -> Path:
+    """``<temp>/cdc_platform-<uid>``, created with mode 700: reused only while it is a real
+    folder (no symlink) of this user's, of mode 700, so nobody else can have put a file in it.
+    Else (another user took the name, or its mode let others in) a new private folder of this
+    process, removed when it exits."""
+    folder = Path(tempfile.gettempdir()) / f"cdc_platform-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+        if (
+            stat.S_ISDIR(st.st_mode)
+            and st.st_uid == os.getuid()
+            and stat.S_IMODE(st.st_mode) == 0o700
+        ):
+            return folder
+    except OSError:
+        pass
+    own = Path(tempfile.mkdtemp(prefix="cdc_platform-"))  # mode 700, a new name
+    atexit.register(shutil.rmtree, own, True)
+    return own
 
 
 def ship_package(session: SparkSession) -> None:
