@@ -134,6 +134,12 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
         "uncompressed row groups) is larger is set aside, decoding stopped there: a "
         "decompression bomb costs at most this much memory. Default 2 GiB.",
     ),
+    "retry_backoff_seconds": (
+        "positive int",
+        "Landing sensor: an hour requested but not applied yet (its run failed or died) is "
+        "requested again after this many seconds, doubling with each retry up to an hour, "
+        "until the applied-files ledger shows its files read.",
+    ),
 }
 DISCOVER_KEYS: dict[str, tuple[str, str]] = {
     "primary_key": ("list of columns", "Every discovered table's primary key."),

@@ -14,15 +14,22 @@ import pytest
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing import partition_key_to_hour as hour_of
 from cdc_platform.lib.sensor_cursor import (
+    MAX_BACKOFF_SECONDS,
     MAX_RANGE_HOURS,
     REASON_INITIAL,
     REASON_LATE_FILES,
     REASON_NEW_FILES,
     REASON_NEW_FOLDER,
+    REASON_RETRY,
     CursorState,
     PartitionRequest,
+    backlog,
+    backoff_seconds,
+    due_for_check,
     evaluate,
+    reconcile,
 )
 
 H = timedelta(hours=1)
@@ -333,6 +340,11 @@ def test_500_hourly_ticks_keep_the_cursor_bounded_and_request_each_change_once(
                 requested[key] = requested.get(key, 0) + 1
             if r.reason == REASON_LATE_FILES:
                 late_seen.update(r.partition_keys)
+        # Every run applies its hour: the hours due are found in the ledger, none requested again.
+        due = due_for_check(table, state, now)
+        applied = {key: v for d in due for key, v in ledger_rows(tmp_path, hour_of(d)).items()}
+        again, state = reconcile(table, tmp_path, now, state, applied, set())
+        assert again == []
         raw = state.to_json()
         assert CursorState.from_json(raw) == state
         max_folders = max(max_folders, len(state.folders))
@@ -345,3 +357,84 @@ def test_500_hourly_ticks_keep_the_cursor_bounded_and_request_each_change_once(
     # The window, folders that aged out since the last sweep, and a just-found late folder.
     assert max_folders <= table.lookback_hours + table.full_sweep_minutes // 60 + 1
     assert max_json < 1_000
+
+
+# -- no hour left behind: pending hours are checked against the ledger and requested again -----
+
+
+def ledger_rows(root: Path, hour: datetime) -> dict[str, set[tuple[str, int, int]]]:
+    """What the applied-files ledger records once a run read the hour's files."""
+    from cdc_platform.lib import applied_files
+    from cdc_platform.lib.landing import files_in_hour
+
+    files = files_in_hour(root, "orders", hour)
+    return {k(hour): {applied_files.identity(root, f) for f in files}}
+
+
+def test_an_hour_whose_run_failed_is_requested_again_with_backoff_until_applied(
+    tmp_path: Path,
+) -> None:
+    table = table_cfg(retry_backoff_seconds=60)
+    now = datetime(2024, 1, 3, 10, 30, tzinfo=UTC)
+    state = settle(table, tmp_path, now)
+    hour = datetime(2024, 1, 3, 9, tzinfo=UTC)
+    put(tmp_path, hour)
+    first, state = evaluate(table, tmp_path, now, state)
+    assert keys(first) == [k(hour)] and list(state.pending) == [k(hour)]
+    assert due_for_check(table, state, now + timedelta(seconds=59)) == []
+
+    # 60 s later: not in the ledger, no run in flight -> requested again, with a new run key.
+    t1 = now + timedelta(seconds=60)
+    assert due_for_check(table, state, t1) == [k(hour)]
+    again, state = reconcile(table, tmp_path, t1, state, {}, set())
+    assert keys(again) == [k(hour)] and again[0].reason == REASON_RETRY
+    assert again[0].run_key != first[0].run_key
+    assert state.pending[k(hour)].retries == 1
+    # The backoff doubles: nothing due 119 s later, due at 120 s.
+    assert due_for_check(table, state, t1 + timedelta(seconds=119)) == []
+    t2 = t1 + timedelta(seconds=120)
+    # A run for it is queued or running: it waits, with no new request.
+    waiting, state = reconcile(table, tmp_path, t2, state, {}, {k(hour)})
+    assert waiting == [] and state.pending[k(hour)].retries == 1
+    # Applied at last (the ledger records its files): it leaves the backlog.
+    t3 = t2 + timedelta(seconds=120)
+    done, state = reconcile(table, tmp_path, t3, state, ledger_rows(tmp_path, hour), set())
+    assert done == [] and state.pending == {}
+    assert backlog(state, t3) == (0, None, 0.0)
+    # And is never asked for again on later ticks.
+    for minutes in (5, 60, 600):
+        later, state = evaluate(table, tmp_path, t3 + timedelta(minutes=minutes), state)
+        assert later == [] and state.pending == {}
+
+
+def test_a_file_the_ledger_has_not_seen_keeps_its_hour_pending(tmp_path: Path) -> None:
+    """The ledger must cover every file now in the folder, at its size and mtime."""
+    table = table_cfg(retry_backoff_seconds=60)
+    now = datetime(2024, 1, 3, 10, 30, tzinfo=UTC)
+    state = settle(table, tmp_path, now)
+    hour = datetime(2024, 1, 3, 9, tzinfo=UTC)
+    put(tmp_path, hour, "a.parquet")
+    _, state = evaluate(table, tmp_path, now, state)
+    recorded = ledger_rows(tmp_path, hour)
+    put(tmp_path, hour, "b.parquet")  # landed after the run listed the folder
+    later = now + timedelta(seconds=60)
+    requests, state = evaluate(table, tmp_path, later, state)  # the new file: a new request
+    assert keys(requests) == [k(hour)] and state.pending[k(hour)].retries == 0
+    again, state = reconcile(table, tmp_path, later + timedelta(seconds=60), state, recorded, set())
+    assert keys(again) == [k(hour)]
+
+
+def test_the_backlog_reports_count_oldest_and_age_and_the_cursor_round_trips(
+    tmp_path: Path,
+) -> None:
+    table = table_cfg(retry_backoff_seconds=300)
+    now = datetime(2024, 1, 3, 10, 30, tzinfo=UTC)
+    state = settle(table, tmp_path, now)
+    for h in (7, 8, 9):
+        put(tmp_path, datetime(2024, 1, 3, h, tzinfo=UTC))
+    _, state = evaluate(table, tmp_path, now, state)
+    count, oldest, age = backlog(state, now + timedelta(minutes=30))
+    assert (count, oldest, age) == (3, "2024-01-03-07:00", 30.0)
+    assert CursorState.from_json(state.to_json()) == state
+    # The backoff is capped at an hour, however many retries.
+    assert backoff_seconds(table, 50) == MAX_BACKOFF_SECONDS

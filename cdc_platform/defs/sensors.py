@@ -12,15 +12,25 @@ Dagster 1.13). The target asset should use ``BackfillPolicy.single_run()`` so th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
 from cdc_platform.lib import applied_files
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.sensor_cursor import CursorState, PartitionRequest, evaluate, seed_state
+from cdc_platform.lib.landing import hour_to_partition_key, hours_between, partition_key_to_hour
+from cdc_platform.lib.sensor_cursor import (
+    CursorState,
+    PartitionRequest,
+    backlog,
+    due_for_check,
+    evaluate,
+    reconcile,
+    seed_state,
+)
 from cdc_platform.lib.storage import Where
 
 # Dagster's own tag names (dagster._core.storage.tags); spelled out to avoid a private import.
@@ -92,6 +102,11 @@ def build_landing_sensor(
                 f"{table.name}: empty cursor; {len(state.folders)} hour folder(s) already applied"
             )
         requests, new_state = evaluate(table, Path(landing_root), now, state, end_offset=end_offset)
+        if warehouse_root is not None and due_for_check(table, new_state, now):
+            retries, new_state = _reconcile(
+                context, table, landing_root, warehouse_root, new_state, now
+            )
+            requests += retries
         for request in requests:
             context.log.info(
                 f"{table.name}: requesting {request.first}..{request.last} "
@@ -102,6 +117,76 @@ def build_landing_sensor(
             run_requests=run_requests,
             cursor=new_state.to_json(),
             skip_reason=None if run_requests else "no new or changed hour folders",
+            asset_events=_backlog_observation(table, state, new_state, now),
         )
 
     return _landing_sensor
+
+
+def _reconcile(
+    context: dg.SensorEvaluationContext,
+    table: TableConfig,
+    landing_root: Path,
+    warehouse_root: Where,
+    state: CursorState,
+    now: datetime,
+) -> tuple[list[PartitionRequest], CursorState]:
+    """The due pending hours against the applied-files ledger and the table's runs in flight
+    (one ledger read and one run query, only on ticks where some hour is due)."""
+    due = due_for_check(table, state, now)
+    applied = applied_files.applied_by_partition(
+        applied_files.ledger_path(warehouse_root, table.name), due
+    )
+    runs = context.instance.get_runs(
+        filters=dg.RunsFilter(tags={TABLE_TAG: table.name}, statuses=IN_PROGRESS)
+    )
+    in_flight = {key for run in runs for key in partitions_of(run.tags)}
+    requests, state = reconcile(table, Path(landing_root), now, state, applied, in_flight)
+    if requests:
+        keys = [k for r in requests for k in r.partition_keys]
+        context.log.warning(
+            f"{table.name}: {len(keys)} hour(s) requested earlier are not applied and no run "
+            f"for them is in flight; requesting again: {', '.join(keys[:10])}"
+        )
+    return requests, state
+
+
+# Runs that will still apply their hours: queued, starting, started (Dagster's own list).
+IN_PROGRESS = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+def partitions_of(tags: Mapping[str, str]) -> list[str]:
+    """The hourly partitions a run covers, from its partition or range tags."""
+    if tags.get(PARTITION_TAG):
+        return [tags[PARTITION_TAG]]
+    start, end = tags.get(RANGE_START_TAG), tags.get(RANGE_END_TAG)
+    if not (start and end):
+        return []
+    hours = hours_between(partition_key_to_hour(start), partition_key_to_hour(end))
+    return [hour_to_partition_key(h) for h in hours]
+
+
+# Metadata of the landing backlog, reported on the table's asset as an observation when it
+# changes (the asset's page charts it): hours landed and not yet applied, the oldest's age.
+BACKLOG_HOURS = "landing/unapplied_hours"
+BACKLOG_OLDEST = "landing/oldest_unapplied_hour"
+BACKLOG_AGE = "landing/oldest_unapplied_minutes"
+
+
+def _backlog_observation(
+    table: TableConfig, before: CursorState, after: CursorState, now: datetime
+) -> list[dg.AssetObservation]:
+    count, oldest, age = backlog(after, now)
+    if (count, oldest) == backlog(before, now)[:2]:
+        return []
+    metadata: dict[str, Any] = {
+        BACKLOG_HOURS: count,
+        BACKLOG_OLDEST: oldest or "",
+        BACKLOG_AGE: dg.MetadataValue.float(round(age, 1)),
+    }
+    return [dg.AssetObservation(asset_key=dg.AssetKey(table.name), metadata=metadata)]

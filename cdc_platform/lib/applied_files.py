@@ -81,6 +81,17 @@ def record(
     Ledger(path, SCHEMA).replace(rows, where)
 
 
+def applied_by_partition(path: Where, partitions: Iterable[str]) -> dict[str, set[FileIdentity]]:
+    """The (file, size, mtime_ns) recorded for each of ``partitions`` (one read of the ledger)."""
+    wanted = set(partitions)
+    tbl = Ledger(path, SCHEMA).read(columns=["partition", "file", "size", "mtime_ns"])
+    out: dict[str, set[FileIdentity]] = {}
+    for row in tbl.to_pylist():
+        if row["partition"] in wanted:
+            out.setdefault(row["partition"], set()).add((row["file"], row["size"], row["mtime_ns"]))
+    return out
+
+
 def applied(path: Where) -> set[FileIdentity]:
     """Every (file, size, mtime_ns) recorded; empty when nothing was recorded yet."""
     tbl = Ledger(path, SCHEMA).read(columns=["file", "size", "mtime_ns"])

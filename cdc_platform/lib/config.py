@@ -98,6 +98,9 @@ class TableConfig:
     # A landing file whose plaintext (decrypted, decompressed; a Parquet file's uncompressed
     # row groups) is larger is set aside: a decompression bomb costs at most this much memory.
     max_file_bytes: int = DEFAULT_MAX_BYTES
+    # Landing sensor: an hour requested and not yet applied is requested again after this long,
+    # doubling with each retry up to an hour (``lib.sensor_cursor.reconcile``).
+    retry_backoff_seconds: int = 300
 
     @property
     def start_partition_key(self) -> str:
@@ -171,6 +174,7 @@ _TABLE_FIELDS = {
     "widen_types",
     "group",
     "max_file_bytes",
+    "retry_backoff_seconds",
 }
 _TOP_FIELDS = {
     "landing_root",
@@ -520,6 +524,7 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         widen_types=choice("widen_types", WIDEN_TYPES),
         group=_group(raw.get("group", DEFAULT_GROUP), fail),
         max_file_bytes=positive_int("max_file_bytes", DEFAULT_MAX_BYTES),
+        retry_backoff_seconds=positive_int("retry_backoff_seconds", 300),
     )
 
 

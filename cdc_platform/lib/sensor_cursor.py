@@ -9,6 +9,14 @@ that walks the whole tree and looks for files modified after the previous sweep'
 The cursor stays small: it only keeps fingerprints for the lookback window, for folders that aged
 out since the last sweep, and for old folders whose files are too recent to be covered by the
 sweep high-water mark yet. No dagster import here, so this is testable and benchmarkable alone.
+
+No hour is left behind (``reconcile``): every hour requested stays *pending* in the cursor until
+the applied-files ledger shows its files read. A pending hour is looked at again after the
+table's ``retry_backoff_seconds``, doubling with each retry up to ``MAX_BACKOFF_SECONDS``: if its
+files are all in the ledger (applied, or set aside in the quarantine, which the ledger records
+too) it is done; if a run for it is queued or in flight, it waits; else, whatever made the earlier
+run fail (a storage outage, a killed worker, Spark down), it is requested again. The merge is
+idempotent, so a request too many costs a run, never a duplicate event.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from cdc_platform.lib import applied_files
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import (
     HOUR,
@@ -40,6 +49,13 @@ REASON_NEW_FOLDER = "new folder"
 REASON_NEW_FILES = "new files in folder"
 REASON_LATE_FILES = "late files found by full sweep"
 REASON_INITIAL = "initial backfill"
+REASON_RETRY = "not applied yet: requested again"
+
+# A pending hour is retried at most this far apart.
+MAX_BACKOFF_SECONDS = 3600
+# At most this many pending hours are kept (the oldest first dropped, with the sweep and a
+# reset cursor as the backstop): a table broken for months keeps a bounded cursor.
+MAX_PENDING = 5000
 
 # A huge backfill becomes a few single-run range requests instead of one giant run.
 MAX_RANGE_HOURS = 48
@@ -63,6 +79,8 @@ class CursorState:
     last_sweep_started: str | None = None
     # Files with mtime_ns <= this were all seen by a sweep (or a lookback tick) already.
     swept_mtime_ns: int = 0
+    # Hours requested and not yet seen applied: partition key -> ``Pending``.
+    pending: dict[str, Pending] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -71,6 +89,7 @@ class CursorState:
                 "folders": dict(sorted(self.folders.items())),
                 "last_sweep_started": self.last_sweep_started,
                 "swept_mtime_ns": self.swept_mtime_ns,
+                "pending": {k: list(p) for k, p in sorted(self.pending.items())},
             },
             separators=(",", ":"),
         )
@@ -90,7 +109,94 @@ class CursorState:
             folders={str(k): str(v) for k, v in (data.get("folders") or {}).items()},
             last_sweep_started=data.get("last_sweep_started"),
             swept_mtime_ns=int(data.get("swept_mtime_ns") or 0),
+            pending={
+                str(k): Pending(str(v[0]), float(v[1]), float(v[2]), int(v[3]))
+                for k, v in (data.get("pending") or {}).items()
+            },
         )
+
+
+class Pending(NamedTuple):
+    """An hour requested and not yet seen applied."""
+
+    fingerprint: str  # of the file set last requested
+    first_requested: float  # epoch seconds: the backlog's age
+    last_checked: float  # epoch seconds of the last request or check
+    retries: int  # requests made again so far
+
+
+def backoff_seconds(table: TableConfig, retries: int) -> float:
+    """How long after its last request or check a pending hour is looked at again."""
+    return float(min(table.retry_backoff_seconds * 2 ** min(retries, 20), MAX_BACKOFF_SECONDS))
+
+
+def due_for_check(table: TableConfig, state: CursorState, now: datetime) -> list[str]:
+    """The pending hours whose backoff has run out, oldest hour first."""
+    at = _as_utc(now).timestamp()
+    due = [
+        key
+        for key, p in state.pending.items()
+        if at - p.last_checked >= backoff_seconds(table, p.retries)
+    ]
+    return sorted(due, key=partition_key_to_hour)
+
+
+def reconcile(
+    table: TableConfig,
+    landing_root: Path,
+    now: datetime,
+    state: CursorState,
+    applied: Mapping[str, Collection[tuple[str, int, int]]],
+    in_flight: Collection[str],
+    *,
+    max_range_hours: int = MAX_RANGE_HOURS,
+) -> tuple[list[PartitionRequest], CursorState]:
+    """The due pending hours (``due_for_check``) settled: dropped when the ledger's rows for
+    the hour (``applied``: partition -> (file, size, mtime_ns)) cover every file in its folder,
+    left waiting when a run for it is ``in_flight``, else requested again (backoff doubled)."""
+    at = _as_utc(now).timestamp()
+    pending = dict(state.pending)
+    wanted: dict[str, tuple[str, str]] = {}
+    for key in due_for_check(table, state, now):
+        p = pending[key]
+        files = files_in_hour(landing_root, table.name, partition_key_to_hour(key))
+        done = {applied_files.identity(landing_root, f) for f in files} <= set(applied.get(key, ()))
+        if not files or done:
+            del pending[key]
+        elif key in in_flight:
+            pending[key] = p._replace(last_checked=at)
+        else:
+            retries = p.retries + 1
+            fp = fingerprint(files)
+            pending[key] = Pending(fp, p.first_requested, at, retries)
+            # A run key of its own: Dagster runs a sensor's run key once.
+            wanted[key] = (REASON_RETRY, f"{fp}/retry{retries}")
+    requests = _group(table.name, wanted, max_range_hours)
+    return requests, replace(state, pending=pending)
+
+
+def backlog(state: CursorState, now: datetime) -> tuple[int, str | None, float]:
+    """(hours landed and not yet seen applied, the oldest of them, its age in minutes)."""
+    if not state.pending:
+        return 0, None, 0.0
+    oldest = min(state.pending, key=partition_key_to_hour)
+    first = min(p.first_requested for p in state.pending.values())
+    return len(state.pending), oldest, max(0.0, (_as_utc(now).timestamp() - first) / 60)
+
+
+def _with_pending(
+    pending: Mapping[str, Pending], wanted: Mapping[str, tuple[str, str]], at: float
+) -> dict[str, Pending]:
+    """``pending`` plus the hours just requested (a new file set starts its retries over)."""
+    out = dict(pending)
+    for key, (_, fp) in wanted.items():
+        before = out.get(key)
+        first = before.first_requested if before is not None else at
+        out[key] = Pending(fp, first, at, 0)
+    if len(out) > MAX_PENDING:
+        for key in sorted(out, key=partition_key_to_hour)[: len(out) - MAX_PENDING]:
+            del out[key]
+    return out
 
 
 @dataclass(frozen=True)
@@ -217,7 +323,10 @@ def evaluate(
 
     requests = _group(table.name, wanted, max_range_hours)
     new_state = CursorState(
-        folders=folders, last_sweep_started=last_sweep_started, swept_mtime_ns=swept_mtime_ns
+        folders=folders,
+        last_sweep_started=last_sweep_started,
+        swept_mtime_ns=swept_mtime_ns,
+        pending=_with_pending(state.pending, wanted, now.timestamp()),
     )
     return requests, new_state
 
