@@ -14,8 +14,11 @@ accepts connections. Its Python workers run this interpreter with this package i
 
 Every start writes new secrets to ``<state-dir>/auth.json`` (mode 600, ``lib.spark.ConnectAuth``):
 the token clients must present, and the proof the server gives them before they send it work.
-The server takes them from a properties file of mode 600, never its command line. A host other
-than loopback is refused unless ``--allow-remote-clients`` says TLS is in front (docs/SECURITY.md).
+The server takes them, and every other setting (the ``--conf`` ones, which may hold an object
+store's keys, and the master's URL), from ``<state-dir>/private/server.properties`` (mode 600, in
+a folder of mode 700), never its command line, which every local user can read (``ps``): that
+holds the file's path and the port only. A host other than loopback is refused unless
+``--allow-remote-clients`` says TLS is in front (docs/SECURITY.md).
 
 The pid file and the server's log live in ``--state-dir`` (default ``.spark-connect``); ``stop``
 signals the pid only if its command line is this server's, on this port.
@@ -27,13 +30,20 @@ import argparse
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from cdc_platform.lib.spark import LOOPBACK_HOSTS, ConnectAuth, check_java, connect_server_conf
+from cdc_platform.lib.spark import (
+    LOOPBACK_HOSTS,
+    ConnectAuth,
+    check_java,
+    connect_server_conf,
+    properties_text,
+)
 
 DEFAULT_PORT = 15002
 DEFAULT_HOST = "127.0.0.1"
@@ -71,6 +81,62 @@ def pid_file(state_dir: Path, port: int) -> Path:
 def auth_file(state_dir: Path | str) -> Path:
     """The secrets clients read (``CDC_SPARK_CONNECT_AUTH``)."""
     return Path(state_dir) / "auth.json"
+
+
+def properties_file(state_dir: Path | str) -> Path:
+    """The server's settings, its secrets among them (mode 600, in a folder of mode 700)."""
+    return Path(state_dir) / "private" / "server.properties"
+
+
+def _private_folder(folder: Path) -> Path:
+    """``folder``, created with mode 700, refused unless it is a real folder of this user's,
+    and made 700 again if its mode was wider."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{folder} must be a folder of this user (not a symlink)")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(folder, 0o700)
+    return folder
+
+
+def server_command(
+    port: int = DEFAULT_PORT,
+    host: str = DEFAULT_HOST,
+    master: str = "local[2]",
+    conf: Mapping[str, str] | None = None,
+    state_dir: Path | str = DEFAULT_STATE_DIR,
+    driver_memory: str = "2g",
+) -> list[str]:
+    """The command that starts the server (``spark-daemon.sh submit``), after writing its
+    settings to ``properties_file`` and new secrets to the auth file.
+
+    Every setting is in the file, none on the command line (``ps`` shows it to every local
+    user): ``--conf`` values may be an object store's keys, and a master's URL may carry
+    credentials. The line holds the file's path and the port (``stop`` recognises the server
+    by it). The deployment's ``spark-defaults.conf`` still applies beneath the file."""
+    state = Path(state_dir).resolve()
+    settings = {
+        **connect_server_conf(master, conf),
+        "spark.connect.grpc.binding.address": host,
+        "spark.driver.memory": driver_memory,
+        "spark.driver.host": host,
+        "spark.driver.bindAddress": host,
+    }
+    (state / "server.properties").unlink(missing_ok=True)  # where earlier versions kept it
+    props = properties_file(state)
+    _private_folder(props.parent)
+    props.unlink(missing_ok=True)
+    fd = os.open(props, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(properties_text(settings))
+        f.write(ConnectAuth.renew(auth_file(state)).server_properties())
+    # What Spark's sbin/start-connect-server.sh does (pyspark 4.2's wheel ships no such script).
+    daemon = spark_home() / "sbin" / "spark-daemon.sh"
+    args = [str(daemon), "submit", SERVER_CLASS, "1", "--name", "Spark Connect server"]
+    args += ["--properties-file", str(props), "--load-spark-defaults"]
+    args += ["--conf", _port_arg(port)]
+    return args
 
 
 def _port_arg(port: int) -> str:
@@ -158,27 +224,7 @@ def start(
         return url
     if _listening(host, port):
         raise RuntimeError(f"port {host}:{port} is in use by another process")
-    secrets_file = state / "server.properties"
-    secrets_file.unlink(missing_ok=True)
-    fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(ConnectAuth.renew(auth_file(state)).server_properties())
-    settings = {
-        **connect_server_conf(master, conf),
-        "spark.connect.grpc.binding.address": host,
-        "spark.driver.memory": driver_memory,
-        "spark.driver.host": host,
-        "spark.driver.bindAddress": host,
-    }
-    # What Spark's sbin/start-connect-server.sh does (pyspark 4.2's wheel ships no such script).
-    daemon = spark_home() / "sbin" / "spark-daemon.sh"
-    args = [str(daemon), "submit", SERVER_CLASS, "1", "--name", "Spark Connect server"]
-    args += ["--master", master]
-    # The deployment's spark-defaults.conf still applies beside the secrets' file.
-    args += ["--properties-file", str(secrets_file), "--load-spark-defaults"]
-    args += ["--conf", _port_arg(port)]
-    for key, value in settings.items():
-        args += ["--conf", f"{key}={value}"]
+    args = server_command(port, host, master, conf, state, driver_memory)
     subprocess.run(args, env=_env(state, port), check=True, stdout=subprocess.DEVNULL)
     started = time.monotonic()
     while time.monotonic() - started < timeout:
@@ -224,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver-memory", default="2g")
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
     parser.add_argument(
-        "--conf", action="append", default=[], metavar="KEY=VALUE", help="extra Spark conf"
+        "--conf",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Spark conf, given to the server in its private properties file (this"
+        " command's own line shows it while it runs: keep secrets in spark-defaults.conf)",
     )
     args = parser.parse_args(argv)
     if args.command == "start":

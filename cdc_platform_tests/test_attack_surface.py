@@ -558,3 +558,71 @@ def test_the_shipped_package_zip_is_never_one_another_user_planted(tmp_path, mon
     private.symlink_to(decoy)
     third = spark_lib.package_zip()
     assert third.parent not in (private, decoy) and _is_the_real_package(third)
+
+
+def test_the_connect_servers_settings_never_reach_its_command_line(tmp_path):
+    """``connect_server start --conf`` settings (an object store's keys), the master's URL and
+    the auth secrets reach the server in a mode-600 file in a mode-700 folder; its command line
+    (``ps`` shows it to every local user) holds only the file's path and the port."""
+    secret, key_id = "s3-secret-" + os.urandom(8).hex(), "AKIA" + os.urandom(6).hex()
+    master = "spark://user:master-pw-" + os.urandom(4).hex() + "@127.0.0.1:7077"
+    conf = {
+        "spark.hadoop.fs.s3a.secret.key": secret,
+        "spark.hadoop.fs.s3a.access.key": key_id,
+        "spark.hadoop.fs.s3a.endpoint": "http://minio.internal:9000",
+    }
+    state = tmp_path / "state"
+    (state / "private").mkdir(parents=True, mode=0o755)  # an earlier, wider folder: tightened
+    (state / "server.properties").write_text("left by an earlier version\n")
+    port = connect_server.free_port()
+    args = connect_server.server_command(port, master=master, conf=conf, state_dir=state)
+
+    props = connect_server.properties_file(state.resolve())
+    auth = json.loads(connect_server.auth_file(state).read_text())
+    assert args[args.index("--properties-file") + 1] == str(props)
+    assert [a for i, a in enumerate(args) if args[i - 1] == "--conf"] == [
+        f"spark.connect.grpc.binding.port={port}"
+    ]
+    assert "--master" not in args
+    line = " ".join(args)
+    for value in [secret, key_id, master, "minio.internal", auth["token"], auth["proof"]]:
+        assert value not in line
+    text = props.read_text()
+    for value in [secret, key_id, f"spark.master={master}", auth["token"], auth["proof"]]:
+        assert value in text
+    assert props.stat().st_mode & 0o777 == 0o600 and props.stat().st_uid == os.getuid()
+    assert props.parent.stat().st_mode & 0o777 == 0o700
+    assert not (state / "server.properties").exists()
+
+    # A private folder that is a symlink (someone else's folder, say) is refused.
+    props.unlink()
+    props.parent.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    props.parent.symlink_to(elsewhere)
+    with pytest.raises(RuntimeError, match="not a symlink"):
+        connect_server.server_command(port, conf=conf, state_dir=state)
+    assert not any(elsewhere.iterdir())
+
+
+def test_a_properties_file_reads_back_every_key_and_value_as_given(spark):
+    """``properties_text`` escapes what Java's ``Properties`` would read otherwise (the JVM's
+    own parser reads it back here)."""
+    from cdc_platform.lib.spark import properties_text
+
+    settings = {
+        "spark.a": "plain",
+        "spark.b": " leading space",
+        "spark.c": "back\\slash = and: colon # hash",
+        "spark.d": "line\nbreak\rreturn",
+        "odd key=with:all #the !marks\tand tab": "v",
+        "#comment-like": "x",
+        "!bang": "y",
+        " spaced": "z",
+        "spark.e": "",
+    }
+    jvm = spark.sparkContext._jvm
+    props = jvm.java.util.Properties()
+    props.load(jvm.java.io.StringReader(properties_text(settings)))
+    assert {k: props.getProperty(k) for k in settings} == settings
+    assert props.size() == len(settings)

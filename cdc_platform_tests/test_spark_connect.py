@@ -42,6 +42,9 @@ TABLE = TableConfig(name="orders", primary_key=("id",), start=H0)
 SYNCED = [datetime(2024, 1, 2, h, tzinfo=UTC) for h in range(4)]
 REPO = Path(__file__).resolve().parent.parent
 CONNECT_CLIENT_MODULES = ("grpc", "grpc_status", "google.rpc", "zstandard", "pandas")
+# A secret setting the server starts with (an S3 key it never uses here): it must reach the
+# server through its properties file, never a command line.
+SERVER_SECRET = "s3-secret-" + os.urandom(8).hex()
 
 PLAIN = pa.schema(
     [
@@ -152,7 +155,8 @@ def connect_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[st
         pytest.skip(f"Spark Connect client packages missing ({missing}): pyspark[connect]")
     state = tmp_path_factory.mktemp("spark-connect")
     port = connect_server.free_port()
-    url = connect_server.start(port, state_dir=state, driver_memory="1g")
+    conf = {"spark.hadoop.fs.s3a.secret.key": SERVER_SECRET}
+    url = connect_server.start(port, state_dir=state, driver_memory="1g", conf=conf)
     try:
         yield url, state
     finally:
@@ -183,11 +187,23 @@ def test_the_server_serves_only_clients_with_its_token_and_proves_itself(connect
     auth = connect_server.auth_file(state)
     assert auth.stat().st_mode & 0o777 == 0o600
     secrets = json.loads(auth.read_text())
-    props = (state / "server.properties").stat()
-    assert props.st_mode & 0o777 == 0o600
+    props = connect_server.properties_file(state)
+    assert props.stat().st_mode & 0o777 == 0o600
+    assert props.parent.stat().st_mode & 0o777 == 0o700
+    assert SERVER_SECRET in props.read_text()
     pid = connect_server.server_pid(state, int(url.rsplit(":", 1)[1]))
     cmdline = Path(f"/proc/{pid}/cmdline").read_text()
-    assert secrets["token"] not in cmdline and secrets["proof"] not in cmdline
+    assert str(props) in cmdline  # the server read its settings from there
+    leaked = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            line = (proc / "cmdline").read_text(errors="replace")
+        except OSError:
+            continue
+        leaked += [
+            proc.name for s in (secrets["token"], secrets["proof"], SERVER_SECRET) if s in line
+        ]
+    assert not leaked
 
     assert _client("probe", url, str(auth), "right").stdout.strip() == "served"
     no_token = _client("probe", url, str(auth), "no-token")

@@ -378,7 +378,7 @@ def _secret_properties(hidden: Mapping[str, str]) -> Iterator[None]:
     props = folder / "secret.properties"
     fd = os.open(props, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.writelines(f"{k}={_escape_property(v)}\n" for k, v in hidden.items())
+        f.write(properties_text(hidden))
     before = os.environ.get("PYSPARK_SUBMIT_ARGS")
     os.environ["PYSPARK_SUBMIT_ARGS"] = (
         f"--properties-file {shlex.quote(str(props))} --load-spark-defaults pyspark-shell"
@@ -393,10 +393,25 @@ def _secret_properties(hidden: Mapping[str, str]) -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def properties_text(settings: Mapping[str, str]) -> str:
+    """``settings`` as the text of a Java properties file (Spark's ``--properties-file``), each
+    key and value read back as given."""
+    return "".join(
+        f"{_escape_property_key(k)}={_escape_property(v)}\n" for k, v in settings.items()
+    )
+
+
 def _escape_property(value: str) -> str:
     """A value as Java's Properties reads it back (backslashes, line breaks, leading space)."""
     out = value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
     return "\\" + out if out[:1].isspace() else out
+
+
+def _escape_property_key(key: str) -> str:
+    """A key as Java's Properties reads it back: what would end it (``=``, ``:``, white space)
+    or start a comment (``#``, ``!``) escaped."""
+    out = _escape_property(key).removeprefix("\\")
+    return re.sub(r"([=:#!\s])", lambda m: "\\" + {"\t": "t", "\f": "f"}.get(m[1], m[1]), out)
 
 
 def package_zip(folder: Path | None = None) -> Path:
