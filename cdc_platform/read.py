@@ -199,7 +199,7 @@ def _spark_read(
 ) -> DataFrame:
     from pyspark.sql import SparkSession
 
-    from cdc_platform.lib import changelog
+    from cdc_platform.lib import changelog, delta
 
     session = spark or SparkSession.getActiveSession()
     if session is None:
@@ -208,7 +208,7 @@ def _spark_read(
     schema = changelog.spark_schema(snap.schema)
     files = snap.files_at(at)
     rows = (
-        session.read.schema(schema).parquet(*snap.paths(files))
+        delta.read_files(session.read.schema(schema), snap.path, files)
         if files
         else session.createDataFrame([], schema)
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from datetime import UTC, datetime
@@ -241,6 +242,161 @@ def test_a_delta_log_never_points_adoption_at_files_outside_the_source(
         assert not (site["warehouse"] / "orders").exists()
 
 
+# -- issue 31: glob characters never reach Spark's path parser as a pattern --------------------
+
+# Spark expands ``{a,b}`` (which may hold ``/``) before it resolves ``..``: below an allowed
+# prefix, this names the payments table's change log in the warehouse next to it.
+ESCAPE = "n{/..}{/..}{/warehouse/_cdc/payments/changelog}"
+
+
+def test_an_adoption_source_or_root_with_glob_characters_is_refused(site) -> None:
+    wh, landing = site["warehouse"], site["landing"]
+    forbidden = (wh, landing)
+    for source, roots in [
+        (f"s3://exports/orders/{ESCAPE}", ["s3://exports/orders"]),
+        ("s3://exports/orders/n%7B/..%7D%7B/..%7D/x", ["s3://exports/orders"]),  # decoded
+        (f"{site['allowed']}/{ESCAPE}", [site["allowed"]]),
+    ]:
+        with pytest.raises(
+            SourceRootError, match=r"^adoption source .*: glob characters \(\{ \}\) are not allowed"
+        ):
+            adoption_source(source, roots, forbidden)
+        with pytest.raises(AdoptionError, match="glob characters"):
+            adopt(
+                None,  # type: ignore[arg-type]  # refused before any Spark work
+                CSV_TABLE,
+                wh,
+                source,
+                adoption_roots=roots,
+                landing_root=landing,
+            )
+    with pytest.raises(SourceRootError, match=r"^adoption_roots entry .*glob characters \(\[ \]\)"):
+        adoption_source("s3://exports/b/x", ["s3://exports/a[1]"], forbidden)
+    with pytest.raises(SourceRootError, match=r"^snapshot .*glob characters \(\* \{ \}\)"):
+        snapshot_folder(f"{site['allowed']}/s{{/..}}{{/..}}/*", [site["allowed"]], forbidden)
+    glob_root = site["allowed"] / "snaps[1]"
+    glob_root.mkdir()
+    with pytest.raises(SourceRootError, match=r"^snapshot_roots entry .*glob characters"):
+        snapshot_folder(str(site["allowed"] / "s"), [glob_root], forbidden)
+
+
+def test_the_config_refuses_source_roots_with_glob_characters(tmp_path: Path) -> None:
+    def parse(**extra: Any) -> Any:
+        raw = {"landing_root": "landing", "warehouse_root": "warehouse", **extra}
+        raw["tables"] = [{"name": "t", "primary_key": ["id"], "start": "2024-01-01-00:00"}]
+        return parse_config(raw, tmp_path)
+
+    for extra in (
+        {"adoption_roots": ["s3://b/p{/..}"]},
+        {"adoption_roots": ["s3://b/p%5B1%5D"]},
+        {"snapshot_roots": ["snaps[1]"]},
+    ):
+        with pytest.raises(ConfigError, match=r"entry .* glob characters .* are not allowed"):
+            parse(**extra)
+
+
+def _delta_with_add_path(export: Path, path: str, partitioned: bool) -> None:
+    """A Delta table at ``export`` whose log names its one data file ``path``."""
+    data = pa.table({"id": [2], "v": ["x"], "p": ["a"]})
+    write_deltalake(str(export), data, partition_by=["p"] if partitioned else None)
+    log = export / "_delta_log" / "00000000000000000000.json"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for action in lines:
+        if "add" in action:
+            action["add"]["path"] = path
+    log.write_text("".join(json.dumps(a) + "\n" for a in lines))
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_a_delta_log_add_path_with_a_glob_pattern_is_refused_never_read(
+    spark, site, partitioned, monkeypatch
+) -> None:
+    """``a{/..}{/..}{/..}/private/history.parquet`` has no ``..`` segment, and Spark expanded
+    it to ``a/../../../private/history.parquet``: outside the source. Refused, naming the
+    field, before Spark is handed any path. Percent-encoded, the same text is a file name
+    (decoded, checked, read literally): there is no such file, and the secret is not read."""
+    from pyspark.sql.readwriter import DataFrameReader
+
+    secret_file = site["private"] / "history.parquet"
+    pq.write_table(pa.table({"id": [1], "v": [SECRET]}), secret_file)
+    handed: list[str] = []
+    parquet = DataFrameReader.parquet
+
+    def spy(self: DataFrameReader, *paths: str, **options: Any) -> Any:
+        handed.extend(paths)
+        return parquet(self, *paths, **options)
+
+    monkeypatch.setattr(DataFrameReader, "parquet", spy)
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    export = site["allowed"] / f"bare-{partitioned}"
+    _delta_with_add_path(export, "a{/..}{/..}{/..}/private/history.parquet", partitioned)
+    with pytest.raises(AdoptionError, match=r"add\.path .* has glob characters \{ \} not") as err:
+        _adopt(spark, site, table, export)
+    assert SECRET not in str(err.value) and handed == []
+
+    export = site["allowed"] / f"encoded-{partitioned}"
+    encoded = "a%7B%2F..%7D%7B%2F..%7D%7B%2F..%7D/private/history.parquet"
+    _delta_with_add_path(export, encoded, partitioned)
+    with pytest.raises(Exception, match="PATH_NOT_FOUND") as err:
+        _adopt(spark, site, table, export)
+    assert SECRET not in str(err.value)
+    assert handed and all("private/history.parquet" in p and "\\{" in p for p in handed)
+    assert not (site["warehouse"] / "orders").exists()
+
+
+def test_a_delta_log_path_is_decoded_then_kept_inside_the_table() -> None:
+    """What every read of a Delta table's files goes through (``delta.absolute_paths``)."""
+    inside = {
+        "part-0.parquet": "part-0.parquet",
+        "p=x%257By%257D/part-0.parquet": "p=x%7By%7D/part-0.parquet",  # delta-rs, x{y}
+        "p=x%257By%7D/part-0.parquet": "p=x%7By}/part-0.parquet",  # delta-spark, x{y}
+        "p=a%2520b/part-0.parquet": "p=a%20b/part-0.parquet",
+        "d%C3%A9j%C3%A0/a%20b.parquet": "déjà/a b.parquet",
+    }
+    for logged, relative in inside.items():
+        assert delta.relative_file("/wh/t", logged) == relative
+        assert delta.absolute_paths("/wh/t", [logged]) == [f"/wh/t/{relative}"]
+    outside = {
+        "a{/..}{/..}/x.parquet": "glob characters { }",
+        "x*.parquet": "glob characters *",
+        "a\\..\\x.parquet": "glob characters \\",
+        "/wh/other/x.parquet": "an absolute path",
+        "%2Fwh%2Fother/x.parquet": "an absolute path",
+        "file:/wh/other/x.parquet": "a URI",
+        "s3a://bucket/x.parquet": "a URI",
+        "../other/x.parquet": "a '.' or '..' segment",
+        "a/%2E%2E/%2e%2e/other/x.parquet": "a '.' or '..' segment",
+        "a%5C..%5C..%5Cx.parquet": "a '.' or '..' segment",
+        "": "empty",
+    }
+    for logged, why in outside.items():
+        with pytest.raises(delta.UnsafeFilePathError, match=f"add.path .*{re.escape(why)}"):
+            delta.absolute_paths("/wh/t", [logged])
+
+
+@pytest.mark.parametrize("writer", ["delta-rs", "delta-spark"])
+def test_partition_values_with_glob_characters_adopt(spark, site, writer) -> None:
+    """Legitimate logs are not refused: each writer percent-encodes a partition value's
+    ``{``, ``[``, ``*``, ``%`` or space in the add path; the decoded name (delta-spark leaves
+    ``}`` and ``]`` bare on disk) is read by its name."""
+    from cdc_platform_tests.helpers import history_rows, normalize
+
+    values = ["x{y}", "[1]", "a*b?", "c%d e", "plain"]
+    export = site["allowed"] / writer
+    data = pa.table({"id": list(range(len(values))), "p": values})
+    if writer == "delta-rs":
+        write_deltalake(str(export), data, partition_by=["p"])
+    else:
+        spark.createDataFrame(data.to_pandas()).write.format("delta").partitionBy("p").save(
+            str(export)
+        )
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    result = _adopt(spark, site, table, export)
+    assert result.live_rows == len(values)
+    history = TablePaths.of(site["warehouse"], "orders").history
+    assert normalize(history_rows(history), ["id", "p"]) == list(enumerate(values))
+
+
 # -- item 5: a file or folder swapped for a symlink after the listing is never read -------------
 
 
@@ -410,3 +566,22 @@ def test_a_backtick_in_a_key_name_is_a_name_and_encrypted_keys_are_redacted(spar
     assert failed[invariants.ONE_ACTIVE].failing == 1
     assert all(o.sample == [invariants.REDACTED] for o in failed.values())
     assert SECRET not in repr(failed)
+
+
+@pytest.mark.parametrize("name", ["bad[1.parquet", "x{a,b}.parquet"])
+def test_a_landing_file_named_like_a_glob_pattern_is_read_by_its_name(spark, site, name) -> None:
+    """Spark reads ``[`` and ``{a,b}`` in a path as a pattern (issue 31): the unclosed bracket
+    failed every run of the hour, and ``x{a,b}.parquet`` would read ``xa.parquet`` in its
+    place. Both are read natively by their own names, each file's rows once."""
+    from cdc_platform_tests.helpers import history_rows, normalize
+
+    table = TableConfig(name="orders", primary_key=("id",), start=H5)
+    write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1, v="a")], name=name)
+    write_parquet_events(
+        site["landing"], "orders", H5, [ev("INSERT", 2, TS, 2, v="b")], name="xa.parquet"
+    )
+    out = materialize(spark, table, site["landing"], site["warehouse"], [H5])
+    assert out.quarantined == () and (out.files_read, out.events_read) == (2, 2)
+    assert sorted(os.path.basename(p) for p in out.read_natively) == sorted([name, "xa.parquet"])
+    history = TablePaths.of(site["warehouse"], "orders").history
+    assert normalize(history_rows(history), ["id", "v"]) == [(1, "a"), (2, "b")]

@@ -54,7 +54,7 @@ from cdc_platform.lib.reading import (
     widest,
 )
 from cdc_platform.lib.source_roots import SourceRootError, adoption_source
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.storage import Location, Where, read_parquet
 from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -237,7 +237,8 @@ def _read_source(
         return fmt, _delta_rows(spark, where)
     if where.is_local and not where.path.exists():
         raise AdoptionError(f"{where}: no such file or folder")
-    return fmt, _with_provenance(spark.read.options(**NATIVE_READ_OPTIONS).parquet(where.uri))
+    rows = read_parquet(spark.read.options(**NATIVE_READ_OPTIONS), [where.spark_uri()])
+    return fmt, _with_provenance(rows)
 
 
 def _delta_rows(spark: SparkSession, where: Location) -> DataFrame:
@@ -270,7 +271,10 @@ def _delta_rows(spark: SparkSession, where: Location) -> DataFrame:
     physical = _physical_schema(dt, where)
     if dt.metadata().partition_columns:
         return _partitioned_rows(spark, where, dt, logical, physical)
-    rows = spark.read.schema(physical).options(**NATIVE_READ_OPTIONS).parquet(*dt.file_uris())
+    logged = pa.table(dt.get_add_actions(flatten=True)).column("path").to_pylist()
+    rows = delta.read_files(
+        spark.read.schema(physical).options(**NATIVE_READ_OPTIONS), where, logged
+    )
     return _logical(_with_provenance(rows), logical, physical)
 
 
@@ -340,24 +344,20 @@ def _logical(rows: DataFrame, logical: StructType, physical: StructType) -> Data
 
 
 def _refuse_files_outside(where: Location, dt: Any) -> None:
-    """A Delta log may name data files by absolute path, URI or ``..``: whoever can write a log
-    under an adoption root could point it at another table's history or change log. Every file
-    of the source must be a relative path inside it (docs/SECURITY.md)."""
-    from urllib.parse import unquote
-
+    """A Delta log may name data files by absolute path, URI, ``..`` or a glob pattern Spark
+    expands (``a{/..}{/..}/x``): whoever can write a log under an adoption root could point it
+    at another table's history or change log. Every file of the source must be a relative path
+    inside it, once decoded and normalized (``delta.relative_file``; docs/SECURITY.md)."""
     for action in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
-        path = unquote(str(action["path"]))
-        parts = path.replace("\\", "/").split("/")
         if action.get("deletionVector.storageType") == "p":
             raise AdoptionError(
                 f"{where}: the Delta log names a deletion vector by absolute path: a source's"
                 " files must all be inside it"
             )
-        if "://" in path or path.startswith("/") or ".." in parts:
-            raise AdoptionError(
-                f"{where}: the Delta log names a data file outside the table (absolute, a URI"
-                " or '..'): a source's files must all be inside it"
-            )
+        try:
+            delta.relative_file(where, str(action["path"]))
+        except delta.UnsafeFilePathError as exc:
+            raise AdoptionError(f"{exc}; nothing was read") from None
 
 
 def _with_provenance(rows: DataFrame) -> DataFrame:
@@ -374,8 +374,6 @@ def _partitioned_rows(
 ) -> DataFrame:
     """A partitioned Delta table's rows: its files hold no partition column, so each group of
     files is read with its partition values (from the Delta log, typed) as literal columns."""
-    from urllib.parse import unquote
-
     from pyspark.sql.types import StructType
 
     parts = list(dt.metadata().partition_columns)
@@ -393,14 +391,12 @@ def _partitioned_rows(
             else a.get(f"partition.{c}")
             for c in parts
         )
-        # The log's path is URI-encoded: the file on disk has the decoded name.
-        groups.setdefault(values, []).append(unquote(a["path"]))
+        # The log's path is URI-encoded: ``delta.absolute_paths`` decodes it (and checks it).
+        groups.setdefault(values, []).append(a["path"])
     frames = []
     for values, paths in groups.items():
-        rows = (
-            spark.read.schema(data_schema)
-            .options(**NATIVE_READ_OPTIONS)
-            .parquet(*delta.absolute_paths(where, paths))
+        rows = delta.read_files(
+            spark.read.schema(data_schema).options(**NATIVE_READ_OPTIONS), where, paths
         )
         for c, v in zip(parts, values, strict=True):
             rows = rows.withColumn(stored[c], value_lit(v).cast(logical[c].dataType))

@@ -107,7 +107,7 @@ def read_files(
     """The events in ``files`` of the change log at ``path``, read with ``schema``."""
     if not files:
         return spark.createDataFrame([], schema)
-    return spark.read.schema(schema).parquet(*delta.absolute_paths(path, files))
+    return delta.read_files(spark.read.schema(schema), path, files)
 
 
 def append(
@@ -163,9 +163,7 @@ def append(
         candidates = _overlapping(delta.snapshot_files(dt), lo, hi)
         new = batch
         if candidates:
-            logged = spark.read.parquet(*delta.absolute_paths(path, candidates)).select(
-                *cols([*pk, SEQ])
-            )
+            logged = delta.read_files(spark.read, path, candidates).select(*cols([*pk, SEQ]))
             # Broadcast only when the statistics say few rows (``lib.joins``): re-reading a
             # bulk hour checks its events against millions logged.
             logged = joins.build_side(logged, joins.records(candidates))
@@ -173,7 +171,7 @@ def append(
         gone = _seq_overlapping(forgotten, lo, hi) if forgotten is not None else []
         gone = [f for f in gone if removal_committed(path, f)]
         if forgotten is not None and gone:
-            ledger = spark.read.parquet(*delta.absolute_paths(forgotten, gone))
+            ledger = delta.read_files(spark.read, forgotten, gone)
             forgot = joins.build_side(ledger.select(*cols([*pk, SEQ])), joins.records(gone))
             new = new.join(forgot, [*pk, SEQ], "left_anti")
         # The table's columns and types: a column the table widened after this batch was read

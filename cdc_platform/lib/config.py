@@ -288,7 +288,9 @@ def _source_roots(
             )
         try:
             root = checked_root(
-                item if "://" in item else _resolve(item, base_dir, where, key), f"'{key}' entry"
+                item if "://" in item else _resolve(item, base_dir, where, key),
+                f"'{key}' entry",
+                source=True,
             )
         except ValueError as exc:
             raise ConfigError(f"{where}: field '{key}': {exc}") from None

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -35,10 +36,10 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
 from cdc_platform.lib.columns import col
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.storage import GLOB_CHARACTERS, Location, Where, read_parquet
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame, DataFrameReader, SparkSession
 
 T = TypeVar("T")
 
@@ -162,10 +163,65 @@ def snapshot_files(dt: DeltaTable) -> list[DataFile]:
     return files
 
 
+class UnsafeFilePathError(ValueError):
+    """A Delta log names a data file outside its table, or in a form no Delta writer uses."""
+
+
+def relative_file(table_path: Where, logged: str, field: str = "add.path") -> str:
+    """The file a Delta log's ``add`` or ``remove`` path names, as a ``/``-separated path below
+    the table, checked: the log's path is a URI reference (RFC 2396), percent-decoded once
+    here, as Delta's writers encode it (delta-rs and delta-spark encode a partition value's
+    ``{``, ``%`` or space).
+
+    Whoever writes a table's log could name another table's files, so refused, naming the
+    field and why: a URI or an absolute path; a bare glob character (``{ } [ ] * ? \\``, never
+    left unencoded by a writer: ``a{/..}{/..}/x`` is a pattern Spark expands to ``a/../../x``);
+    a ``.`` or ``..`` segment once decoded (``\\`` counts as a separator); and a normalized
+    path that is not strictly below the table.
+    """
+
+    def refuse(why: str) -> UnsafeFilePathError:
+        shown = logged if len(logged) <= 200 else logged[:200] + "..."
+        return UnsafeFilePathError(
+            f"{Location.of(table_path)}: the Delta log's {field} {shown!r} {why}: refused, as"
+            " it may name a file outside the table (docs/SECURITY.md)"
+        )
+
+    bare = sorted({c for c in logged if c in GLOB_CHARACTERS})
+    if bare:
+        raise refuse(f"has glob characters {' '.join(bare)} not percent-encoded")
+    if urlsplit(logged).scheme:
+        raise refuse("is a URI, not a path relative to the table")
+    decoded = unquote(logged)
+    if not decoded or "\0" in decoded:
+        raise refuse("is empty or has a NUL character")
+    if decoded.startswith(("/", "\\")):
+        raise refuse("is an absolute path")
+    if any(s in (".", "..") for s in decoded.replace("\\", "/").split("/")):
+        raise refuse("has a '.' or '..' segment")
+    normalized = posixpath.normpath(decoded)
+    if normalized in (".", "..") or normalized.startswith(("../", "/")):
+        raise refuse("is not below the table")
+    return normalized
+
+
 def absolute_paths(table_path: Where, files: Iterable[DataFile | str]) -> list[str]:
-    """Where Spark reads each file (``s3a://...`` on S3, the local path otherwise)."""
+    """Where Spark (or Arrow) reads each file (``s3a://...`` on S3, the local path otherwise);
+    ``files`` are a snapshot's (``snapshot_files``) or paths as its log gives them, each
+    decoded and kept inside the table (``relative_file``). Hand them to Spark through
+    ``storage.read_parquet``: a decoded name may hold a glob character."""
     loc = Location.of(table_path)
-    return [loc.spark_uri(f.path if isinstance(f, DataFile) else f) for f in files]
+    return [
+        loc.spark_uri(relative_file(loc, f.path if isinstance(f, DataFile) else f)) for f in files
+    ]
+
+
+def read_files(
+    reader: DataFrameReader, table_path: Where, files: Iterable[DataFile | str]
+) -> DataFrame:
+    """``reader.parquet`` of these files of the table (``absolute_paths``), each read by its
+    name, never as a pattern (``storage.read_parquet``)."""
+    return read_parquet(reader, absolute_paths(table_path, files))
 
 
 def read_arrow(table_path: Where, columns: Sequence[str] | None = None) -> pa.Table:
@@ -411,10 +467,10 @@ def widen_table(
     adds: list[AddAction] = []
     try:
         for f in snapshot_files(dt):
-            rows = (
-                spark.read.schema(from_arrow_schema(current))
-                .options(**NATIVE_READ_OPTIONS)
-                .parquet(*absolute_paths(table_path, [f]))
+            rows = read_files(
+                spark.read.schema(from_arrow_schema(current)).options(**NATIVE_READ_OPTIONS),
+                table_path,
+                [f],
             )
             adds += write_files(arrow_cast(rows, widened).coalesce(1), table_path)
         commit(

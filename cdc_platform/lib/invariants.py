@@ -171,8 +171,7 @@ def _keys_in_files_since(
     if not changed:
         return Scope(spark.createDataFrame([], schema).select(*cols(list(primary_key))))
     return Scope(
-        spark.read.schema(schema)
-        .parquet(*delta.absolute_paths(paths.history, changed))
+        delta.read_files(spark.read.schema(schema), paths.history, changed)
         .select(*cols(list(primary_key)))
         .distinct()
     )
@@ -248,7 +247,7 @@ def run_checks(
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     files = delta.snapshot_files(dt)
     table = (
-        spark.read.schema(schema).parquet(*delta.absolute_paths(paths.history, files))
+        delta.read_files(spark.read.schema(schema), paths.history, files)
         if files
         else spark.createDataFrame([], schema)
     )

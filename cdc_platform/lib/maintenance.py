@@ -129,8 +129,8 @@ def _compact_history(
     adds: list[AddAction] = []
     version = dt.version()
     if chosen:
-        rows = spark.read.schema(changelog.spark_schema(arrow_schema)).parquet(
-            *delta.absolute_paths(paths.history, chosen)
+        rows = delta.read_files(
+            spark.read.schema(changelog.spark_schema(arrow_schema)), paths.history, chosen
         )
         adds = merge.write_segments(
             rows, paths.history, pk, sum(f.num_records or 0 for f in chosen), data_change=False
@@ -153,8 +153,8 @@ def _compact_changelog(
     version = log.version()
     if chosen:
         arrow_schema = delta.table_arrow_schema(log)
-        rows = spark.read.schema(changelog.spark_schema(arrow_schema)).parquet(
-            *delta.absolute_paths(paths.changelog, chosen)
+        rows = delta.read_files(
+            spark.read.schema(changelog.spark_schema(arrow_schema)), paths.changelog, chosen
         )
         expected = sum(f.num_records or 0 for f in chosen)
         n = delta.file_count_for(expected)

@@ -1038,7 +1038,7 @@ def _read_history(
 
     if not files:
         return spark.createDataFrame([], schema).withColumn(_FILE, F.lit(None).cast("string"))
-    rows = spark.read.schema(schema).parquet(*delta.absolute_paths(table_path, files))
+    rows = delta.read_files(spark.read.schema(schema), table_path, files)
     if where is not None:
         rows = rows.filter(where)
     return rows.withColumn(_FILE, table_relative(F.input_file_name(), Location.of(table_path)))
@@ -1313,7 +1313,7 @@ def _read_delete_only_keys(
         files = delta.snapshot_files(delta.open_table(side)) if delta.exists(side) else []
         if not files:
             return spark.createDataFrame([], keys_schema), 0
-        read = spark.read.schema(keys_schema).parquet(*delta.absolute_paths(side, files))
+        read = delta.read_files(spark.read.schema(keys_schema), side, files)
         return read, joins.records(files)
     # Stale, or missing while the history table has applied events: recompute.
     logged = delta.open_table(paths.changelog, version=history_applied)
@@ -1421,8 +1421,7 @@ def _pending_retractions(
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     after = col(AFTER_LOG_VERSION)
     return (
-        spark.read.schema(schema)
-        .parquet(*delta.absolute_paths(side, files))
+        delta.read_files(spark.read.schema(schema), side, files)
         .filter((after >= low) & (after < log_version))
         .drop(AFTER_LOG_VERSION)
     ), joins.records(files)

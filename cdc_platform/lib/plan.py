@@ -133,7 +133,7 @@ def _late_events(
     if not new_files:
         return 0, 0, None, None
     pk = list(primary_key)
-    events = spark.read.parquet(*delta.absolute_paths(shadow.changelog, new_files)).select(
+    events = delta.read_files(spark.read, shadow.changelog, new_files).select(
         *cols(pk), F.date_trunc("millisecond", col(TS)).alias("_cdc_tmp_ms")
     )
     history = delta.open_table(real.history)
@@ -141,7 +141,7 @@ def _late_events(
     if not files or CURRENT not in delta.table_arrow_schema(history).names:
         return 0, 0, None, None
     last = (
-        spark.read.parquet(*delta.absolute_paths(real.history, files))
+        delta.read_files(spark.read, real.history, files)
         .filter(col(CURRENT))
         .select(*cols(pk), col(LAST_EVENT_AT))
     )
@@ -151,7 +151,7 @@ def _late_events(
         side = delta.snapshot_files(delta.open_table(real.delete_only_keys))
         if side:
             last = last.unionByName(
-                spark.read.parquet(*delta.absolute_paths(real.delete_only_keys, side)).select(
+                delta.read_files(spark.read, real.delete_only_keys, side).select(
                     *cols(pk), col(LAST_EVENT_AT)
                 )
             )

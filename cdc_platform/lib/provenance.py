@@ -75,7 +75,7 @@ def version_sources(
     files = delta.snapshot_files(dt)
     history_schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     versions = (
-        spark.read.schema(history_schema).parquet(*delta.absolute_paths(paths.history, files))
+        delta.read_files(spark.read.schema(history_schema), paths.history, files)
         if files
         else spark.createDataFrame([], history_schema)
     ).select(*cols([*pk, START, END, ACTIVE]))

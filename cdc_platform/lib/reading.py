@@ -53,6 +53,7 @@ from cdc_platform.lib.csv_format import read_csv_events
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import printable_path
 from cdc_platform.lib.safe_open import CHANGED, FileId, check_unchanged, open_beneath, path_ids
+from cdc_platform.lib.storage import read_parquet
 from cdc_platform.lib.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
 if TYPE_CHECKING:
@@ -803,23 +804,22 @@ def validate_native(
         assert r.schema is not None
         if r.path in guard.readable:  # else inspected in Python below, which says why
             groups.setdefault(_checked_signature(r.schema, pk), []).append(r)
-    summary = None
-    for signature, members in groups.items():
-        first_schema = members[0].schema
-        assert first_schema is not None  # only readable files are grouped
-        schema = pa.schema([first_schema.field(name) for name, _ in signature])
-        df = (
-            spark.read.schema(from_arrow_schema(schema))
-            .options(**NATIVE_READ_OPTIONS)
-            .parquet(*[os.path.abspath(r.path) for r in members])
-        )
-        part = _validation_summary(df, pk, [n for n, _ in signature[len(pk) + 3 :]])
-        summary = part if summary is None else summary.unionByName(part)
     by_file = {os.path.normpath(os.path.abspath(r.path)): r for r in reports}
     out: dict[str, FileReport] = {}
-    try:
+    try:  # Spark lists the files as it makes the frame: a file gone by then fails here too
+        summary = None
+        for signature, members in groups.items():
+            first_schema = members[0].schema
+            assert first_schema is not None  # only readable files are grouped
+            schema = pa.schema([first_schema.field(name) for name, _ in signature])
+            df = read_parquet(
+                spark.read.schema(from_arrow_schema(schema)).options(**NATIVE_READ_OPTIONS),
+                [os.path.abspath(r.path) for r in members],
+            )
+            part = _validation_summary(df, pk, [n for n, _ in signature[len(pk) + 3 :]])
+            summary = part if summary is None else summary.unionByName(part)
         rows = summary.collect() if summary is not None else []
-    except Exception as exc:  # e.g. corrupt pages behind a readable footer
+    except Exception as exc:  # e.g. corrupt pages behind a readable footer, a file gone
         _log.warning("native validation failed (%s); inspecting in Python", type(exc).__name__)
         rows = []
     changed = set(guard.changed())  # Spark may have read another file: inspect in Python
@@ -1316,10 +1316,9 @@ def _read_native(
     from cdc_platform.lib.columns import col
 
     data = pa.schema([f for f in schema if f.name not in (SOURCE_FILE, SOURCE_ROW)])
-    df = (
-        spark.read.schema(from_arrow_schema(data))
-        .options(**NATIVE_READ_OPTIONS)
-        .parquet(*[os.path.abspath(p) for p in files])
+    df = read_parquet(
+        spark.read.schema(from_arrow_schema(data)).options(**NATIVE_READ_OPTIONS),
+        [os.path.abspath(p) for p in files],
     )
     names = spark.createDataFrame(
         [(uri, reader.relative(p)) for p, uri in files.items()],

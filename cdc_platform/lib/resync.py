@@ -346,7 +346,7 @@ def _history(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
     if not files:
         return None
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    return spark.read.schema(schema).parquet(*delta.absolute_paths(paths.history, files))
+    return delta.read_files(spark.read.schema(schema), paths.history, files)
 
 
 def _remove_history_of(

@@ -10,7 +10,10 @@ the warehouse or the landing root (nor from a folder holding either).
 Local paths are compared as the file system resolves them, and a path with a symlink anywhere
 in it is refused (the one a run gives must be the real one; a link could point anywhere after
 the check). Object-store URIs are compared by normalized scheme, bucket and ``/``-separated
-prefix, and a ``.`` or ``..`` segment (also percent-encoded) is refused.
+prefix, and a ``.`` or ``..`` segment (also percent-encoded) is refused. A glob character
+(``{ } [ ] * ? \\``, also percent-encoded in a URI) in a source or a root is refused: Spark's
+file reader expands ``n{/..}{/..}{/warehouse}`` to ``n/../../warehouse``, a path no segment
+check sees leaving the root.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.storage import GLOB_CHARACTERS, Location, Where
 
 SNAPSHOT_ROOTS = "snapshot_roots"
 ADOPTION_ROOTS = "adoption_roots"
@@ -50,13 +53,32 @@ def overlaps(a: Location, b: Location) -> bool:
     return is_within(a, b) or is_within(b, a)
 
 
-def checked_root(value: Where, what: str) -> Location:
-    """A configured root: a resolved local folder or an object-store URI without ``.``/``..``."""
+def checked_root(value: Where, what: str, *, source: bool = False) -> Location:
+    """A configured root: a resolved local folder or an object-store URI without ``.``/``..``;
+    a root operator jobs read from (``source``: ``snapshot_roots``, ``adoption_roots``) also
+    without glob characters."""
     location = Location.of(value)
     if location.is_local:
-        return Location.of(Path(location.uri).resolve())
-    _refuse_dot_segments(location, what)
+        location = Location.of(Path(location.uri).resolve())
+    else:
+        _refuse_dot_segments(location, what)
+    if source:
+        _refuse_glob(location.uri, location, what)
     return location
+
+
+def _refuse_glob(text: str, location: Location, what: str) -> None:
+    """Refuse a path Spark's file reader would read as a pattern: a glob character in the
+    text given, or (in a URI) in a percent-decoded segment."""
+    found = {c for c in text if c in GLOB_CHARACTERS}
+    if not location.is_local:
+        found |= {c for s in _segments(location)[2:] for c in s if c in GLOB_CHARACTERS}
+    if found:
+        raise SourceRootError(
+            f"{what} {text}: glob characters ({' '.join(sorted(found))}) are not allowed: Spark"
+            " reads them as a pattern, which may lead out of the root ('{/..}'); rename the"
+            " folder"
+        )
 
 
 def _refuse_dot_segments(location: Location, what: str) -> None:
@@ -121,11 +143,12 @@ def snapshot_folder(
         raise SourceRootError(f"{what} {text}: a snapshot is a local or mounted folder")
     if "://" not in text and not os.path.isabs(text):
         raise SourceRootError(f"{what} {text!r}: give an absolute path")
+    _refuse_glob(text, location, what)
     path = Path(location.uri)  # normalized: '..' segments are resolved lexically
     if ".." in Path(text.removeprefix("file://")).parts:
         raise SourceRootError(f"{what} {text}: '..' segments are not allowed")
     _refuse_links(path, what)
-    allowed = [checked_root(r, f"{SNAPSHOT_ROOTS} entry") for r in roots]
+    allowed = [checked_root(r, f"{SNAPSHOT_ROOTS} entry", source=True) for r in roots]
     _check_placement(location, allowed, [checked_root(f, "root") for f in forbidden], what)
     return path
 
@@ -135,7 +158,8 @@ def adoption_source(
 ) -> Location:
     """The adoption source a run names, checked: under one of ``roots`` (``adoption_roots``),
     apart from ``forbidden`` (the warehouse and landing roots); a local one absolute, real
-    and with no symlink inside it; a URI without ``.``/``..`` segments."""
+    and with no symlink inside it; a URI without ``.``/``..`` segments; neither with a glob
+    character."""
     what = "adoption source"
     if not roots:
         raise _no_roots(ADOPTION_ROOTS, what)
@@ -144,7 +168,8 @@ def adoption_source(
         location = Location.of(text)
     except ValueError as exc:
         raise SourceRootError(f"{what}: {exc}") from None
-    allowed = [checked_root(r, f"{ADOPTION_ROOTS} entry") for r in roots]
+    _refuse_glob(text, location, what)
+    allowed = [checked_root(r, f"{ADOPTION_ROOTS} entry", source=True) for r in roots]
     denied = [checked_root(f, "root") for f in forbidden]
     if location.is_local:
         if "://" not in text and not os.path.isabs(text):

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
+    from pyspark.sql import DataFrame, DataFrameReader
 
 # Schemes delta-rs and the Hadoop connectors both understand, as written in the config.
 # ``s3a`` is what Hadoop calls S3; delta-rs takes either, so it is stored as ``s3``.
@@ -188,6 +189,31 @@ class Location:
 
 
 Where = Location | str | os.PathLike[str]
+
+
+# -- Spark's file paths --------------------------------------------------------------------------
+
+# What Spark's file sources (Hadoop's ``globStatus``) read as a pattern in a path they are given
+# (``SparkHadoopUtil.isGlobPath``): ``bad[1.parquet`` is no file name to them, and ``{a,b}`` may
+# hold ``/`` and ``..`` (``x{/..}{/..}/y`` is expanded before ``..`` is resolved).
+GLOB_CHARACTERS = "{}[]*?\\"
+_GLOB_ESCAPES = str.maketrans({c: "\\" + c for c in GLOB_CHARACTERS})
+
+
+def literal_path(path: str) -> str:
+    """``path`` as Spark's file sources read it literally: each glob character escaped with a
+    backslash (Hadoop's ``GlobPattern`` escapes); a path with none is returned as it is.
+
+    Not Spark's ``__globPaths__ = false`` option: in Spark 4.2 a read of several paths with it
+    lists every path once more for each path that has a glob character
+    (``DataSource.checkAndGlobPathIfNecessary``), so such a file's rows would be read twice."""
+    return path.translate(_GLOB_ESCAPES)
+
+
+def read_parquet(reader: DataFrameReader, paths: Iterable[str]) -> DataFrame:
+    """``reader.parquet`` of exactly the files or folders ``paths`` name (``literal_path``):
+    every Spark read of a landing file or a Delta table's file goes through here."""
+    return reader.parquet(*[literal_path(p) for p in paths])
 
 
 # -- Spark's Hadoop settings ---------------------------------------------------------------------

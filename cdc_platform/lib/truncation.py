@@ -147,7 +147,7 @@ def _latest_rows(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
     if not files:
         return None
     schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    rows = spark.read.schema(schema).parquet(*delta.absolute_paths(paths.history, files))
+    rows = delta.read_files(spark.read.schema(schema), paths.history, files)
     return rows.filter(col(CURRENT))
 
 
