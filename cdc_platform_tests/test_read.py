@@ -416,3 +416,54 @@ def test_definitions_have_the_current_asset_and_its_sensor_only_when_asked(tmp_p
     )
     names = {s.name for s in build_definitions(without).sensors or []}
     assert CURRENT_TABLES_SENSOR not in names
+
+
+def test_the_current_table_waits_while_the_historys_blocking_checks_fail(spark, tmp_path):
+    """Readers of ``<table>_current`` never see a history that just failed a blocking check:
+    a planted duplicate active row keeps the current table at its last good state."""
+    from deltalake import DeltaTable
+
+    platform = _platform(tmp_path)
+    defs = build_table_definitions(platform, platform.table("t"))
+    assert defs.current is not None
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    instance = dg.DagsterInstance.ephemeral()
+    resources = dagster_resources()
+    current_key = dg.AssetKey("t_current")
+    both = dg.Definitions(
+        assets=[defs.asset, defs.current], asset_checks=[defs.checks], resources=resources
+    )
+
+    def tick(cursor: Any) -> tuple[int, Any]:
+        result = dg.evaluate_automation_conditions(defs=both, instance=instance, cursor=cursor)
+        return result.get_num_requested(current_key), result.cursor
+
+    def history_run(hour: datetime) -> bool:
+        return dg.materialize(
+            [defs.asset, defs.checks],
+            partition_key=hour.strftime("%Y-%m-%d-%H:%M"),
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+        ).success
+
+    requested, cursor = tick(None)  # the first evaluation: nothing yet
+    write_parquet_events(platform.landing_root, "t", H1, HOUR1)
+    assert history_run(H1)
+    requested, cursor = tick(cursor)
+    assert requested == 1
+    assert dg.materialize([defs.current], instance=instance, resources=resources).success
+    good = sorted(dict(r)["id"] for r in _current_rows(paths))
+    requested, cursor = tick(cursor)
+    assert requested == 0  # up to date
+
+    # Another writer changes a closed version of key a (the merge never reads closed rows of
+    # an in-order key); the next hour touches a, and its checks see the history disagree.
+    DeltaTable(paths.history.uri).update(predicate="id = 'a' AND v = 1", updates={"v": "999"})
+    write_parquet_events(platform.landing_root, "t", H2, HOUR2)
+    assert not history_run(H2)  # matches_change_log (blocking) failed after the commit
+    latest = instance.get_latest_materialization_event(dg.AssetKey("t"))
+    assert latest is not None and latest.run_id == instance.get_runs(limit=1)[0].run_id
+    requested, cursor = tick(cursor)
+    assert requested == 0
+    assert sorted(dict(r)["id"] for r in _current_rows(paths)) == good

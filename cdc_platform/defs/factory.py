@@ -183,7 +183,8 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
 
 
 def current_table_condition() -> dg.AutomationCondition:
-    """Eager, except that it waits only for the history table to exist.
+    """Eager, except that it waits only for the history table to exist, and never refreshes
+    from a history whose latest blocking checks failed (readers keep its last good state).
 
     ``AutomationCondition.eager()`` holds back while *any* upstream partition is missing; an
     unpartitioned asset depends on every hourly partition of the history asset, most of which
@@ -199,6 +200,7 @@ def current_table_condition() -> dg.AutomationCondition:
         )
         & ~dg.AutomationCondition.any_deps_in_progress()
         & ~dg.AutomationCondition.in_progress()
+        & dg.AutomationCondition.all_deps_blocking_checks_passed()
     ).with_label("eager_after_history")
 
 
