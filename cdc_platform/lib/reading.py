@@ -1320,9 +1320,10 @@ def _read_native(
         spark.read.schema(from_arrow_schema(data)).options(**NATIVE_READ_OPTIONS),
         [os.path.abspath(p) for p in files],
     )
+    seen = {p: inspected.get(p) for p in files}
     names = spark.createDataFrame(
-        [(uri, reader.relative(p)) for p, uri in files.items()],
-        f"{_FILE} string, {SOURCE_FILE} string",
+        [(uri, reader.relative(p), *_seen_bounds(seen[p])) for p, uri in files.items()],
+        f"{_FILE} string, {SOURCE_FILE} string, {_ROWS} long, {_SEQ_MIN} long, {_SEQ_MAX} long",
     )
     rows = df.select(
         "*",
