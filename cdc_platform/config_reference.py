@@ -134,6 +134,12 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
         "uncompressed row groups) is larger is set aside, decoding stopped there: a "
         "decompression bomb costs at most this much memory. Default 2 GiB.",
     ),
+    "expected_delivery_hours": (
+        "positive int",
+        "The source's expected delivery cadence: no new data for this many hours makes the table "
+        "late (WARN) in Dagster's freshness, twice as many stale (FAIL). Unset: no expectation "
+        "(a `discover:` template's tables: 24).",
+    ),
     "retry_backoff_seconds": (
         "positive int",
         "Landing sensor: an hour requested but not applied yet (its run failed or died) is "
@@ -144,6 +150,10 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
 DISCOVER_KEYS: dict[str, tuple[str, str]] = {
     "primary_key": ("list of columns", "Every discovered table's primary key."),
     "start": ("`YYYY-MM-DD-HH:00`", "Every discovered table's first partition."),
+    "expected_delivery_hours": (
+        "positive int",
+        "Every discovered table's expected delivery cadence (freshness; default 24).",
+    ),
 }
 _TABLE_CHOICES: dict[str, tuple[str, ...]] = {
     "format": cfg.FORMATS,

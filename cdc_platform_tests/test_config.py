@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc_platform.lib.config import ConfigError, load_config
+from cdc_platform.lib.config import ConfigError, load_config, parse_config
 from cdc_platform.lib.spark import JavaMissingError, check_java
 
 REPO = Path(__file__).resolve().parents[1]
@@ -205,3 +205,44 @@ def test_a_long_lived_session_keeps_a_bounded_ui_history(spark):
         spark.range(3).selectExpr(f"id + {i} AS x").groupBy("x").count().collect()
     store = spark._jsparkSession.sharedState().statusStore()
     assert store.executionsCount() < executions / 2
+
+
+def test_expected_delivery_hours_become_the_assets_freshness_policy(tmp_path):
+    """Listed tables expect nothing unless told; a discover: template's tables default to a day."""
+    from datetime import timedelta
+
+    import dagster as dg
+
+    from cdc_platform.defs.factory import build_table_definitions
+
+    config = tmp_path / "cdc_platform.yaml"
+    config.write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\n"
+        "discover: {primary_key: [id], start: '2024-01-01-00:00'}\ntables:\n"
+        "  - {name: hourly, primary_key: [id], start: '2024-01-01-00:00', expected_delivery_hours: 2}\n"
+        "  - {name: unknown, primary_key: [id], start: '2024-01-01-00:00'}\n"
+    )
+    platform = load_config(config)
+    assert platform.discover is not None and platform.discover.expected_delivery_hours == 24
+    (spec,) = build_table_definitions(platform, platform.table("hourly")).asset.specs
+    assert spec.freshness_policy == dg.FreshnessPolicy.time_window(
+        fail_window=timedelta(hours=4), warn_window=timedelta(hours=2)
+    )
+    (spec,) = build_table_definitions(platform, platform.table("unknown")).asset.specs
+    assert spec.freshness_policy is None
+    with pytest.raises(ConfigError, match="expected_delivery_hours"):
+        parse_config(
+            {
+                "landing_root": "l",
+                "warehouse_root": "w",
+                "tables": [
+                    {
+                        "name": "x",
+                        "primary_key": ["id"],
+                        "start": "2024-01-01-00:00",
+                        "expected_delivery_hours": 0,
+                    }
+                ],
+            },
+            tmp_path,
+        )

@@ -38,6 +38,11 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
         f"  - name: t\n    primary_key: [id]\n"
         f'    start: "{hour_to_partition_key(hour - timedelta(hours=24))}"\n'
         "    sensor_interval_seconds: 5\n    retry_backoff_seconds: 20\n"
+        "    expected_delivery_hours: 1\n"
+        # A source that stopped delivering: its last data arrived three hours ago.
+        f"  - name: quiet\n    primary_key: [id]\n"
+        f'    start: "{hour_to_partition_key(hour - timedelta(hours=24))}"\n'
+        "    expected_delivery_hours: 1\n"
     )
     platform = load_config(config)
     paths = TablePaths.of(platform.warehouse_root, "t")
@@ -62,7 +67,10 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
         "CDC_PLATFORM_CONFIG": str(config),
         "DAGSTER_HOME": str(home),
         "PYTHONPATH": str(REPO_ROOT),
+        "FRESHNESS_DAEMON_INTERVAL_SECONDS": "5",
     }
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        materialized_long_ago(instance, "quiet", hours=3)
     daemon_bin = Path(sys.executable).parent / "dagster-daemon"
     log = (tmp_path / "daemon.log").open("wb")
     daemon = subprocess.Popen(
@@ -105,6 +113,18 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
 
             wait_for("successful run once storage is back", RECOVER_SECONDS, applied)
             runs = instance.get_runs(filters=runs_of_hour)
+
+            # Dagster's freshness daemon: the quiet source is stale, the live one fresh.
+            def freshness() -> dict[str, str]:
+                keys = [dg.AssetKey("quiet"), dg.AssetKey("t")]
+                records = instance.get_freshness_state_records(keys)
+                return {k.to_user_string(): r.freshness_state.value for k, r in records.items()}
+
+            wait_for(
+                "freshness states",
+                120,
+                lambda: freshness() == {"quiet": "FAIL", "t": "PASS"},
+            )
             retried = [r for r in runs if r.tags.get(REASON_TAG) == REASON_RETRY]
             assert retried, [r.tags for r in runs]
     finally:
@@ -120,3 +140,25 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
     # Applied once: the change log holds the event once, whatever the number of runs.
     logged = DeltaTable(paths.changelog.uri).to_pyarrow_table(columns=["id", "cdc_change_seq"])
     assert logged.to_pylist() == [{"id": 1, "cdc_change_seq": 1}]
+
+
+def materialized_long_ago(instance: dg.DagsterInstance, asset: str, hours: int) -> None:
+    """A materialization recorded ``hours`` ago (the event log's own entry, backdated)."""
+    from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializationData
+    from dagster._core.events.log import EventLogEntry
+
+    event = DagsterEvent(
+        event_type_value=DagsterEventType.ASSET_MATERIALIZATION.value,
+        job_name="__ASSET_JOB",
+        event_specific_data=StepMaterializationData(dg.AssetMaterialization(asset)),
+    )
+    instance.store_event(
+        EventLogEntry(
+            error_info=None,
+            level="INFO",
+            user_message="",
+            run_id="",
+            timestamp=time.time() - hours * 3600,
+            dagster_event=event,
+        )
+    )

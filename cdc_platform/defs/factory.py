@@ -88,6 +88,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
                     # The asset page cannot link an op job's schedule: name it here.
                     "maintenance_schedule": maintenance_schedule_name(table),
                 },
+                freshness_policy=freshness_policy(table),
             )
         ],
         backfill_policy=dg.BackfillPolicy.single_run(),
@@ -180,6 +181,16 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
     )
     current = build_current_table_asset(platform, table) if table.current_table else None
     return TableDefinitions(history_table, history_checks, sensor, current)
+
+
+def freshness_policy(table: TableConfig) -> dg.FreshnessPolicy | None:
+    """The source's expected cadence as Dagster freshness (the daemon evaluates it): a table
+    with no materialization for ``expected_delivery_hours`` warns, for twice as long fails. A
+    source that stopped delivering looks like a quiet table otherwise."""
+    if table.expected_delivery_hours is None:
+        return None
+    hours = timedelta(hours=table.expected_delivery_hours)
+    return dg.FreshnessPolicy.time_window(fail_window=2 * hours, warn_window=hours)
 
 
 def current_table_condition() -> dg.AutomationCondition:

@@ -98,6 +98,10 @@ class TableConfig:
     # A landing file whose plaintext (decrypted, decompressed; a Parquet file's uncompressed
     # row groups) is larger is set aside: a decompression bomb costs at most this much memory.
     max_file_bytes: int = DEFAULT_MAX_BYTES
+    # The source's expected delivery cadence: without a materialization for this many hours the
+    # table is late (WARN), for twice as many stale (FAIL), in Dagster's freshness (None: no
+    # expectation; discovered tables get ``DEFAULT_DELIVERY_HOURS``).
+    expected_delivery_hours: int | None = None
     # Landing sensor: an hour requested and not yet applied is requested again after this long,
     # doubling with each retry up to an hour (``lib.sensor_cursor.reconcile``).
     retry_backoff_seconds: int = 300
@@ -118,12 +122,17 @@ class TableConfig:
         return self.format != "parquet" or self.compression != "none" or self.encryption != "none"
 
 
+# A discovered table's expected delivery cadence (hours) unless the template says otherwise.
+DEFAULT_DELIVERY_HOURS = 24
+
+
 @dataclass(frozen=True)
 class DiscoverTemplate:
     """``discover:``: what an unlisted table folder gets (everything else is the default)."""
 
     primary_key: tuple[str, ...]
     start: datetime
+    expected_delivery_hours: int = DEFAULT_DELIVERY_HOURS
 
     @property
     def start_partition_key(self) -> str:
@@ -175,6 +184,7 @@ _TABLE_FIELDS = {
     "group",
     "max_file_bytes",
     "retry_backoff_seconds",
+    "expected_delivery_hours",
 }
 _TOP_FIELDS = {
     "landing_root",
@@ -187,7 +197,7 @@ _TOP_FIELDS = {
     "snapshot_roots",
     "adoption_roots",
 }
-_DISCOVER_FIELDS = {"primary_key", "start"}
+_DISCOVER_FIELDS = {"primary_key", "start", "expected_delivery_hours"}
 
 
 def config_path() -> Path:
@@ -318,9 +328,13 @@ def _parse_discover(raw: Any, where: str) -> DiscoverTemplate:
     unknown = sorted(set(raw) - _DISCOVER_FIELDS)
     if unknown:
         raise fail(unknown[0], f"unknown key(s) {unknown}; allowed: {sorted(_DISCOVER_FIELDS)}")
+    hours = raw.get("expected_delivery_hours", DEFAULT_DELIVERY_HOURS)
+    if not isinstance(hours, int) or isinstance(hours, bool) or hours <= 0:
+        raise fail("expected_delivery_hours", f"{hours!r} must be a positive integer")
     return DiscoverTemplate(
         primary_key=tuple(_primary_key(raw.get("primary_key"), fail)),
         start=_start(raw.get("start"), fail),
+        expected_delivery_hours=hours,
     )
 
 
@@ -527,6 +541,11 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         group=_group(raw.get("group", DEFAULT_GROUP), fail),
         max_file_bytes=positive_int("max_file_bytes", DEFAULT_MAX_BYTES),
         retry_backoff_seconds=positive_int("retry_backoff_seconds", 300),
+        expected_delivery_hours=(
+            positive_int("expected_delivery_hours", 1)
+            if raw.get("expected_delivery_hours") is not None
+            else None
+        ),
     )
 
 

@@ -425,7 +425,14 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
         if not plain:
             continue
         taken.add(name.lower())
-        added.append(TableConfig(name=name, primary_key=template.primary_key, start=template.start))
+        added.append(
+            TableConfig(
+                name=name,
+                primary_key=template.primary_key,
+                start=template.start,
+                expected_delivery_hours=template.expected_delivery_hours,
+            )
+        )
     if not added:
         return platform
     return replace(platform, tables=(*platform.tables, *added))
