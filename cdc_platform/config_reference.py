@@ -65,7 +65,13 @@ TOP_KEYS: dict[str, tuple[str, str]] = {
     ),
     "maintenance_schedule": (
         "cron (UTC)",
-        "When each table's maintenance (compaction, then VACUUM) runs.",
+        "When each table's maintenance (compaction, then VACUUM) runs; a plain daily time is "
+        "spread per table over `schedule_window_minutes`.",
+    ),
+    "schedule_window_minutes": (
+        "minutes (1-1440)",
+        "Each table's maintenance starts this many minutes after `maintenance_schedule` at most, "
+        "at a place derived from its name, so a fleet does not start at one minute.",
     ),
     "discover": (
         "mapping",

@@ -10,6 +10,7 @@ built, and the runs that go further than the table lookup get a Spark resource w
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +68,39 @@ def test_the_jobs_do_not_grow_with_the_table_count(tmp_path):
     # Each table keeps its maintenance schedule: the one job, the table in its run config.
     schedules = {s.name: s for s in repo.schedule_defs if s.name.endswith("_maintenance_schedule")}
     assert len(schedules) == 200
+    starts = set()
     for table in many.tables:
         schedule = schedules[f"{table.name}_maintenance_schedule"]
         assert schedule.job_name == MAINTENANCE_JOB
-        assert schedule.cron_schedule == many.maintenance_schedule
+        # Spread over the window after maintenance_schedule (04:30), not all at one minute.
+        minute, hour, *rest = str(schedule.cron_schedule).split()
+        start = int(hour) * 60 + int(minute)
+        assert rest == ["*", "*", "*"] and 270 <= start < 270 + many.schedule_window_minutes
+        starts.add(start)
         assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
         with dg.build_schedule_context() as context:
             data = schedule.evaluate_tick(context)
         (request,) = data.run_requests or []
         assert request.run_config == {"ops": {MAINTENANCE_OP: {"config": {"table": table.name}}}}
         assert request.tags[TABLE_TAG] == table.name
+        assert request.tags["dagster/priority"] == "-1"  # after ingestion in the run queue
         dg.validate_run_config(repo.get_job(MAINTENANCE_JOB), request.run_config)
+    assert len(starts) > 80  # 200 names over 120 minutes
+
+    # The full-table checks: one run per table, its checks only, after ingestion in the queue.
+    checks = repo.get_schedule_def("cdc_full_table_checks_schedule")
+    with dg.build_schedule_context(
+        scheduled_execution_time=datetime(2024, 1, 2, 3, tzinfo=UTC)
+    ) as context:
+        requests = checks.evaluate_tick(context).run_requests or []
+    assert [r.tags[TABLE_TAG] for r in requests] == [t.name for t in many.tables]
+    for request, table in zip(requests, many.tables, strict=True):
+        assert request.asset_selection == []
+        assert {k.asset_key.to_user_string() for k in request.asset_check_keys or []} == {
+            table.name
+        }
+        assert request.tags["dagster/priority"] == "-1"
+    assert len({r.run_key for r in requests}) == 200
 
 
 def _run(

@@ -13,10 +13,10 @@ landing zone gets the same definitions (``lib.discovery``, read when the code lo
 the ``cdc_new_tables`` sensor reports every unlisted folder (``defs.discovery``).
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
@@ -30,6 +30,8 @@ from cdc_platform.defs.alerts import (
 from cdc_platform.defs.discovery import build_new_tables_sensor
 from cdc_platform.defs.lifecycle import build_lifecycle_jobs
 from cdc_platform.defs.maintenance import (
+    BACKGROUND_PRIORITY,
+    PRIORITY_TAG,
     build_maintenance_job,
     build_maintenance_schedules,
     maintenance_schedule_name,
@@ -38,13 +40,18 @@ from cdc_platform.defs.operations import pool_name
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
-from cdc_platform.defs.sensors import build_landing_sensor
+from cdc_platform.defs.sensors import TABLE_TAG, build_landing_sensor
 from cdc_platform.lib import applied_files, current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.discovery import with_discovered_tables
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key, hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.warehouse import TablePaths, current_table_name
+
+if TYPE_CHECKING:  # what define_asset_job returns (not exported by name)
+    from dagster._core.definitions.unresolved_asset_job_definition import (
+        UnresolvedAssetJobDefinition,
+    )
 
 VERSION_BEFORE = "delta_version_before"
 CURRENT_TABLES_SENSOR = "cdc_current_tables"
@@ -328,6 +335,37 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def full_checks_schedule(
+    platform: PlatformConfig,
+    job: "dg.JobDefinition | UnresolvedAssetJobDefinition",
+    tables: Sequence[TableDefinitions],
+) -> dg.ScheduleDefinition:
+    """Every invariant over every table, as one run per table (a failing or slow table holds no
+    other back), each tagged with its table and below ingestion's priority in the run queue."""
+
+    @dg.schedule(
+        name="cdc_full_table_checks_schedule",
+        job=job,
+        cron_schedule=platform.check_schedule,
+        execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description="Every invariant over every history table, one run per table.",
+    )
+    def cdc_full_table_checks_schedule(context: dg.ScheduleEvaluationContext):
+        tick = context.scheduled_execution_time
+        stamp = tick.isoformat() if tick is not None else "now"
+        for t in tables:
+            name = t.asset.key.to_user_string()
+            yield dg.RunRequest(
+                run_key=f"{name}:{stamp}",
+                asset_check_keys=list(t.checks.check_keys),
+                asset_selection=[],
+                tags={TABLE_TAG: name, PRIORITY_TAG: BACKGROUND_PRIORITY},
+            )
+
+    return cdc_full_table_checks_schedule
+
+
 def build_definitions(platform: PlatformConfig) -> dg.Definitions:
     """Everything the code location serves, for every table in the config, plus (with a
     ``discover:`` template) every unlisted plain-Parquet table folder of the landing zone."""
@@ -386,19 +424,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         # instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.
         executor=dg.in_process_executor,
         schedules=[
-            *(
-                [
-                    dg.ScheduleDefinition(
-                        name="cdc_full_table_checks_schedule",
-                        job=check_job,
-                        cron_schedule=platform.check_schedule,
-                        execution_timezone="UTC",
-                        default_status=dg.DefaultScheduleStatus.RUNNING,
-                    )
-                ]
-                if check_job
-                else []
-            ),
+            *([full_checks_schedule(platform, check_job, tables)] if check_job else []),
             *build_maintenance_schedules(platform, maintenance_job),
         ],
         resources={

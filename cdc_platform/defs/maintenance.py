@@ -24,9 +24,14 @@ from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.maintenance import DEFAULT_RETENTION_HOURS, compact, vacuum
+from cdc_platform.lib.schedule_spread import spread_daily_cron
 from cdc_platform.lib.warehouse import TablePaths
 
 MAINTENANCE_JOB = "table_maintenance"
+# The run queue starts higher priorities first (Dagster's tag): ingestion runs carry none (0),
+# maintenance and full-table checks come after them.
+PRIORITY_TAG = "dagster/priority"
+BACKGROUND_PRIORITY = "-1"
 MAINTENANCE_OP = "compact_and_vacuum"
 
 
@@ -95,16 +100,20 @@ def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
 def build_maintenance_schedules(
     platform: PlatformConfig, job: dg.JobDefinition
 ) -> list[dg.ScheduleDefinition]:
-    """One schedule per table, all on the config's ``maintenance_schedule``: each launches
-    ``job`` for its table (tagged with it), and can be stopped on its own."""
+    """One schedule per table on the config's ``maintenance_schedule``, moved by a per-table
+    offset within ``schedule_window_minutes`` (``lib.schedule_spread``): each launches ``job``
+    for its table (tagged with it, below ingestion's priority in the run queue), and can be
+    stopped on its own."""
     return [
         dg.ScheduleDefinition(
             name=maintenance_schedule_name(t),
             job=job,
-            cron_schedule=platform.maintenance_schedule,
+            cron_schedule=spread_daily_cron(
+                platform.maintenance_schedule, t.name, platform.schedule_window_minutes
+            ),
             execution_timezone="UTC",
             run_config=maintenance_run_config(t),
-            tags={TABLE_TAG: t.name},
+            tags={TABLE_TAG: t.name, PRIORITY_TAG: BACKGROUND_PRIORITY},
             description=f"Compaction and VACUUM of {t.name} ({MAINTENANCE_JOB}).",
             default_status=dg.DefaultScheduleStatus.RUNNING,
         )

@@ -148,6 +148,9 @@ class PlatformConfig:
     tables: tuple[TableConfig, ...]
     check_schedule: str = "0 3 * * *"
     maintenance_schedule: str = "30 4 * * *"
+    # A table's daily maintenance starts within this many minutes after maintenance_schedule,
+    # at a place derived from its name (``lib.schedule_spread``).
+    schedule_window_minutes: int = 120
     source: Path | None = None
     # Unlisted table folders get assets from this template (``lib.discovery``); None: they are
     # only reported by the ``cdc_new_tables`` sensor.
@@ -193,6 +196,7 @@ _TOP_FIELDS = {
     "tables",
     "check_schedule",
     "maintenance_schedule",
+    "schedule_window_minutes",
     "discover",
     "snapshot_roots",
     "adoption_roots",
@@ -267,6 +271,7 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
         tables=tables,
         check_schedule=schedule,
         maintenance_schedule=maintenance,
+        schedule_window_minutes=_window(raw.get("schedule_window_minutes", 120), where),
         source=source,
         discover=discover,
         snapshot_roots=_source_roots(raw, "snapshot_roots", base_dir, where, roots, local=True),
@@ -336,6 +341,15 @@ def _parse_discover(raw: Any, where: str) -> DiscoverTemplate:
         start=_start(raw.get("start"), fail),
         expected_delivery_hours=hours,
     )
+
+
+def _window(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 24 * 60:
+        raise ConfigError(
+            f"{where}: field 'schedule_window_minutes': {value!r} must be a number of minutes "
+            "from 1 to 1440"
+        )
+    return value
 
 
 def _cron(raw: dict[str, Any], key: str, default: str, where: str) -> str:
