@@ -301,3 +301,16 @@ def test_without_a_ledger_the_first_tick_requests_every_folder(
     assert [r.partition_key_range for r in requests] == [
         dg.PartitionKeyRange("2024-01-01-01:00", "2024-01-01-02:00")
     ]
+
+
+def test_a_missing_landing_root_fails_the_tick_instead_of_looking_quiet(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    """An unmounted landing volume lists nothing: the tick fails, naming the root, so the
+    sensor's page shows it (an empty listing would look like a source with nothing new)."""
+    sensor = build_landing_sensor(TABLE, tmp_path / "not-mounted", orders_asset)
+    with pytest.raises(Exception, match="cannot be listed.*is the landing volume mounted"):
+        tick(sensor, None, instance, [orders_asset])
+    (tmp_path / "not-mounted").mkdir()
+    requests, cursor, _ = tick(sensor, None, instance, [orders_asset])
+    assert requests == [] and cursor

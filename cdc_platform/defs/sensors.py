@@ -12,6 +12,7 @@ Dagster 1.13). The target asset should use ``BackfillPolicy.single_run()`` so th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -93,6 +94,7 @@ def build_landing_sensor(
         tags={TABLE_TAG: table.name},
     )
     def _landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        check_landing_root(Path(landing_root), table)
         now = clock()
         state = CursorState.from_json(context.cursor)
         if not context.cursor and warehouse_root is not None:
@@ -121,6 +123,24 @@ def build_landing_sensor(
         )
 
     return _landing_sensor
+
+
+class LandingRootUnavailableError(RuntimeError):
+    """The landing root is missing or cannot be listed: the tick fails, saying so."""
+
+
+def check_landing_root(root: Path, table: TableConfig) -> None:
+    """Fail the tick when the landing root is gone or unreadable (an unmounted volume, lost
+    permissions): an empty listing would look exactly like a quiet source. Dagster shows the
+    failed ticks on the sensor's page."""
+    try:
+        with os.scandir(root):
+            pass
+    except OSError as exc:
+        raise LandingRootUnavailableError(
+            f"{table.name}: the landing root {root} cannot be listed ({exc.strerror}): is the "
+            "landing volume mounted and readable? No hour is requested until it is back."
+        ) from None
 
 
 def _reconcile(
