@@ -289,7 +289,12 @@ def test_with_discovered_tables_adds_plain_parquet_folders_from_the_template(lak
     # CSV needs its columns declared; orders_current is the current table of orders
     assert platform.tables == (
         listed,
-        TableConfig(name="widgets", primary_key=("id",), start=template.start),
+        TableConfig(
+            name="widgets",
+            primary_key=("id",),
+            start=template.start,
+            expected_delivery_hours=24,  # a discovered table's default cadence
+        ),
     )
 
 
