@@ -176,7 +176,8 @@ _TABLES_REQUIRED = "required without `discover:`"
 FALLBACK_DESCRIPTIONS: dict[str, str] = {
     "AlertWebhookResource.webhook_url": "A Slack-compatible incoming webhook; none: no alert is "
     "sent. The code location sets it from `CDC_ALERT_WEBHOOK_URL`.",
-    "AlertWebhookResource.ui_base_url": "The Dagster UI's address, for the run links in alerts.",
+    "AlertWebhookResource.ui_base_url": "The Dagster UI's public address, for the run links in "
+    "alerts. The code location sets it from `CDC_UI_BASE_URL` when that is set.",
     "AlertWebhookResource.timeout_seconds": "Seconds before a delivery counts as failed "
     "(it is retried on later ticks).",
 }

@@ -1,18 +1,24 @@
-"""Alerts against a real HTTP server on loopback: payloads, delivery, redaction, the failure sensor."""
+"""Alerts against a real HTTP server on loopback and a real Dagster instance: payloads,
+delivery, redaction, the run failure and check alert sensors, and what a tick costs."""
 
 import json
 import logging
 import socket
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import dagster as dg
 import pytest
+import sqlalchemy
+import sqlalchemy.event
 
+from cdc_platform.defs import alerts as alerts_module
 from cdc_platform.defs.alerts import (
     ALERT_WEBHOOK_ENV_VAR,
     CHECK_ALERT_SENSOR_NAME,
     MAX_DELIVERY_ATTEMPTS,
-    RUN_FAILURE_SENSOR_NAME,
+    UI_BASE_URL_ENV_VAR,
     AlertWebhookResource,
     alert_webhook_from_env,
     build_check_failure_alert_sensor,
@@ -201,12 +207,10 @@ def failing_orders(context: dg.AssetExecutionContext) -> None:
     raise ValueError(f"bad <row> in {len(context.partition_keys)} partitions\nsecond line")
 
 
-def failed_run_context(
-    instance: dg.DagsterInstance,
-    tags: dict[str, str],
-    resource: AlertWebhookResource,
-    partition_key: str | None = None,
-) -> dg.RunStatusSensorContext:
+def fail_a_run(
+    instance: dg.DagsterInstance, tags: dict[str, str], partition_key: str | None = None
+) -> str:
+    """A real failed run recorded in ``instance`` (its RUN_FAILURE event included)."""
     result = dg.materialize(
         [failing_orders],
         instance=instance,
@@ -217,18 +221,21 @@ def failed_run_context(
     assert not result.success
     run = instance.get_run_by_id(result.run_id)
     assert run is not None and run.status == dg.DagsterRunStatus.FAILURE
-    (record,) = instance.get_records_for_run(
-        run_id=run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE
-    ).records
-    event = record.event_log_entry.dagster_event
-    assert event is not None  # a RUN_FAILURE record is a Dagster event
-    return dg.build_run_status_sensor_context(
-        sensor_name=RUN_FAILURE_SENSOR_NAME,
-        dagster_event=event,
-        dagster_instance=instance,
-        dagster_run=run,
-        resources={"alert_webhook": resource},
+    return result.run_id
+
+
+def tick(
+    sensor: dg.SensorDefinition,
+    instance: dg.DagsterInstance,
+    cursor: str | None,
+    resource: AlertWebhookResource,
+    **context: Any,
+) -> str | None:
+    """One tick of an alert sensor, as the daemon would run it; the cursor it leaves."""
+    built = dg.build_sensor_context(
+        cursor=cursor, instance=instance, resources={"alert_webhook": resource}, **context
     )
+    return sensor.evaluate_tick(built).cursor
 
 
 def test_run_failure_sensor_posts_table_range_and_reason(webhook: Webhook) -> None:
@@ -244,9 +251,12 @@ def test_run_failure_sensor_posts_table_range_and_reason(webhook: Webhook) -> No
         "dagster/asset_partition_range_end": "2024-01-01-07:00",
     }
     with dg.DagsterInstance.ephemeral() as instance:
-        context = failed_run_context(instance, tags, resource)
-        sensor(context)
-        run_id = context.dagster_run.run_id
+        fail_a_run(instance, {}, partition_key="2024-01-01-01:00")  # before the first tick
+        cursor = tick(sensor, instance, None, resource)  # starts from now: no alert for it
+        assert webhook.posted == []
+        run_id = fail_a_run(instance, tags)
+        cursor = tick(sensor, instance, cursor, resource)
+        tick(sensor, instance, cursor, resource)  # nothing new: nothing posted twice
 
     (got,) = webhook.posted
     body = got.body
@@ -267,12 +277,12 @@ def test_run_failure_sensor_falls_back_to_asset_selection_and_partition_tag(
     webhook: Webhook, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ALERT_WEBHOOK_ENV_VAR, webhook.secret_url)
+    monkeypatch.delenv(UI_BASE_URL_ENV_VAR, raising=False)
     sensor = build_run_failure_alert_sensor()
     with dg.DagsterInstance.ephemeral() as instance:
-        context = failed_run_context(
-            instance, {}, alert_webhook_from_env(), partition_key="2024-01-02-03:00"
-        )
-        sensor(context)
+        cursor = tick(sensor, instance, None, alert_webhook_from_env())
+        fail_a_run(instance, {}, partition_key="2024-01-02-03:00")
+        tick(sensor, instance, cursor, alert_webhook_from_env())
     (got,) = webhook.posted
     assert got.body["table"] == "orders"
     assert got.body["partition"] == "2024-01-02-03:00"
@@ -285,20 +295,77 @@ def test_run_failure_sensor_without_webhook_is_a_no_op(
     monkeypatch.delenv(ALERT_WEBHOOK_ENV_VAR, raising=False)
     resource = alert_webhook_from_env()
     assert resource.webhook_url is None
+    sensor = build_run_failure_alert_sensor()
     with dg.DagsterInstance.ephemeral() as instance:
-        context = failed_run_context(instance, {}, resource, partition_key="2024-01-02-03:00")
-        build_run_failure_alert_sensor()(context)
+        cursor = tick(sensor, instance, None, resource)
+        fail_a_run(instance, {}, partition_key="2024-01-02-03:00")
+        cursor = tick(sensor, instance, cursor, resource)
     assert webhook.posted == []
+    assert cursor is not None and json.loads(cursor)["pending"] == []  # no webhook: no retries
 
 
-def test_run_failure_sensor_delivery_error_is_redacted(webhook: Webhook) -> None:
-    webhook.status = 404
+def test_a_run_failure_alert_not_delivered_is_retried_on_the_next_tick(
+    webhook: Webhook, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Item 3: a @run_failure_sensor's cursor moved past a run whose alert failed to post, so
+    the alert was lost. Now it waits in the cursor; the next tick delivers it, once."""
+    sensor = build_run_failure_alert_sensor()
     resource = AlertWebhookResource(webhook_url=webhook.secret_url)
     with dg.DagsterInstance.ephemeral() as instance:
-        context = failed_run_context(instance, {}, resource, partition_key="2024-01-02-03:00")
-        with pytest.raises(AlertDeliveryError, match="HTTP 404") as info:
-            build_run_failure_alert_sensor()(context)
-    assert_no_secret(str(info.value))
+        cursor = tick(sensor, instance, None, resource)
+        run_id = fail_a_run(instance, {"cdc_platform/table": "orders"}, "2024-01-02-03:00")
+        webhook.status = 404
+        sensor_logs(capfd)
+        cursor = tick(sensor, instance, cursor, resource)  # does not raise: kept for later
+        logged = sensor_logs(capfd)
+        assert "alert not delivered (attempt 1, will retry)" in logged
+        assert "HTTP 404" in logged
+        assert_no_secret(logged)
+        assert cursor is not None
+        (kept,) = json.loads(cursor)["pending"]
+        assert kept["attempts"] == 1 and kept["payload"]["run_id"] == run_id
+
+        webhook.status = 200
+        cursor = tick(sensor, instance, cursor, resource)
+        assert cursor is not None and json.loads(cursor)["pending"] == []
+        tick(sensor, instance, cursor, resource)
+    # Tried twice (the 404, then delivered), the same alert; nothing more.
+    assert [c.body["run_id"] for c in webhook.posted] == [run_id, run_id]
+    assert webhook.posted[0].body == webhook.posted[1].body
+
+
+def test_run_failure_sensor_goes_on_from_the_run_failure_sensors_cursor(
+    webhook: Webhook,
+) -> None:
+    """The cursor a @run_failure_sensor left (Dagster's RunStatusSensorCursor) is read as the
+    last event handled: the runs failed after it alert, after the upgrade."""
+    sensor = build_run_failure_alert_sensor()
+    resource = AlertWebhookResource(webhook_url=webhook.secret_url)
+    with dg.DagsterInstance.ephemeral() as instance:
+        fail_a_run(instance, {}, partition_key="2024-01-02-01:00")
+        (latest,) = instance.fetch_run_status_changes(
+            dg.DagsterEventType.RUN_FAILURE, limit=1
+        ).records
+        old = json.dumps(
+            {"__class__": "RunStatusSensorCursor", "record_id": latest.storage_id},
+        )
+        run_id = fail_a_run(instance, {}, partition_key="2024-01-02-02:00")
+        tick(sensor, instance, old, resource)
+    assert [c.body["run_id"] for c in webhook.posted] == [run_id]
+
+
+def test_run_failure_sensor_leaves_other_code_locations_runs(webhook: Webhook) -> None:
+    sensor = build_run_failure_alert_sensor()
+    resource = AlertWebhookResource(webhook_url=webhook.secret_url)
+    with dg.DagsterInstance.ephemeral() as instance:
+        cursor = tick(sensor, instance, None, resource, repository_name="elsewhere")
+        fail_a_run(instance, {}, partition_key="2024-01-02-03:00")  # no code location
+        cursor = tick(sensor, instance, cursor, resource, repository_name="elsewhere")
+        assert webhook.posted == []
+        everything = build_run_failure_alert_sensor(monitor_all_code_locations=True)
+        fail_a_run(instance, {}, partition_key="2024-01-02-04:00")
+        tick(everything, instance, cursor, resource, repository_name="elsewhere")
+    assert [c.body["partition"] for c in webhook.posted] == ["2024-01-02-04:00"]
 
 
 @dg.asset(name="checked")
@@ -314,27 +381,50 @@ def always_fails() -> dg.AssetCheckResult:
 def test_run_failure_sensor_skips_runs_failed_only_by_blocking_checks(webhook: Webhook) -> None:
     """A failed check alerts itself (check_failed); the run failing for it adds no run_failed."""
     resource = AlertWebhookResource(webhook_url=webhook.secret_url)
+    sensor = build_run_failure_alert_sensor()
     with dg.DagsterInstance.ephemeral() as instance:
+        cursor = tick(sensor, instance, None, resource)
         result = dg.materialize(
             [checked_asset, always_fails], instance=instance, raise_on_error=False
         )
         assert not result.success
-        run = instance.get_run_by_id(result.run_id)
-        assert run is not None
-        (record,) = instance.get_records_for_run(
-            run_id=result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE
-        ).records
-        event = record.event_log_entry.dagster_event
-        assert event is not None  # a RUN_FAILURE record is a Dagster event
-        context = dg.build_run_status_sensor_context(
-            sensor_name=RUN_FAILURE_SENSOR_NAME,
-            dagster_event=event,
-            dagster_instance=instance,
-            dagster_run=run,
-            resources={"alert_webhook": resource},
-        )
-        build_run_failure_alert_sensor()(context)
+        cursor = tick(sensor, instance, cursor, resource)
     assert webhook.posted == []
+    assert cursor is not None and json.loads(cursor)["pending"] == []
+
+
+def test_ui_base_url_comes_from_the_environment(
+    webhook: Webhook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 4: CDC_UI_BASE_URL (read through dg.EnvVar) is in every alert's link."""
+    ui = "https://dagster.corp.example/prod/"
+    monkeypatch.setenv(ALERT_WEBHOOK_ENV_VAR, webhook.secret_url)
+    monkeypatch.setenv(UI_BASE_URL_ENV_VAR, ui)
+    resource = alert_webhook_from_env()
+    assert isinstance(resource.ui_base_url, dg.EnvVar)  # resolved when the sensor runs
+    runs = build_run_failure_alert_sensor()
+    checks = build_check_failure_alert_sensor([dg.AssetCheckKey(dg.AssetKey("checked"), "flaky")])
+    with dg.DagsterInstance.ephemeral() as instance:
+        run_cursor = tick(runs, instance, None, resource)
+        check_cursor = tick(checks, instance, None, resource)
+        FLAKY["passed"] = False
+        check_run = dg.materialize([checked_asset, flaky], instance=instance).run_id
+        failed_run = fail_a_run(instance, {}, partition_key="2024-01-02-03:00")
+        tick(runs, instance, run_cursor, resource)
+        tick(checks, instance, check_cursor, resource)
+    links = {c.body["kind"]: c.body["run_url"] for c in webhook.posted}
+    assert links == {
+        "run_failed": f"https://dagster.corp.example/prod/runs/{failed_run}",
+        "check_failed": f"https://dagster.corp.example/prod/runs/{check_run}",
+    }
+    for posted in webhook.posted:
+        assert posted.body["text"].endswith(
+            f"<{posted.body['run_url']}|run {posted.body['run_id'][:8]}>"
+        )
+
+    monkeypatch.delenv(UI_BASE_URL_ENV_VAR)
+    unset = alert_webhook_from_env()  # no EnvVar naming an unset variable: ticks would fail
+    assert unset.ui_base_url == "http://localhost:3000"
 
 
 # --- the check alert sensor -------------------------------------------------------------------
@@ -398,7 +488,18 @@ def test_unreachable_webhook_never_loses_check_results(
             assert r.event is not None and r.event.asset_check_evaluation is not None
             recorded[k.name] = r.event.asset_check_evaluation.passed
         assert recorded == passed
-        assert not result.success  # the blocking check failed the run, as it should
+        # A set-aside file warns (WARN, not blocking): the run, and the rest of its hour, succeed.
+        assert result.success
+        (quarantined,) = [
+            e
+            for e in result.get_asset_check_evaluations()
+            if e.check_name == invariants.NO_QUARANTINE
+        ]
+        assert quarantined.severity == dg.AssetCheckSeverity.WARN
+        assert not quarantined.blocking
+        assert quarantined.metadata["files"].value == [
+            "alerted/year=2024/month=01/day=01/hour=05/part-bad.parquet"
+        ]
 
         sensor_logs(capfd)
         cursor = alert_tick(instance, cursor, down)  # webhook down: logged, kept
@@ -417,11 +518,32 @@ def test_unreachable_webhook_never_loses_check_results(
         assert got.body["table"] == "alerted"
         assert got.body["partition"] == hour_to_partition_key(hour)
         assert got.body["counts"]["failing_keys"] == 1
+        assert got.body["severity"] == "WARN"
+        assert got.body["files"] == ["alerted/year=2024/month=01/day=01/hour=05/part-bad.parquet"]
+        assert got.body["text"].startswith(
+            ":warning: cdc_platform: check `no_quarantined_files` failed on `alerted` (partition "
+            f"{hour_to_partition_key(hour)}): 1 new file(s) set aside: "
+            "`alerted/year=2024/month=01/day=01/hour=05/part-bad.parquet`. <"
+        )
+        assert [s["file"] for s in got.body["sample_keys"]] == got.body["files"]
         # The pending alert was built on the first tick, when the UI URL was the default.
         assert got.body["run_url"].endswith(f"/runs/{result.run_id}")
         assert cursor is not None and json.loads(cursor)["pending"] == []
 
-        alert_tick(instance, cursor, up)  # nothing new: nothing posted twice
+        cursor = alert_tick(instance, cursor, up)  # nothing new: nothing posted twice
+        assert len(webhook.posted) == 1
+
+        # The hour again, the file still bad: the check fails again, the file is not news.
+        again = dg.materialize(
+            [defs.asset, defs.checks],
+            partition_key=hour_to_partition_key(hour),
+            instance=instance,
+            resources=dagster_resources(alert_webhook=up),
+        )
+        assert {e.check_name for e in again.get_asset_check_evaluations() if not e.passed} == {
+            invariants.NO_QUARANTINE
+        }
+        cursor = alert_tick(instance, cursor, up)
         assert len(webhook.posted) == 1
 
 
@@ -447,26 +569,331 @@ def test_undeliverable_alerts_are_retried_a_bounded_number_of_times(
     assert_no_secret(logged)
 
 
-def test_check_alert_sensor_alerts_only_new_failures(webhook: Webhook) -> None:
-    """First tick: a baseline (old failures are history). Then one alert per new failure."""
-    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
-    key = dg.AssetCheckKey(dg.AssetKey("checked"), "always_fails")
-    sensor = build_check_failure_alert_sensor([key])
+FLAKY = {"passed": True}
 
-    def run_and_tick(instance, cursor: str | None) -> str | None:
-        dg.materialize([checked_asset, always_fails], instance=instance, raise_on_error=False)
-        context = dg.build_sensor_context(
-            cursor=cursor, instance=instance, resources={"alert_webhook": hook}
-        )
-        return sensor.evaluate_tick(context).cursor
+
+@dg.asset_check(asset=checked_asset, blocking=False)
+def flaky() -> dg.AssetCheckResult:
+    """Passes or fails as FLAKY says (ERROR severity, like the invariants)."""
+    passed = FLAKY["passed"]
+    return dg.AssetCheckResult(
+        passed=passed,
+        metadata={"failing_keys": 0 if passed else 2, "sample": dg.MetadataValue.json([7, 8])},
+    )
+
+
+def test_a_check_failing_run_after_run_alerts_once_and_its_recovery_once(
+    webhook: Webhook,
+) -> None:
+    """Item 2: three failing runs in a row are one check_failed; passing again is one
+    check_recovered; failing again after that is news again."""
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    sensor = build_check_failure_alert_sensor([dg.AssetCheckKey(dg.AssetKey("checked"), "flaky")])
+
+    def run(passed: bool) -> str:
+        FLAKY["passed"] = passed
+        return dg.materialize([checked_asset, flaky], instance=instance).run_id
 
     with dg.instance_for_test() as instance:
-        cursor = run_and_tick(instance, None)
-        assert webhook.posted == []
-        cursor = run_and_tick(instance, cursor)
-        cursor = run_and_tick(instance, cursor)
-    assert [(c.body["check"], c.body["counts"]) for c in webhook.posted] == [
-        ("always_fails", {"failing_keys": 1}),
-        ("always_fails", {"failing_keys": 1}),
+        cursor = tick(sensor, instance, None, hook)
+        runs = []
+        for passed in (False, False, False, True, True, False):
+            runs.append(run(passed))
+            cursor = tick(sensor, instance, cursor, hook)
+        assert cursor is not None
+        assert json.loads(cursor)["failing"] == {"checked:flaky": {"n": 2}}
+        # Several runs between two ticks: the changes among them, in order.
+        for passed in (True, False, False):
+            runs.append(run(passed))
+        tick(sensor, instance, cursor, hook)
+    got = [(c.body["kind"], c.body["run_id"]) for c in webhook.posted]
+    assert got == [
+        ("check_failed", runs[0]),
+        ("check_recovered", runs[3]),
+        ("check_failed", runs[5]),
+        ("check_recovered", runs[6]),
+        ("check_failed", runs[7]),
     ]
-    assert len({c.body["run_id"] for c in webhook.posted}) == 2
+    failed, recovered = webhook.posted[0].body, webhook.posted[1].body
+    assert failed["severity"] == "ERROR" and failed["counts"] == {"failing_keys": 2}
+    assert failed["sample_keys"] == [7, 8]
+    assert failed["text"].startswith(
+        ":rotating_light: cdc_platform: check `flaky` failed on `checked`: 2 failing keys. <"
+    )
+    assert recovered["severity"] == "ERROR" and recovered["sample_keys"] == []
+    assert recovered["text"] == (
+        ":white_check_mark: cdc_platform: check `flaky` passes again on `checked`. "
+        f"<http://localhost:3000/runs/{runs[3]}|run {runs[3][:8]}>"
+    )
+
+
+SET_ASIDE: dict[str, Any] = {"files": [], "count": None}
+
+
+@dg.asset_check(asset=checked_asset, name=invariants.NO_QUARANTINE, blocking=False)
+def set_aside() -> dg.AssetCheckResult:
+    """Like the platform's no_quarantined_files: WARN, the files in its metadata."""
+    files = list(SET_ASIDE["files"])
+    count = SET_ASIDE["count"] if SET_ASIDE["count"] is not None else len(files)
+    return dg.AssetCheckResult(
+        passed=not count,
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={
+            "failing_keys": count,
+            "sample": dg.MetadataValue.json([{"file": f, "reason": "not Parquet"} for f in files]),
+            "files": dg.MetadataValue.json(files),
+        },
+    )
+
+
+def test_a_set_aside_file_is_named_once(webhook: Webhook) -> None:
+    """Item 2: no_quarantined_files alerts (WARN) when a file joins the set aside, naming the
+    new files only; not again for the same files; once when the set is empty again."""
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    key = dg.AssetCheckKey(dg.AssetKey("checked"), invariants.NO_QUARANTINE)
+    sensor = build_check_failure_alert_sensor([key])
+    with dg.instance_for_test() as instance:
+        cursor = tick(sensor, instance, None, hook)
+        for files, count in (
+            (["t/h=1/a.parquet"], None),
+            (["t/h=1/a.parquet"], None),
+            (["t/h=1/a.parquet", "t/h=2/b<1>.parquet"], None),
+            (["t/h=2/b<1>.parquet"], None),  # a was dealt with
+            ([], None),
+            (["t/h=1/a.parquet"], None),  # back: news again
+            (["t/h=1/a.parquet"], 4),  # more set aside than the check lists: news too
+            (["t/h=1/a.parquet"], 4),
+        ):
+            SET_ASIDE.update(files=files, count=count)
+            assert dg.materialize([checked_asset, set_aside], instance=instance).success
+            cursor = tick(sensor, instance, cursor, hook)
+    got = [(c.body["kind"], c.body.get("files")) for c in webhook.posted]
+    assert got == [
+        ("check_failed", ["t/h=1/a.parquet"]),
+        ("check_failed", ["t/h=2/b<1>.parquet"]),
+        ("check_recovered", None),
+        ("check_failed", ["t/h=1/a.parquet"]),
+        ("check_failed", []),
+    ]
+    assert {c.body["severity"] for c in webhook.posted} == {"WARN"}
+    first, second = webhook.posted[0].body, webhook.posted[1].body
+    assert first["text"].startswith(
+        ":warning: cdc_platform: check `no_quarantined_files` failed on `checked`: "
+        "1 new file(s) set aside: `t/h=1/a.parquet`. <"
+    )
+    assert "`t/h=2/b&lt;1&gt;.parquet`" in second["text"]
+    assert second["sample_keys"] == [{"file": "t/h=2/b<1>.parquet", "reason": "not Parquet"}]
+    assert webhook.posted[4].body["counts"] == {"failing_keys": 4}
+    assert (
+        webhook.posted[4]
+        .body["text"]
+        .startswith(
+            ":warning: cdc_platform: check `no_quarantined_files` failed on `checked`: 4 failing keys."
+        )
+    )
+
+
+# --- the cost of a tick ------------------------------------------------------------------------
+
+TABLES_AT_SCALE = 500
+SCALE_FAILING: set[str] = set()  # check names failing in the next run
+
+
+def table_with_checks(table: str) -> tuple[dg.AssetsDefinition, dg.AssetChecksDefinition]:
+    """A table asset and its ten invariant checks (results as SCALE_FAILING says; no Spark)."""
+
+    @dg.asset(name=table)
+    def history() -> None:
+        return None
+
+    @dg.multi_asset_check(
+        specs=[dg.AssetCheckSpec(n, asset=table) for n in invariants.CHECK_NAMES],
+        name=f"{table}_invariants",
+    )
+    def checks() -> Iterable[dg.AssetCheckResult]:
+        for name in invariants.CHECK_NAMES:
+            failing = name in SCALE_FAILING
+            yield dg.AssetCheckResult(
+                asset_key=dg.AssetKey(table),
+                check_name=name,
+                passed=not failing,
+                metadata={"failing_keys": int(failing)},
+            )
+
+    return history, checks
+
+
+def scale_keys(tables: int) -> list[dg.AssetCheckKey]:
+    return [
+        dg.AssetCheckKey(dg.AssetKey(f"t{i:04d}"), name)
+        for i in range(tables)
+        for name in invariants.CHECK_NAMES
+    ]
+
+
+class EventLogQueries:
+    """Counts what a tick asks the event log: calls of the event log storage's methods, and the
+    SQL statements run on its tables (whatever engine or shard runs them)."""
+
+    TABLES = ("event_logs", "asset_check_executions", "asset_keys", "asset_event_tags")
+
+    def __init__(self, instance: dg.DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        self.statements: list[str] = []
+        self.counting = False
+        self.depth = 0
+        storage = instance.event_log_storage
+        for name in dir(type(storage)):
+            if name.startswith("_") or not callable(getattr(type(storage), name, None)):
+                continue
+            monkeypatch.setattr(storage, name, self._counted(name, getattr(storage, name)))
+
+        def statement(conn, cursor, sql, parameters, context, executemany) -> None:
+            if self.counting and any(t in str(sql) for t in self.TABLES):
+                self.statements.append(str(sql))
+
+        sqlalchemy.event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", statement)
+        self._listener = statement
+
+    def _counted(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.counting and not self.depth:  # not the storage's calls of its own methods
+                self.calls.append(name)
+            self.depth += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        return counted
+
+    def during(self, fn: Callable[[], Any]) -> tuple[list[str], list[str]]:
+        """(storage calls, SQL statements on event tables) while ``fn`` runs."""
+        self.calls, self.statements, self.counting = [], [], True
+        try:
+            fn()
+        finally:
+            self.counting = False
+        return self.calls, self.statements
+
+    def close(self) -> None:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", self._listener)
+
+
+def test_one_event_log_query_a_tick_at_500_tables(
+    webhook: Webhook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 1: the check alert sensor's tick asks the event log once, for 500 tables x 10 checks
+    as for 10 checks (it used to read each check's history: 5,000 queries a tick)."""
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    keys = scale_keys(TABLES_AT_SCALE)
+    assert len(keys) == 5000
+    at_scale = build_check_failure_alert_sensor(keys)
+    one_table = build_check_failure_alert_sensor(scale_keys(1))
+    t0, t0_checks = table_with_checks("t0000")
+    t1, t1_checks = table_with_checks("t0499")
+    with dg.instance_for_test() as instance:
+        queries = EventLogQueries(instance, monkeypatch)
+        try:
+            cursors = {
+                "scale": tick(at_scale, instance, None, hook),
+                "one": tick(one_table, instance, None, hook),
+            }
+            SCALE_FAILING.clear()
+            SCALE_FAILING.update({invariants.NO_OVERLAP, invariants.MATCHES_CHANGELOG})
+            dg.materialize([t0, t0_checks, t1, t1_checks], instance=instance)
+            # Another code location's check: read with the rest, left alone.
+            dg.materialize([checked_asset, always_fails], instance=instance, raise_on_error=False)
+            measured: dict[str, tuple[list[str], list[str]]] = {}
+            for name, sensor in (("scale", at_scale), ("one", one_table)):
+
+                def one_tick(name: str = name, sensor: dg.SensorDefinition = sensor) -> None:
+                    cursors[name] = tick(sensor, instance, cursors[name], hook)
+
+                measured[name] = queries.during(one_tick)
+                measured[f"{name} quiet"] = queries.during(one_tick)  # nothing new
+        finally:
+            queries.close()
+    for name, (calls, statements) in measured.items():
+        assert calls == ["get_logs_for_all_runs_by_log_id"], (name, calls)
+        assert len(statements) == 1, (name, statements)
+    # Two tables' two failing checks from the scale sensor; t0000's two from the other.
+    alerts = [(c.body["table"], c.body["check"]) for c in webhook.posted]
+    assert sorted(alerts) == sorted(
+        [(t, c) for t in ("t0000", "t0499") for c in SCALE_FAILING]
+        + [("t0000", c) for c in SCALE_FAILING]
+    )
+    state = json.loads(cursors["scale"] or "{}")
+    assert sorted(state["failing"]) == sorted(
+        f"{t}:{c}" for t in ("t0000", "t0499") for c in SCALE_FAILING
+    )
+
+
+def test_more_evaluations_than_a_page_are_read_page_by_page(
+    webhook: Webhook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst larger than a page is read in pages, at most CHECK_EVENT_PAGES a tick, the rest
+    on the next tick; every change alerts once."""
+    monkeypatch.setattr(alerts_module, "CHECK_EVENT_PAGE", 4)
+    monkeypatch.setattr(alerts_module, "CHECK_EVENT_PAGES", 2)
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    sensor = build_check_failure_alert_sensor(scale_keys(1))
+    asset, checks = table_with_checks("t0000")
+    with dg.instance_for_test() as instance:
+        queries = EventLogQueries(instance, monkeypatch)
+        try:
+            cursor = tick(sensor, instance, None, hook)
+            SCALE_FAILING.clear()
+            SCALE_FAILING.update(invariants.CHECK_NAMES)  # 10 evaluations, all failing
+            dg.materialize([asset, checks], instance=instance)
+
+            def one_tick() -> None:
+                nonlocal cursor
+                cursor = tick(sensor, instance, cursor, hook)
+
+            first, _ = queries.during(one_tick)
+            assert first == ["get_logs_for_all_runs_by_log_id"] * 2  # 4 + 4 read
+            assert len(webhook.posted) == 8
+            second, _ = queries.during(one_tick)
+            assert second == ["get_logs_for_all_runs_by_log_id"]  # the last 2
+        finally:
+            queries.close()
+    assert sorted(c.body["check"] for c in webhook.posted) == sorted(invariants.CHECK_NAMES)
+
+
+def test_a_check_alert_cursor_of_the_previous_version_keeps_its_pending_alerts(
+    webhook: Webhook,
+) -> None:
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    sensor = build_check_failure_alert_sensor([dg.AssetCheckKey(dg.AssetKey("checked"), "flaky")])
+    old = json.dumps(
+        {
+            "v": 1,
+            "checks": {"checked:flaky": {"low": 0, "seen": [3]}},
+            "pending": [{"payload": {"text": "from before"}, "attempts": 2}],
+        }
+    )
+    with dg.instance_for_test() as instance:
+        cursor = tick(sensor, instance, old, hook)
+    assert [c.body for c in webhook.posted] == [{"text": "from before"}]
+    state = json.loads(cursor or "{}")
+    assert state["v"] == 2 and state["pending"] == [] and isinstance(state["after"], int)
+
+
+def test_delivery_stops_at_the_tick_budget_and_goes_on_next_tick(
+    webhook: Webhook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow webhook cannot hold a tick past Dagster's sensor timeout: once the budget is
+    spent, the rest wait untried (their attempts not counted)."""
+    monkeypatch.setattr(alerts_module, "DELIVERY_BUDGET_SECONDS", 0.0)
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    sensor = build_check_failure_alert_sensor([dg.AssetCheckKey(dg.AssetKey("checked"), "x")])
+    pending = [{"payload": {"text": f"alert {i}"}, "attempts": 0} for i in range(3)]
+    cursor = json.dumps({"v": 2, "after": 0, "failing": {}, "pending": pending})
+    with dg.instance_for_test() as instance:
+        cursor = tick(sensor, instance, cursor, hook)
+        assert webhook.posted == []
+        assert json.loads(cursor or "{}")["pending"] == pending
+        monkeypatch.setattr(alerts_module, "DELIVERY_BUDGET_SECONDS", 20.0)
+        cursor = tick(sensor, instance, cursor, hook)
+    assert [c.body["text"] for c in webhook.posted] == ["alert 0", "alert 1", "alert 2"]

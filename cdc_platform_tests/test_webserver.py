@@ -208,7 +208,10 @@ def test_asset_partitions_and_checks(webserver: str, table: str) -> None:
     assert checks["__typename"] == "AssetChecks", checks
     names = {c["name"] for c in checks["checks"]}
     assert names == set(invariants.CHECK_NAMES)
-    assert all(c["blocking"] and c["assetKey"] == {"path": [table]} for c in checks["checks"])
+    assert all(c["assetKey"] == {"path": [table]} for c in checks["checks"])
+    # Every invariant blocks, except the set-aside files' check, which warns.
+    blocking = {c["name"] for c in checks["checks"] if c["blocking"]}
+    assert blocking == set(invariants.CHECK_NAMES) - {invariants.NO_QUARANTINE}
 
 
 def test_repository_lists_assets_sensors_and_check_job(webserver: str) -> None:

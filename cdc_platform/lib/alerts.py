@@ -13,16 +13,20 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from email.message import Message
 from typing import IO, Any, Literal
 
-AlertKind = Literal["check_failed", "run_failed"]
-KINDS: tuple[str, ...] = ("check_failed", "run_failed")  # build_alert's; new_table_alert's own:
+AlertKind = Literal["check_failed", "check_recovered", "run_failed"]
+# build_alert's kinds; new_table_alert's own:
+KINDS: tuple[str, ...] = ("check_failed", "check_recovered", "run_failed")
 NEW_TABLE_KIND = "new_table"
+SEVERITIES = ("ERROR", "WARN")
 
 MAX_DETAIL_CHARS = 500
 MAX_SAMPLE_KEYS = 10
+MAX_FILES = 100  # files a check_failed alert lists (set aside since the last alert)
+_FILES_IN_TEXT = 5
 MAX_COLUMNS = 500  # columns listed in a new_table alert (a wider table says how many more)
 MAX_SNIPPET_CHARS = 20_000
 _COLUMNS_IN_TEXT = 12
@@ -73,17 +77,32 @@ def build_alert(
     ui_base_url: str,
     detail: str,
     sample_keys: list | None = None,
+    *,
+    severity: str | None = None,
+    files: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """A Slack-compatible payload: one readable ``text`` line plus structured fields."""
+    """A Slack-compatible payload: one readable ``text`` line plus structured fields.
+
+    ``check_failed`` and ``check_recovered`` carry the check's ``severity`` (``ERROR`` or
+    ``WARN``); ``files`` (a ``check_failed`` of ``no_quarantined_files``): the files newly set
+    aside, which the text names (the first few) instead of the counts.
+    """
     if kind not in KINDS:
         raise ValueError(f"unknown alert kind {kind!r}; expected one of {list(KINDS)}")
+    if severity is not None and severity not in SEVERITIES:
+        raise ValueError(f"unknown severity {severity!r}; expected one of {list(SEVERITIES)}")
     run_url = f"{ui_base_url.rstrip('/')}/runs/{run_id}"
     where = f"`{table}`" + (f" (partition {partition})" if partition else "")
     summary = _counts_phrase(counts)
     short_detail = _one_line(detail, MAX_DETAIL_CHARS) if detail else ""
+    listed = list(files or [])[:MAX_FILES]
     if kind == "check_failed":
-        head = f":rotating_light: cdc_platform: check `{check or '?'}` failed on {where}"
-        what = summary or short_detail
+        icon = ":warning:" if severity == "WARN" else ":rotating_light:"
+        head = f"{icon} cdc_platform: check `{check or '?'}` failed on {where}"
+        what = _files_phrase(listed, len(files or [])) if listed else summary or short_detail
+    elif kind == "check_recovered":
+        head = f":white_check_mark: cdc_platform: check `{check or '?'}` passes again on {where}"
+        what = ""
     else:
         head = f":x: cdc_platform: run failed for {where}"
         what = short_detail or summary
@@ -91,7 +110,7 @@ def build_alert(
     what = _slack_escape(what.rstrip(". "))
     text = f"{head}: {what}. {link}" if what else f"{head}. {link}"
     samples = list(sample_keys or [])
-    return {
+    payload = {
         "text": text,
         "kind": kind,
         "table": table,
@@ -103,6 +122,17 @@ def build_alert(
         "detail": short_detail,
         "sample_keys": _json_safe(samples[:MAX_SAMPLE_KEYS]),
     }
+    if severity is not None:
+        payload["severity"] = severity
+    if files is not None:
+        payload["files"] = [str(f) for f in listed]
+    return payload
+
+
+def _files_phrase(files: list[str], total: int) -> str:
+    named = ", ".join(f"`{_one_line(f, 300)}`" for f in files[:_FILES_IN_TEXT])
+    more = total - min(len(files), _FILES_IN_TEXT)
+    return f"{total} new file(s) set aside: {named}" + (f" and {more} more" if more else "")
 
 
 def new_table_alert(

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from pyspark.sql.types import DataType, StructType
 
 SAMPLE_SIZE = 5
+MAX_LISTED_FILES = 100  # quarantined file names a no_quarantined_files result lists
 ONE_TASK_KEYS = 1_000
 # What a check's sample says instead of key values for an encrypted table: its keys are
 # decrypted data, and samples reach the UI, logs and alerts.
@@ -109,6 +110,9 @@ class CheckOutcome:
     sample: list[Any] = field(default_factory=list)
     checked_keys: int | None = None
     detail: str = ""
+    # no_quarantined_files: every file set aside (the first MAX_LISTED_FILES by name), so the
+    # check alert can name each file once, when it first appears.
+    files: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -656,7 +660,8 @@ def _state_mismatches(neighbours: DataFrame, events: DataFrame, pk: list[str]) -
 def _quarantine_check(paths: TablePaths) -> CheckOutcome:
     entries = quarantine.current(paths.quarantine)
     sample = [{"file": e.file, "reason": e.reason} for e in entries[:SAMPLE_SIZE]]
-    return CheckOutcome(NO_QUARANTINE, not entries, len(entries), sample)
+    files = tuple(e.file for e in entries[:MAX_LISTED_FILES])
+    return CheckOutcome(NO_QUARANTINE, not entries, len(entries), sample, files=files)
 
 
 def _revoked_check(spark: SparkSession, paths: TablePaths) -> CheckOutcome:
