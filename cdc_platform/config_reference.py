@@ -138,7 +138,8 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
         "positive int",
         "A landing file whose plaintext (decrypted and decompressed; for Parquet, its "
         "uncompressed row groups) is larger is set aside, decoding stopped there: a "
-        "decompression bomb costs at most this much memory. Default 2 GiB.",
+        "decompression bomb costs a reading task about twice this much memory at most. Default "
+        "2 GiB.",
     ),
     "expected_delivery_hours": (
         "positive int",

@@ -424,3 +424,52 @@ def test_odd_folder_shapes_through_the_asset_and_its_ledger(spark, tmp_path) -> 
         )
     }
     assert "t/year=2024/month=01/day=01/hour=05/bad-\\xff\\xfe.parquet" in recorded
+
+
+def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path, monkeypatch):
+    """A chmod (or a rewrite keeping size and mtime) moves only the change time: the sensor's
+    fingerprint does not see it, so the ledger must not claim the file was read, or its hour
+    would never be asked for again (the pending hour is re-requested instead)."""
+    import dagster as dg
+
+    from cdc_platform.defs.factory import build_table_definitions
+    from cdc_platform.lib import applied_files, pipeline, sensor_cursor
+    from cdc_platform.lib.config import load_config
+    from cdc_platform_tests.helpers import dagster_resources
+
+    (tmp_path / "cdc_platform.yaml").write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        "  - {name: t, primary_key: [id], start: '2023-12-31-05:00', retry_backoff_seconds: 60}\n"
+    )
+    platform = load_config(tmp_path / "cdc_platform.yaml")
+    landing = platform.landing_root
+    victim = write_parquet_events(
+        landing, "t", H5, [ev("INSERT", 1, TS, 1, v="a")], name="v.parquet"
+    )
+    write_parquet_events(landing, "t", H5, [ev("INSERT", 5, TS, 5, v="b")], name="o.parquet")
+    real_read = pipeline.read_events
+
+    def chmod_then_read(*args: Any, **kwargs: Any) -> Any:
+        os.chmod(victim, 0o640)  # the permissions cron: only the ctime moves
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "read_events", chmod_then_read)
+    defs = build_table_definitions(platform, platform.table("t"))
+    result = dg.materialize(
+        [defs.asset],
+        partition_key="2024-01-01-05:00",
+        instance=dg.DagsterInstance.ephemeral(),
+        resources=dagster_resources(),
+    )
+    assert result.success
+    ledger = applied_files.ledger_path(platform.warehouse_root, "t")
+    recorded = {f.rsplit("/", 1)[1] for f, _, _ in applied_files.applied(ledger)}
+    assert recorded == {"o.parquet"}
+    # The sensor's pending hour is then requested again.
+    table = platform.table("t")
+    state = sensor_cursor.CursorState(
+        pending={"2024-01-01-05:00": sensor_cursor.Pending("fp", 0.0, 0.0, 0)}
+    )
+    applied = applied_files.applied_by_partition(ledger, ["2024-01-01-05:00"])
+    requests, _ = sensor_cursor.reconcile(table, landing, datetime.now(UTC), state, applied, set())
+    assert [r.partition_keys for r in requests] == [("2024-01-01-05:00",)]

@@ -46,6 +46,7 @@ from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.discovery import with_discovered_tables
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key, hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.safe_open import CHANGED
 from cdc_platform.lib.warehouse import TablePaths, current_table_name
 
 if TYPE_CHECKING:  # what define_asset_job returns (not exported by name)
@@ -133,6 +134,15 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
             context.log.warning(f"{table.name}: set aside {q.file}: {q.reason}")
         for f in result.revoked:
             context.log.warning(f"{table.name}: not read, un-applied (readmit_files): {f}")
+        # A file that changed while it was read was not read: left out of the ledger, its hour
+        # stays pending and the landing sensor asks for it again (a chmod or a rewrite that
+        # keeps size and mtime does not change the sensor's fingerprint).
+        changed = {q.file for q in result.quarantined if q.reason == CHANGED}
+        listed = [
+            a
+            for a in listed
+            if applied_files.identity(platform.landing_root, a.file)[0] not in changed
+        ]
         applied_files.record(
             applied_files.ledger_path(platform.warehouse_root, table.name),
             platform.landing_root,

@@ -29,6 +29,7 @@ from cdc_platform.lib.sensor_cursor import (
     backlog,
     due_for_check,
     evaluate,
+    postponed,
     reconcile,
     seed_state,
 )
@@ -154,9 +155,16 @@ def _reconcile(
     """The due pending hours against the applied-files ledger and the table's runs in flight
     (one ledger read and one run query, only on ticks where some hour is due)."""
     due = due_for_check(table, state, now)
-    applied = applied_files.applied_by_partition(
-        applied_files.ledger_path(warehouse_root, table.name), due
-    )
+    try:
+        applied = applied_files.applied_by_partition(
+            applied_files.ledger_path(warehouse_root, table.name), due
+        )
+    except Exception as exc:  # the warehouse unreachable now: the hours wait, the tick goes on
+        context.log.warning(
+            f"{table.name}: the applied-files ledger cannot be read ({type(exc).__name__}); "
+            f"{len(due)} pending hour(s) are looked at again after the backoff"
+        )
+        return [], postponed(state, due, now)
     runs = context.instance.get_runs(
         filters=dg.RunsFilter(tags={TABLE_TAG: table.name}, statuses=IN_PROGRESS)
     )

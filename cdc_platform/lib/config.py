@@ -96,7 +96,7 @@ class TableConfig:
     # until opened: at hundreds of tables, group them by source system or domain).
     group: str = DEFAULT_GROUP
     # A landing file whose plaintext (decrypted, decompressed; a Parquet file's uncompressed
-    # row groups) is larger is set aside: a decompression bomb costs at most this much memory.
+    # row groups) is larger is set aside: a decompression bomb costs a task about twice this much.
     max_file_bytes: int = DEFAULT_MAX_BYTES
     # The source's expected delivery cadence: without a materialization for this many hours the
     # table is late (WARN), for twice as many stale (FAIL), in Dagster's freshness (None: no

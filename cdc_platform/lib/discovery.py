@@ -420,7 +420,7 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
                     ),
                 ).is_plain_parquet
             )
-        except OSError:  # unreadable now: not added (the sensor reports it)
+        except (OSError, LandingFileError):  # unreadable or changing now: not added yet
             plain = False
         if not plain:
             continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -49,6 +50,7 @@ SYMLINK = "symlink: links in the landing zone are not followed"
 IN_SUBFOLDER = "in a sub-folder of the hour folder: only files directly in an hour folder are read"
 NOT_A_FILE = "not a regular file"
 UNLISTABLE = "the hour folder cannot be listed"
+UNLISTABLE_FILE = "the file cannot be examined (gone since the listing, or no permission)"
 BAD_NAME = (
     "the file name is not valid UTF-8: it cannot be named in the change log or the quarantine"
     " (shown here with \\x escapes); rename it at the source"
@@ -128,7 +130,11 @@ def files_in_hour(landing_root: Path, table: str, hour: datetime) -> list[Landin
             elif entry.is_dir(follow_symlinks=False):
                 found.extend(_files_below(Path(entry.path)))
             elif entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:  # renamed away since the listing, or not searchable
+                    found.append(_set_aside(Path(entry.path), UNLISTABLE_FILE))
+                    continue
                 found.append(
                     LandingFile(
                         os.path.abspath(entry.path),
@@ -164,8 +170,11 @@ def _linked_ancestor(root: Path, folder: Path) -> Path | None:
     current = root
     for part in folder.relative_to(root).parts:
         current = current / part
-        if current.is_symlink():
-            return current
+        try:
+            if stat.S_ISLNK(os.lstat(current).st_mode):
+                return current
+        except OSError:  # missing (no such hour), or a folder above it not searchable
+            return None
     return None
 
 

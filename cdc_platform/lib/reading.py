@@ -481,7 +481,9 @@ class LandingReader:
             try:
                 column.validate(full=True)
             except pa.ArrowInvalid:
-                row = _first_invalid_row(column.combine_chunks())
+                # Arrow validates a nested column's children whole: its row is not known.
+                top = _is_string_like(column.type)
+                row = _first_invalid_row(column.combine_chunks()) if top else None
                 where = f"row {row + 1}, " if row is not None else ""
                 raise LandingFileError(
                     f"{where}column {self.label(name, i)}: text that is not valid UTF-8",
@@ -657,7 +659,9 @@ class LandingReader:
         try:
             tbl = self.load(path)
         except LandingFileError:
-            if inspected is None:
+            # Only a file that is no longer the listed one counts as changed (set aside); any
+            # other error (EIO, memory) fails the run, whose hour the sensor asks for again.
+            if inspected is None or not self.changed_since_listed([path]):
                 raise
             raise changed_file_error(self.relative(path)) from None
         if inspected is not None:
@@ -1285,10 +1289,11 @@ def _read_decoded(
 
     path_df = _path_frame(spark, paths)
     # Only what the check needs travels to the tasks (not the schemas).
+    wanted = set(paths)
     seen = {
         p: FileReport(p, r.num_rows, None, seq_min=r.seq_min, seq_max=r.seq_max)
         for p, r in inspected.items()
-        if p in set(paths)
+        if p in wanted
     }
 
     def decode(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -159,7 +159,14 @@ def reconcile(
     wanted: dict[str, tuple[str, str]] = {}
     for key in due_for_check(table, state, now):
         p = pending[key]
-        files = files_in_hour(landing_root, table.name, partition_key_to_hour(key))
+        if partition_key_to_hour(key) < table.start:  # the table's start moved past it
+            del pending[key]
+            continue
+        try:
+            files = files_in_hour(landing_root, table.name, partition_key_to_hour(key))
+        except OSError:  # the folder cannot be read now: looked at again after the backoff
+            pending[key] = p._replace(last_checked=at)
+            continue
         done = {applied_files.identity(landing_root, f) for f in files} <= set(applied.get(key, ()))
         if not files or done:
             del pending[key]
@@ -173,6 +180,15 @@ def reconcile(
             wanted[key] = (REASON_RETRY, f"{fp}/retry{retries}")
     requests = _group(table.name, wanted, max_range_hours)
     return requests, replace(state, pending=pending)
+
+
+def postponed(state: CursorState, keys: Collection[str], now: datetime) -> CursorState:
+    """``state`` with ``keys`` looked at again only after their backoff (nothing decided)."""
+    at = _as_utc(now).timestamp()
+    pending = {
+        k: (p._replace(last_checked=at) if k in keys else p) for k, p in state.pending.items()
+    }
+    return replace(state, pending=pending)
 
 
 def backlog(state: CursorState, now: datetime) -> tuple[int, str | None, float]:
