@@ -39,6 +39,7 @@ from cdc_platform_tests.helpers import event as ev
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1, H2 = T0, T0 + timedelta(hours=1)  # delivery hours (landing folders)
+H3 = T0 + timedelta(hours=2)
 MS = timedelta(milliseconds=1)
 US = timedelta(microseconds=1)
 SEC = timedelta(seconds=1)
@@ -464,6 +465,12 @@ def test_the_current_table_waits_while_the_historys_blocking_checks_fail(spark, 
     assert not history_run(H2)  # matches_change_log (blocking) failed after the commit
     latest = instance.get_latest_materialization_event(dg.AssetKey("t"))
     assert latest is not None and latest.run_id == instance.get_runs(limit=1)[0].run_id
+    requested, cursor = tick(cursor)
+    assert requested == 0
+    # A clean hour of another key does not open the gate: after a failure the whole table is
+    # checked again, and key a is still wrong.
+    write_parquet_events(platform.landing_root, "t", H3, [ev("INSERT", 30, s(70), "z", v=1)])
+    assert not history_run(H3)
     requested, cursor = tick(cursor)
     assert requested == 0
     assert sorted(dict(r)["id"] for r in _current_rows(paths)) == good

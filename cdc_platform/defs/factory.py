@@ -73,6 +73,7 @@ class TableDefinitions:
 # The checks' scope after a run that left no file of the table from before it (a first load,
 # a rebuild).
 WHOLE_TABLE_WRITTEN = "whole table (no file from before this run is left)"
+WHOLE_TABLE_AFTER_FAILURE = "whole table (a blocking check failed before this run)"
 
 
 def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> TableDefinitions:
@@ -163,6 +164,8 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
         for name in invariants.CHECK_NAMES
     ]
 
+    blocking_keys = [dg.AssetCheckKey(key, s.name) for s in check_specs if s.blocking]
+
     @dg.multi_asset_check(specs=check_specs, name=f"{table.name}_invariants", can_subset=False)
     def history_checks(
         context: dg.AssetCheckExecutionContext, spark: SparkResource
@@ -170,14 +173,20 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
         """Results only: the check alert sensor reads them from the instance and posts alerts."""
         materialized_here, since = _version_before_this_run(context, key)
         session = spark.session(platform.warehouse_root)
+        # After a failed blocking check the whole table is checked again, until it passes: a
+        # run's own keys passing says nothing of the failure elsewhere (the current table's
+        # gate would open on a history that is still wrong).
+        failed_before = _a_blocking_check_failed_before(context, blocking_keys)
         scope = (
             invariants.touched_keys(session, paths, table.primary_key, since)
-            if materialized_here
+            if materialized_here and not failed_before
             else None
         )
         scope_label = (
             "keys touched by this run"
             if scope is not None
+            else WHOLE_TABLE_AFTER_FAILURE
+            if failed_before
             else WHOLE_TABLE_WRITTEN
             if materialized_here
             else "whole table"
@@ -352,6 +361,23 @@ def _version_before_this_run(
     return True, (
         metadata_int(value.value) if value is not None and value.value is not None else None
     )
+
+
+def _a_blocking_check_failed_before(
+    context: dg.AssetCheckExecutionContext, keys: Sequence[dg.AssetCheckKey]
+) -> bool:
+    """Whether the latest result before this run of any of ``keys`` was a failure."""
+    from dagster._core.storage.asset_check_execution_record import (
+        AssetCheckExecutionRecordStatus,
+    )
+
+    storage = context.instance.event_log_storage
+    for check_key in keys:
+        history = storage.get_asset_check_execution_history(check_key, limit=3)
+        earlier = [r for r in history if r.run_id != context.run.run_id]
+        if earlier and earlier[0].status == AssetCheckExecutionRecordStatus.FAILED:
+            return True
+    return False
 
 
 def _jsonable(value: Any) -> Any:
