@@ -396,12 +396,9 @@ def test_file_stats_of_bytes_that_are_no_text_give_no_bounds(tmp_path: Path) -> 
 def test_odd_folder_shapes_through_the_asset_and_its_ledger(spark, tmp_path) -> None:
     """The asset records every listed file in the applied-files ledger: a name that is not
     UTF-8 is recorded escaped (a Delta string holds UTF-8 only), and the run succeeds."""
-    import dagster as dg
 
-    from cdc_platform.defs.factory import build_table_definitions
     from cdc_platform.lib import applied_files
     from cdc_platform.lib.config import load_config
-    from cdc_platform_tests.helpers import dagster_resources
 
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
@@ -409,14 +406,7 @@ def test_odd_folder_shapes_through_the_asset_and_its_ledger(spark, tmp_path) -> 
     )
     odd_tree(tmp_path / "landing")
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    defs = build_table_definitions(platform, platform.table("t"))
-    result = dg.materialize(
-        [defs.asset],
-        partition_key="2024-01-01-05:00",
-        instance=dg.DagsterInstance.ephemeral(),
-        resources=dagster_resources(),
-    )
-    assert result.success
+    materialize_through_the_asset(platform)
     recorded = {
         f
         for f, _, _ in applied_files.applied(
@@ -430,12 +420,9 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
     """A chmod (or a rewrite keeping size and mtime) moves only the change time: the sensor's
     fingerprint does not see it, so the ledger must not claim the file was read, or its hour
     would never be asked for again (the pending hour is re-requested instead)."""
-    import dagster as dg
 
-    from cdc_platform.defs.factory import build_table_definitions
     from cdc_platform.lib import applied_files, pipeline, sensor_cursor
     from cdc_platform.lib.config import load_config
-    from cdc_platform_tests.helpers import dagster_resources
 
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
@@ -454,14 +441,7 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
         return real_read(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "read_events", chmod_then_read)
-    defs = build_table_definitions(platform, platform.table("t"))
-    result = dg.materialize(
-        [defs.asset],
-        partition_key="2024-01-01-05:00",
-        instance=dg.DagsterInstance.ephemeral(),
-        resources=dagster_resources(),
-    )
-    assert result.success
+    materialize_through_the_asset(platform)
     ledger = applied_files.ledger_path(platform.warehouse_root, "t")
     recorded = {f.rsplit("/", 1)[1] for f, _, _ in applied_files.applied(ledger)}
     assert recorded == {"o.parquet"}
@@ -473,3 +453,20 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
     applied = applied_files.applied_by_partition(ledger, ["2024-01-01-05:00"])
     requests, _ = sensor_cursor.reconcile(table, landing, datetime.now(UTC), state, applied, set())
     assert [r.partition_keys for r in requests] == [("2024-01-01-05:00",)]
+
+
+def materialize_through_the_asset(platform: Any) -> None:
+    """The hour 05:00 of table t through its Dagster asset (in process)."""
+    import dagster as dg
+
+    from cdc_platform.defs.factory import build_table_definitions
+    from cdc_platform_tests.helpers import dagster_resources
+
+    defs = build_table_definitions(platform, platform.table("t"))
+    result = dg.materialize(
+        [defs.asset],
+        partition_key="2024-01-01-05:00",
+        instance=dg.DagsterInstance.ephemeral(),
+        resources=dagster_resources(),
+    )
+    assert result.success

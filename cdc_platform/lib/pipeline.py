@@ -193,9 +193,8 @@ def _apply_hours(
     with_rows = [r for r in good if r.num_rows]
     if with_rows:
         lap("changelog_append")
-        appended, native, changed = _append_events(
-            spark, table, reader, paths, fields, with_rows, synced_at, revoked_now
-        )
+        append = _Append(spark, table, reader, paths, fields, synced_at, revoked_now)
+        appended, native, changed = append.run(with_rows)
         new_events = appended.new_events if appended is not None else 0
         with_rows = [r for r in with_rows if r.path not in changed]
         set_aside += [
@@ -249,115 +248,109 @@ def _apply_hours(
 APPEND_ATTEMPTS = 3
 
 
-def _append_events(
-    spark: SparkSession,
-    table: TableConfig,
-    reader: LandingReader,
-    paths: TablePaths,
-    fields: Sequence[pa.Field],
-    files: Sequence[FileReport],
-    synced_at: datetime,
-    revoked: Callable[[], set[str]],
-) -> tuple[changelog.AppendResult | None, dict[str, str], set[str]]:
-    """Append the events of ``files`` (inspected, with rows) to the change log.
+@dataclass(frozen=True)
+class _Append:
+    """The change-log append of one run: what every attempt needs, said once."""
 
-    Returns the append (None if every file changed), the files read natively, and the files
-    set aside because they are no longer what the listing and pass 1 saw (rewritten in place,
-    replaced): their hour is read again when the landing sensor sees the change. A read that
-    fails for another reason raises, with nothing committed.
-    """
-    unified = {f.name: f.type for f in fields}
-    # A file whose column is narrower than the table's (the table widened) is cast up by
-    # the Python decoder, as every widening is (Arrow's casts, one engine for all of them).
-    native = {
-        r.path: r.source_uri
-        for r in files
-        if r.native
-        and r.source_uri
-        and r.schema is not None
-        and all(unified.get(f.name, f.type) == f.type for f in r.schema)
-    }
-    # Spark reads these by path: checked before, and before the commit (``NativeGuard``).
-    guard = NativeGuard(reader, sorted(native))
-    native = {p: uri for p, uri in native.items() if p in guard.readable}
-    changed: set[str] = set()
-    left = list(files)
-    for attempt in range(APPEND_ATTEMPTS):
-        listed = [r.path for r in left]
+    spark: SparkSession
+    table: TableConfig
+    reader: LandingReader
+    paths: TablePaths
+    fields: Sequence[pa.Field]
+    synced_at: datetime
+    revoked: Callable[[], set[str]]
 
-        def before_commit(listed: list[str] = listed, native: dict[str, str] = native) -> None:
-            if native:
-                guard.verify()
-            if reader.changed_since_listed(listed):
-                raise NativeReadChangedError("a landing file changed while it was read")
+    def run(
+        self, files: Sequence[FileReport]
+    ) -> tuple[changelog.AppendResult | None, dict[str, str], set[str]]:
+        """Append the events of ``files`` (inspected, with rows) to the change log.
 
-        try:
-            return (
-                _append_once(
-                    spark,
-                    table,
-                    reader,
-                    paths,
-                    fields,
-                    left,
-                    synced_at,
-                    revoked,
-                    native,
-                    before_commit,
-                ),
-                native,
-                changed,
-            )
-        except Exception as exc:
-            now_changed = reader.changed_since_listed(listed) | {
-                p for p in listed if reader.relative(p) in changed_files_named(exc)
-            }
-            swapped = bool(native) and (isinstance(exc, NativeReadChangedError) or guard.changed())
-            if (not now_changed and not swapped) or attempt == APPEND_ATTEMPTS - 1:
-                raise
-        # A file swapped under Spark's by-path read: every file through the checked descriptor.
-        native = {} if swapped else {p: u for p, u in native.items() if p not in now_changed}
-        changed |= now_changed
-        left = [r for r in left if r.path not in now_changed]
-        if not left:
-            return None, native, changed
-    raise AssertionError("unreachable: the last attempt returns or raises")
+        Returns the append (None if every file changed), the files read natively, and the
+        files set aside because they are no longer what the listing and pass 1 saw (rewritten
+        in place, replaced): their hour is asked for again (``lib.sensor_cursor.reconcile``).
+        A read that fails for another reason raises, with nothing committed.
+        """
+        reader = self.reader
+        native = self._natively_readable(files)
+        # Spark reads these by path: checked before, and before the commit (``NativeGuard``).
+        guard = NativeGuard(reader, sorted(native))
+        native = {p: uri for p, uri in native.items() if p in guard.readable}
+        changed: set[str] = set()
+        left = list(files)
+        for attempt in range(APPEND_ATTEMPTS):
+            listed = [r.path for r in left]
 
+            def before_commit(listed: list[str] = listed, native: dict[str, str] = native) -> None:
+                if native:
+                    guard.verify()
+                if reader.changed_since_listed(listed):
+                    raise NativeReadChangedError("a landing file changed while it was read")
 
-def _append_once(
-    spark: SparkSession,
-    table: TableConfig,
-    reader: LandingReader,
-    paths: TablePaths,
-    fields: Sequence[pa.Field],
-    files: Sequence[FileReport],
-    synced_at: datetime,
-    revoked: Callable[[], set[str]],
-    native: dict[str, str],
-    before_commit: Callable[[], None],
-) -> changelog.AppendResult:
-    """One attempt: read ``files`` (pass 2, checked against pass 1) and append them."""
-    # Every file with rows has a seq range: a missing seq sets the file aside.
-    seq_range = (
-        min(r.seq_min for r in files if r.seq_min is not None),
-        max(r.seq_max for r in files if r.seq_max is not None),
-    )
-    inspected = {r.path: r for r in files}
-    events = read_events(
-        spark, reader, [r.path for r in files], event_schema(fields), native, inspected=inspected
-    )
-    return changelog.append(
-        spark,
-        paths.changelog,
-        events,
-        table.primary_key,
-        seq_range,
-        sum(r.num_rows for r in files),
-        synced_at,
-        revoked=revoked,
-        forgotten=paths.forgotten_events,
-        before_commit=before_commit,
-    )
+            try:
+                return self._once(left, native, before_commit), native, changed
+            except Exception as exc:
+                now_changed = reader.changed_since_listed(listed) | {
+                    p for p in listed if reader.relative(p) in changed_files_named(exc)
+                }
+                swapped = bool(native) and (
+                    isinstance(exc, NativeReadChangedError) or guard.changed()
+                )
+                if (not now_changed and not swapped) or attempt == APPEND_ATTEMPTS - 1:
+                    raise
+            # A file swapped under Spark's by-path read: every file through the checked
+            # descriptor.
+            native = {} if swapped else {p: u for p, u in native.items() if p not in now_changed}
+            changed |= now_changed
+            left = [r for r in left if r.path not in now_changed]
+            if not left:
+                return None, native, changed
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _natively_readable(self, files: Sequence[FileReport]) -> dict[str, str]:
+        """The files Spark reads itself. A file whose column is narrower than the table's (the
+        table widened) is cast up by the Python decoder, as every widening is."""
+        unified = {f.name: f.type for f in self.fields}
+        return {
+            r.path: r.source_uri
+            for r in files
+            if r.native
+            and r.source_uri
+            and r.schema is not None
+            and all(unified.get(f.name, f.type) == f.type for f in r.schema)
+        }
+
+    def _once(
+        self,
+        files: Sequence[FileReport],
+        native: dict[str, str],
+        before_commit: Callable[[], None],
+    ) -> changelog.AppendResult:
+        """One attempt: read ``files`` (pass 2, checked against pass 1) and append them."""
+        # Every file with rows has a seq range: a missing seq sets the file aside.
+        seq_range = (
+            min(r.seq_min for r in files if r.seq_min is not None),
+            max(r.seq_max for r in files if r.seq_max is not None),
+        )
+        events = read_events(
+            self.spark,
+            self.reader,
+            [r.path for r in files],
+            event_schema(self.fields),
+            native,
+            inspected={r.path: r for r in files},
+        )
+        return changelog.append(
+            self.spark,
+            self.paths.changelog,
+            events,
+            self.table.primary_key,
+            seq_range,
+            sum(r.num_rows for r in files),
+            self.synced_at,
+            revoked=self.revoked,
+            forgotten=self.paths.forgotten_events,
+            before_commit=before_commit,
+        )
 
 
 def to_ms(ts: datetime) -> datetime:
