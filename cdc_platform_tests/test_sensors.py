@@ -309,7 +309,7 @@ def test_a_missing_landing_root_fails_the_tick_instead_of_looking_quiet(
     """An unmounted landing volume lists nothing: the tick fails, naming the root, so the
     sensor's page shows it (an empty listing would look like a source with nothing new)."""
     sensor = build_landing_sensor(TABLE, tmp_path / "not-mounted", orders_asset)
-    with pytest.raises(Exception, match="cannot be listed.*is the landing volume mounted"):
+    with pytest.raises(Exception, match=r"cannot be listed.*is the landing volume mounted"):
         tick(sensor, None, instance, [orders_asset])
     (tmp_path / "not-mounted").mkdir()
     requests, cursor, _ = tick(sensor, None, instance, [orders_asset])
