@@ -6,7 +6,6 @@ the sensor's cursor, discovery) and fails without the change it covers."""
 from __future__ import annotations
 
 import os
-import tracemalloc
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +18,7 @@ import zstandard
 from deltalake import DeltaTable
 
 from cdc_platform.lib import discovery, quarantine, sensor_cursor
-from cdc_platform.lib.codecs import LandingFileError, decode_file, open_decoded_stream
+from cdc_platform.lib.codecs import LandingFileError
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import (
     BAD_NAME,
@@ -85,21 +84,41 @@ def logged_keys(lake: dict[str, Path], table: str = "t") -> list[Any]:
 # -- 1. decompression bombs ------------------------------------------------------------------------
 
 
-def test_a_zstd_bomb_is_refused_having_decoded_at_most_the_limit() -> None:
-    """32 MiB of zeros compress to about a kilobyte; the limit stops decoding there."""
-    import io
+def peak_rss_mib(code: str) -> float:
+    """Run ``code`` in a Python process of its own and return that process's peak RSS (the
+    memory a sensor's code server or a reading task would hold), in MiB."""
+    import subprocess
+    import sys
 
-    bomb = zeros_bomb(128 * MiB)
-    assert len(bomb) < 16 * 1024
-    tracemalloc.start()
-    with pytest.raises(LandingFileError, match="decodes to more than 16 MiB"):
-        decode_file(io.BytesIO(bomb), "zstd", "none", [], max_bytes=16 * MiB)
-    # A sample of a stream decodes about what is read, whatever the file expands to.
-    with open_decoded_stream(io.BytesIO(bomb), "zstd", "none", []) as stream:
-        assert stream.read(4) == b"\0\0\0\0"
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert peak < 100 * MiB, peak
+    from cdc_platform.lib.config import REPO_ROOT
+
+    script = f"{code}\nimport resource\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split()[-1]) / 1024
+
+
+def test_a_zstd_bomb_is_refused_having_decoded_at_most_the_limit() -> None:
+    """128 MiB of zeros compress to a few kilobytes; the limit stops decoding at 16 MiB, and a
+    sample of a stream decodes about what is read, whatever the file expands to."""
+    peak = peak_rss_mib(
+        "import io\n"
+        "from cdc_platform.lib.codecs import LandingFileError, decode_file, open_decoded_stream\n"
+        "from cdc_platform_tests.test_hostile_landing import zeros_bomb\n"
+        "bomb = zeros_bomb(128 << 20)\n"
+        "assert len(bomb) < 16 * 1024\n"
+        "try:\n"
+        "    decode_file(io.BytesIO(bomb), 'zstd', 'none', [], max_bytes=16 << 20)\n"
+        "    raise SystemExit('not refused')\n"
+        "except LandingFileError as exc:\n"
+        "    assert 'decodes to more than 16 MiB' in str(exc), exc\n"
+        "with open_decoded_stream(io.BytesIO(bomb), 'zstd', 'none', []) as s:\n"
+        "    assert s.read(4) == bytes(4)\n"
+    )
+    assert peak < 400, peak  # the interpreter and its imports, not 128 MiB of plaintext more
 
 
 def test_discovery_samples_a_bomb_without_expanding_it(tmp_path: Path) -> None:
@@ -115,12 +134,12 @@ def test_discovery_samples_a_bomb_without_expanding_it(tmp_path: Path) -> None:
         for _ in range(512):  # 32 GiB of plaintext, about 1 MiB on disk
             w.write(zeros)
     assert (folder / "part-1.csv.zst").stat().st_size < 4 * MiB
-    tracemalloc.start()
-    found = discovery.describe(landing, "bombs")
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert found.encoding.compression == "zstd" and found.encoding.format == "csv"
-    assert peak < 256 * MiB, peak
+    peak = peak_rss_mib(
+        "from cdc_platform.lib import discovery\n"
+        f"found = discovery.describe({str(landing)!r}, 'bombs')\n"
+        "assert (found.encoding.compression, found.encoding.format) == ('zstd', 'csv')\n"
+    )
+    assert peak < 400, peak
 
 
 def test_a_bomb_among_good_files_is_set_aside_and_the_hour_applied(spark, lake) -> None:
