@@ -153,6 +153,11 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
         "requested again after this many seconds, doubling with each retry up to an hour, "
         "until the applied-files ledger shows its files read.",
     ),
+    "unapplied_alert_minutes": (
+        "positive int",
+        "An hour landed and still not applied after this many minutes (its runs keep failing) "
+        "is alerted once, `hours_unapplied`, and `hours_applied` once it is; default 60.",
+    ),
 }
 DISCOVER_KEYS: dict[str, tuple[str, str]] = {
     "primary_key": ("list of columns", "Every discovered table's primary key."),

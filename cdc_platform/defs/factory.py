@@ -41,6 +41,7 @@ from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.defs.sensors import TABLE_TAG, build_landing_sensor
+from cdc_platform.defs.source_alerts import build_source_alert_sensor
 from cdc_platform.lib import applied_files, current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.discovery import with_discovered_tables
@@ -458,16 +459,18 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         if current_assets
         else []
     )
+    sensors = [
+        *(t.sensor for t in tables),
+        *current_sensor,
+        build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
+        build_run_failure_alert_sensor(),
+        build_new_tables_sensor(listed, discovered),
+    ]
+    watched = [s.name for s in sensors]
     return dg.Definitions(
         assets=[*(t.asset for t in tables), *current_assets],
         asset_checks=[t.checks for t in tables],
-        sensors=[
-            *(t.sensor for t in tables),
-            *current_sensor,
-            build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
-            build_run_failure_alert_sensor(),
-            build_new_tables_sensor(listed, discovered),
-        ],
+        sensors=[*sensors, build_source_alert_sensor(platform.tables, watched)],
         jobs=[
             *([check_job] if check_job else []),
             maintenance_job,

@@ -21,6 +21,31 @@ AlertKind = Literal["check_failed", "check_recovered", "run_failed"]
 # build_alert's kinds; new_table_alert's own:
 KINDS: tuple[str, ...] = ("check_failed", "check_recovered", "run_failed")
 NEW_TABLE_KIND = "new_table"
+# source_alert's kinds: each problem, then its recovery (defs.source_alerts).
+SourceAlertKind = Literal[
+    "source_stale",
+    "source_fresh",
+    "hours_unapplied",
+    "hours_applied",
+    "sensor_failing",
+    "sensor_recovered",
+]
+SOURCE_KINDS: tuple[str, ...] = (
+    "source_stale",
+    "source_fresh",
+    "hours_unapplied",
+    "hours_applied",
+    "sensor_failing",
+    "sensor_recovered",
+)
+_SOURCE_HEADS = {
+    "source_stale": ":hourglass: cdc_platform: {what} is stale",
+    "source_fresh": ":white_check_mark: cdc_platform: {what} is fresh again",
+    "hours_unapplied": ":rotating_light: cdc_platform: {what} has landed hours not applied",
+    "hours_applied": ":white_check_mark: cdc_platform: {what} has every landed hour applied",
+    "sensor_failing": ":rotating_light: cdc_platform: sensor {what} keeps failing",
+    "sensor_recovered": ":white_check_mark: cdc_platform: sensor {what} ticks again",
+}
 SEVERITIES = ("ERROR", "WARN")
 
 MAX_DETAIL_CHARS = 500
@@ -133,6 +158,37 @@ def _files_phrase(files: list[str], total: int) -> str:
     named = ", ".join(f"`{_one_line(f, 300)}`" for f in files[:_FILES_IN_TEXT])
     more = total - min(len(files), _FILES_IN_TEXT)
     return f"{total} new file(s) set aside: {named}" + (f" and {more} more" if more else "")
+
+
+def source_alert(
+    kind: SourceAlertKind,
+    subject: str,
+    detail: str,
+    url: str,
+    *,
+    severity: str = "ERROR",
+    table: str | None = None,
+    counts: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """A payload for what no run reports: a source gone quiet, hours that stay unapplied, a
+    sensor whose ticks fail. ``subject`` is the table or sensor; ``url`` its page in the UI."""
+    if kind not in SOURCE_KINDS:
+        raise ValueError(f"unknown alert kind {kind!r}; expected one of {list(SOURCE_KINDS)}")
+    if severity not in SEVERITIES:
+        raise ValueError(f"unknown severity {severity!r}; expected one of {list(SEVERITIES)}")
+    head = _SOURCE_HEADS[kind].format(what=f"`{_one_line(subject, 300)}`")
+    short = _one_line(detail, MAX_DETAIL_CHARS).rstrip(". ") if detail else ""
+    what = f"{head}: {_slack_escape(short)}." if short else f"{head}."
+    return {
+        "text": f"{what} <{url}|open>",
+        "kind": kind,
+        "severity": severity,
+        "table": table,
+        "subject": subject,
+        "counts": {str(k): int(v) for k, v in (counts or {}).items()},
+        "detail": short,
+        "url": url,
+    }
 
 
 def new_table_alert(

@@ -105,6 +105,9 @@ class TableConfig:
     # Landing sensor: an hour requested and not yet applied is requested again after this long,
     # doubling with each retry up to an hour (``lib.sensor_cursor.reconcile``).
     retry_backoff_seconds: int = 300
+    # An hour landed and still not applied after this many minutes is alerted, once
+    # (``defs.source_alerts``; the retries go on meanwhile).
+    unapplied_alert_minutes: int = 60
 
     @property
     def start_partition_key(self) -> str:
@@ -187,6 +190,7 @@ _TABLE_FIELDS = {
     "group",
     "max_file_bytes",
     "retry_backoff_seconds",
+    "unapplied_alert_minutes",
     "expected_delivery_hours",
 }
 _TOP_FIELDS = {
@@ -555,6 +559,7 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         group=_group(raw.get("group", DEFAULT_GROUP), fail),
         max_file_bytes=positive_int("max_file_bytes", DEFAULT_MAX_BYTES),
         retry_backoff_seconds=positive_int("retry_backoff_seconds", 300),
+        unapplied_alert_minutes=positive_int("unapplied_alert_minutes", 60),
         expected_delivery_hours=(
             positive_int("expected_delivery_hours", 1)
             if raw.get("expected_delivery_hours") is not None

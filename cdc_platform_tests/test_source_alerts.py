@@ -1,0 +1,179 @@
+"""The source alert sensor against a real Dagster instance and a loopback webhook: a stale
+source, hours left unapplied and a failing sensor are each alerted once, and their end once.
+(The freshness states themselves come from Dagster's freshness daemon in test_unattended.)"""
+
+import time
+from datetime import UTC, datetime
+
+import dagster as dg
+from dagster._core.definitions.freshness import FreshnessState, FreshnessStateChange
+from dagster._core.definitions.run_request import InstigatorType
+from dagster._core.definitions.selector import InstigatorSelector
+from dagster._core.scheduler.instigation import TickData, TickStatus
+from dagster_shared.error import SerializableErrorInfo
+
+from cdc_platform.defs.alerts import AlertWebhookResource
+from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST
+from cdc_platform.defs.source_alerts import (
+    DEFAULT_LOCATION,
+    FAILING_TICKS,
+    build_source_alert_sensor,
+)
+from cdc_platform.lib.config import TableConfig
+from cdc_platform_tests.test_alerts import tick
+from cdc_platform_tests.webhook import Webhook
+
+START = datetime(2024, 1, 1, tzinfo=UTC)
+
+
+def table(name: str, **kwargs: object) -> TableConfig:
+    return TableConfig(name=name, primary_key=["id"], start=START, **kwargs)  # type: ignore[arg-type]
+
+
+def kinds(webhook: Webhook) -> list[tuple[str, str, str]]:
+    return [(c.body["kind"], c.body["subject"], c.body["severity"]) for c in webhook.posted]
+
+
+def freshness(instance: dg.DagsterInstance, name: str, new: FreshnessState) -> None:
+    """The event Dagster's freshness daemon records on a state change (the same call)."""
+    instance._report_runless_asset_event(
+        FreshnessStateChange(
+            key=dg.AssetKey(name),
+            new_state=new,
+            previous_state=FreshnessState.UNKNOWN,
+            state_change_timestamp=time.time(),
+        )
+    )
+
+
+def test_a_stale_source_alerts_once_per_state_and_once_when_fresh(webhook: Webhook) -> None:
+    hook = AlertWebhookResource(
+        webhook_url=webhook.secret_url, ui_base_url="https://dagster.example"
+    )
+    sensor = build_source_alert_sensor(
+        [table("orders", expected_delivery_hours=2), table("quiet")], []
+    )
+    with dg.instance_for_test() as instance:
+        cursor = tick(sensor, instance, None, hook)
+        for state in ("WARN", "WARN", "FAIL", "FAIL", "PASS", "PASS"):
+            freshness(instance, "orders", FreshnessState(state))
+            freshness(instance, "elsewhere", FreshnessState(state))  # not this location's
+            cursor = tick(sensor, instance, cursor, hook)
+    assert kinds(webhook) == [
+        ("source_stale", "orders", "WARN"),
+        ("source_stale", "orders", "ERROR"),
+        ("source_fresh", "orders", "ERROR"),
+    ]
+    stale = webhook.posted[1].body
+    assert "no new data for 4 h or more (expected every 2 h; freshness FAIL)" in stale["text"]
+    assert stale["url"] == "https://dagster.example/assets/orders"
+
+
+def test_a_source_stale_before_the_first_tick_is_alerted(webhook: Webhook) -> None:
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    sensor = build_source_alert_sensor([table("orders", expected_delivery_hours=1)], [])
+    with dg.instance_for_test() as instance:
+        freshness(instance, "orders", FreshnessState.FAIL)
+        cursor = tick(sensor, instance, None, hook)
+        tick(sensor, instance, cursor, hook)
+    assert kinds(webhook) == [("source_stale", "orders", "ERROR")]
+
+
+def backlog(instance: dg.DagsterInstance, name: str, hours: int, age_minutes: float) -> None:
+    """The observation the landing sensor reports when its backlog changes."""
+    instance.report_runless_asset_event(
+        dg.AssetObservation(
+            asset_key=dg.AssetKey(name),
+            metadata={
+                BACKLOG_HOURS: hours,
+                BACKLOG_OLDEST: "2024-01-01-05:00" if hours else "",
+                BACKLOG_AGE: dg.MetadataValue.float(float(age_minutes)),
+            },
+        )
+    )
+
+
+def test_hours_unapplied_past_the_threshold_alert_once_and_once_when_applied(
+    webhook: Webhook,
+) -> None:
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    now = {"t": time.time()}
+    sensor = build_source_alert_sensor(
+        [table("orders", unapplied_alert_minutes=30), table("fine")], [], clock=lambda: now["t"]
+    )
+    with dg.instance_for_test() as instance:
+        cursor = tick(sensor, instance, None, hook)
+        backlog(instance, "orders", 2, age_minutes=5)
+        backlog(instance, "fine", 1, age_minutes=0)
+        backlog(instance, "fine", 0, age_minutes=0)  # applied before the threshold: quiet
+        cursor = tick(sensor, instance, cursor, hook)
+        now["t"] += 20 * 60  # 25 minutes old
+        cursor = tick(sensor, instance, cursor, hook)
+        assert webhook.posted == []
+        now["t"] += 6 * 60  # 31 minutes old
+        cursor = tick(sensor, instance, cursor, hook)
+        backlog(instance, "orders", 3, age_minutes=40)  # another hour joins: still one alert
+        now["t"] += 60 * 60
+        cursor = tick(sensor, instance, cursor, hook)
+        backlog(instance, "orders", 0, age_minutes=0)
+        tick(sensor, instance, cursor, hook)
+    assert kinds(webhook) == [
+        ("hours_unapplied", "orders", "ERROR"),
+        ("hours_applied", "orders", "ERROR"),
+    ]
+    first = webhook.posted[0].body
+    assert first["counts"] == {"unapplied_hours": 2}
+    assert (
+        "2 hour(s) landed and not applied for 31 min, the oldest 2024-01-01-05:00"
+        in (first["text"])
+    )
+
+
+def failed_tick(instance: dg.DagsterInstance, name: str, status: TickStatus) -> None:
+    selector = InstigatorSelector(
+        location_name=DEFAULT_LOCATION, repository_name="__repository__", name=name
+    )
+    error = (
+        SerializableErrorInfo(
+            "LandingRootUnavailableError: the landing root is gone\nmore", [], None
+        )
+        if status == TickStatus.FAILURE
+        else None
+    )
+    instance.create_tick(
+        TickData(
+            instigator_origin_id=f"origin-{name}",
+            instigator_name=name,
+            instigator_type=InstigatorType.SENSOR,
+            status=status,
+            timestamp=time.time(),
+            selector_id=selector.get_id(),
+            error=error,
+        )
+    )
+
+
+def test_a_sensor_failing_tick_after_tick_alerts_once_and_its_recovery_once(
+    webhook: Webhook,
+) -> None:
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    watched = ["orders_landing_sensor", "fine_landing_sensor"]
+    sensor = build_source_alert_sensor([table("orders")], watched)
+    with dg.instance_for_test() as instance:
+        cursor = tick(sensor, instance, None, hook)
+        failed_tick(instance, "fine_landing_sensor", TickStatus.FAILURE)  # one blip: quiet
+        failed_tick(instance, "fine_landing_sensor", TickStatus.SKIPPED)
+        for _ in range(FAILING_TICKS + 2):
+            failed_tick(instance, "orders_landing_sensor", TickStatus.FAILURE)
+            time.sleep(0.01)
+            cursor = tick(sensor, instance, cursor, hook)
+        failed_tick(instance, "orders_landing_sensor", TickStatus.SKIPPED)
+        cursor = tick(sensor, instance, cursor, hook)
+        tick(sensor, instance, cursor, hook)
+    assert kinds(webhook) == [
+        ("sensor_failing", "orders_landing_sensor", "ERROR"),
+        ("sensor_recovered", "orders_landing_sensor", "ERROR"),
+    ]
+    text = webhook.posted[0].body["text"]
+    assert "its last 3 ticks failed: LandingRootUnavailableError: the landing root is gone" in text
+    assert "/locations/cdc_platform/sensors/orders_landing_sensor" in text
