@@ -155,8 +155,9 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
     ),
     "unapplied_alert_minutes": (
         "positive int",
-        "An hour landed and still not applied after this many minutes (its runs keep failing) "
-        "is alerted once, `hours_unapplied`, and `hours_applied` once it is; default 60.",
+        "An hour requested and still not applied this many minutes later (its runs failed, or "
+        "wait in the queue) is alerted once, `hours_unapplied`, and `hours_applied` once no "
+        "requested hour is left unapplied; default 60, more than twice `retry_backoff_seconds`.",
     ),
 }
 DISCOVER_KEYS: dict[str, tuple[str, str]] = {

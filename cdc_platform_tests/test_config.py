@@ -246,3 +246,25 @@ def test_expected_delivery_hours_become_the_assets_freshness_policy(tmp_path):
             },
             tmp_path,
         )
+
+
+@pytest.mark.parametrize(
+    ("keys", "error"),
+    [
+        (
+            {"unapplied_alert_minutes": 10},
+            r"10 min must be longer than twice retry_backoff_seconds",
+        ),
+        ({"retry_backoff_seconds": 1800}, r"60 min must be longer than twice .*1800 s"),
+        ({"unapplied_alert_minutes": 0}, r"unapplied_alert_minutes"),
+    ],
+)
+def test_an_unapplied_alert_sooner_than_the_retries_is_refused(tmp_path, keys, error):
+    """An hour is first looked at again one backoff after its request: an alert threshold
+    within two backoffs would alert on a healthy table."""
+    table = {"name": "x", "primary_key": ["id"], "start": "2024-01-01-00:00", **keys}
+    with pytest.raises(ConfigError, match=error):
+        parse_config({"landing_root": "l", "warehouse_root": "w", "tables": [table]}, tmp_path)
+    table = {**table, "unapplied_alert_minutes": 61, "retry_backoff_seconds": 1800}
+    parsed = parse_config({"landing_root": "l", "warehouse_root": "w", "tables": [table]}, tmp_path)
+    assert parsed.table("x").unapplied_alert_minutes == 61

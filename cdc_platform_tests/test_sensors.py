@@ -12,6 +12,9 @@ from deltalake import DeltaTable
 
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.sensors import (
+    BACKLOG_HOURS,
+    BACKLOG_OLDEST,
+    BACKLOG_SINCE,
     RANGE_END_TAG,
     RANGE_START_TAG,
     REASON_TAG,
@@ -314,3 +317,40 @@ def test_a_missing_landing_root_fails_the_tick_instead_of_looking_quiet(
     (tmp_path / "not-mounted").mkdir()
     requests, cursor, _ = tick(sensor, None, instance, [orders_asset])
     assert requests == [] and cursor
+
+
+def test_the_backlog_is_reported_when_it_changes_and_after_a_reset_cursor(
+    tmp_path: Path, instance: dg.DagsterInstance
+) -> None:
+    """What ``cdc_source_alerts`` reads: hours requested and not seen applied, the oldest, and
+    when it was first requested; sent when any of them changes, and always on a tick whose
+    cursor is empty (the last report may not hold any more)."""
+    clock = Clock(datetime(2024, 1, 1, 5, 30, tzinfo=UTC))
+    sensor = build_landing_sensor(
+        TABLE, tmp_path / "landing", orders_asset, warehouse_root=tmp_path / "wh", clock=clock
+    )
+    defs = dg.Definitions(assets=[orders_asset], sensors=[sensor])
+
+    def observed(cursor: str | None) -> tuple[list[dict], str | None]:
+        context = dg.build_sensor_context(cursor=cursor, instance=instance, definitions=defs)
+        data = sensor.evaluate_tick(context)
+        events = [
+            {k: v.value for k, v in e.metadata.items()}
+            for e in data.asset_events
+            if isinstance(e, dg.AssetObservation)
+        ]
+        return events, data.cursor
+
+    (tmp_path / "landing").mkdir()
+    events, cursor = observed(None)  # a first tick: nothing pending, reported all the same
+    assert [e[BACKLOG_HOURS] for e in events] == [0]
+    put(tmp_path / "landing", START + timedelta(hours=2))
+    clock.now += timedelta(minutes=1)
+    events, cursor = observed(cursor)
+    (report,) = events
+    assert report[BACKLOG_HOURS] == 1 and report[BACKLOG_OLDEST] == "2024-01-01-02:00"
+    assert report[BACKLOG_SINCE] == clock.now.timestamp()
+    clock.now += timedelta(minutes=1)
+    assert observed(cursor)[0] == []  # unchanged: nothing sent
+    events, _ = observed(None)  # a reset cursor: sent again
+    assert [e[BACKLOG_HOURS] for e in events] == [1]

@@ -4,16 +4,27 @@ source, hours left unapplied and a failing sensor are each alerted once, and the
 
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 from dagster._core.definitions.freshness import FreshnessState, FreshnessStateChange
 from dagster._core.definitions.run_request import InstigatorType
-from dagster._core.definitions.selector import InstigatorSelector
-from dagster._core.scheduler.instigation import TickData, TickStatus
+from dagster._core.remote_origin import (
+    RegisteredCodeLocationOrigin,
+    RemoteInstigatorOrigin,
+    RemoteRepositoryOrigin,
+)
+from dagster._core.scheduler.instigation import (
+    InstigatorState,
+    InstigatorStatus,
+    SensorInstigatorData,
+    TickData,
+    TickStatus,
+)
 from dagster_shared.error import SerializableErrorInfo
 
 from cdc_platform.defs.alerts import AlertWebhookResource
-from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST
+from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
 from cdc_platform.defs.source_alerts import (
     DEFAULT_LOCATION,
     FAILING_TICKS,
@@ -79,17 +90,24 @@ def test_a_source_stale_before_the_first_tick_is_alerted(webhook: Webhook) -> No
     assert kinds(webhook) == [("source_stale", "orders", "ERROR")]
 
 
-def backlog(instance: dg.DagsterInstance, name: str, hours: int, age_minutes: float) -> None:
-    """The observation the landing sensor reports when its backlog changes."""
+def backlog(
+    instance: dg.DagsterInstance,
+    name: str,
+    hours: int,
+    age_minutes: float,
+    since: float | None = None,
+) -> None:
+    """The observation the landing sensor reports when its backlog changes (``since``: when
+    its oldest hour was first requested; without it, as a landing sensor before it reported)."""
+    metadata: dict[str, Any] = {
+        BACKLOG_HOURS: hours,
+        BACKLOG_OLDEST: "2024-01-01-05:00" if hours else "",
+        BACKLOG_AGE: dg.MetadataValue.float(float(age_minutes)),
+    }
+    if since is not None:
+        metadata[BACKLOG_SINCE] = dg.MetadataValue.float(since)
     instance.report_runless_asset_event(
-        dg.AssetObservation(
-            asset_key=dg.AssetKey(name),
-            metadata={
-                BACKLOG_HOURS: hours,
-                BACKLOG_OLDEST: "2024-01-01-05:00" if hours else "",
-                BACKLOG_AGE: dg.MetadataValue.float(float(age_minutes)),
-            },
-        )
+        dg.AssetObservation(asset_key=dg.AssetKey(name), metadata=metadata)
     )
 
 
@@ -103,7 +121,8 @@ def test_hours_unapplied_past_the_threshold_alert_once_and_once_when_applied(
     )
     with dg.instance_for_test() as instance:
         cursor = tick(sensor, instance, None, hook)
-        backlog(instance, "orders", 2, age_minutes=5)
+        since = now["t"] - 5 * 60
+        backlog(instance, "orders", 2, age_minutes=5, since=since)
         backlog(instance, "fine", 1, age_minutes=0)
         backlog(instance, "fine", 0, age_minutes=0)  # applied before the threshold: quiet
         cursor = tick(sensor, instance, cursor, hook)
@@ -112,7 +131,7 @@ def test_hours_unapplied_past_the_threshold_alert_once_and_once_when_applied(
         assert webhook.posted == []
         now["t"] += 6 * 60  # 31 minutes old
         cursor = tick(sensor, instance, cursor, hook)
-        backlog(instance, "orders", 3, age_minutes=40)  # another hour joins: still one alert
+        backlog(instance, "orders", 3, age_minutes=40, since=since)  # one more: still one alert
         now["t"] += 60 * 60
         cursor = tick(sensor, instance, cursor, hook)
         backlog(instance, "orders", 0, age_minutes=0)
@@ -124,33 +143,69 @@ def test_hours_unapplied_past_the_threshold_alert_once_and_once_when_applied(
     first = webhook.posted[0].body
     assert first["counts"] == {"unapplied_hours": 2}
     assert (
-        "2 hour(s) landed and not applied for 31 min, the oldest 2024-01-01-05:00"
+        "2 hour(s) requested and not applied for 31 min, the oldest 2024-01-01-05:00"
         in (first["text"])
     )
 
 
-def failed_tick(instance: dg.DagsterInstance, name: str, status: TickStatus) -> None:
-    selector = InstigatorSelector(
-        location_name=DEFAULT_LOCATION, repository_name="__repository__", name=name
-    )
-    error = (
-        SerializableErrorInfo(
-            "LandingRootUnavailableError: the landing root is gone\nmore", [], None
+class Daemon:
+    """Records a sensor's ticks and state as Dagster's sensor daemon does (its storage calls)."""
+
+    def __init__(self, instance: dg.DagsterInstance) -> None:
+        self.instance = instance
+        self.failures: dict[str, int] = {}
+
+    def tick(
+        self, name: str, status: TickStatus, error: SerializableErrorInfo | None = None
+    ) -> None:
+        origin = RemoteInstigatorOrigin(
+            RemoteRepositoryOrigin(
+                RegisteredCodeLocationOrigin(DEFAULT_LOCATION), "__repository__"
+            ),
+            name,
         )
-        if status == TickStatus.FAILURE
-        else None
-    )
-    instance.create_tick(
-        TickData(
-            instigator_origin_id=f"origin-{name}",
-            instigator_name=name,
-            instigator_type=InstigatorType.SENSOR,
-            status=status,
-            timestamp=time.time(),
-            selector_id=selector.get_id(),
-            error=error,
+        failures = self.failures.get(name, 0) + 1 if status == TickStatus.FAILURE else 0
+        self.failures[name] = failures
+        now = time.time()
+        self.instance.create_tick(
+            TickData(
+                instigator_origin_id=origin.get_id(),
+                instigator_name=name,
+                instigator_type=InstigatorType.SENSOR,
+                status=status,
+                timestamp=now,
+                selector_id=origin.get_selector().get_id(),
+                error=error,
+                consecutive_failure_count=failures,
+            )
         )
-    )
+        data = SensorInstigatorData(
+            last_tick_timestamp=now,
+            # None from a tick's start until it ends without failing
+            last_tick_success_timestamp=now
+            if status in (TickStatus.SUCCESS, TickStatus.SKIPPED)
+            else None,
+        )
+        state = InstigatorState(origin, InstigatorType.SENSOR, InstigatorStatus.RUNNING, data)
+        if self.instance.get_instigator_state(origin.get_id(), origin.get_selector().get_id()):
+            self.instance.update_instigator_state(state)
+        else:
+            self.instance.add_instigator_state(state)
+
+
+# What the daemon stores for a failed evaluation: Dagster's wrapper, the platform's error inside.
+ROOT_GONE = SerializableErrorInfo(
+    "dagster._core.errors.SensorExecutionError: Error occurred during the execution of "
+    "evaluation_fn for sensor orders_landing_sensor\n",
+    [],
+    "SensorExecutionError",
+    cause=SerializableErrorInfo(
+        "LandingRootUnavailableError: orders: the landing root /mnt/landing cannot be listed "
+        "(No such file or directory)\nmore",
+        [],
+        "LandingRootUnavailableError",
+    ),
+)
 
 
 def test_a_sensor_failing_tick_after_tick_alerts_once_and_its_recovery_once(
@@ -160,14 +215,17 @@ def test_a_sensor_failing_tick_after_tick_alerts_once_and_its_recovery_once(
     watched = ["orders_landing_sensor", "fine_landing_sensor"]
     sensor = build_source_alert_sensor([table("orders")], watched)
     with dg.instance_for_test() as instance:
+        daemon = Daemon(instance)
         cursor = tick(sensor, instance, None, hook)
-        failed_tick(instance, "fine_landing_sensor", TickStatus.FAILURE)  # one blip: quiet
-        failed_tick(instance, "fine_landing_sensor", TickStatus.SKIPPED)
+        daemon.tick("fine_landing_sensor", TickStatus.FAILURE, ROOT_GONE)  # one blip: quiet
+        daemon.tick("fine_landing_sensor", TickStatus.SKIPPED)
         for _ in range(FAILING_TICKS + 2):
-            failed_tick(instance, "orders_landing_sensor", TickStatus.FAILURE)
-            time.sleep(0.01)
+            daemon.tick("orders_landing_sensor", TickStatus.FAILURE, ROOT_GONE)
             cursor = tick(sensor, instance, cursor, hook)
-        failed_tick(instance, "orders_landing_sensor", TickStatus.SKIPPED)
+        daemon.tick("orders_landing_sensor", TickStatus.STARTED)  # running: not a recovery
+        cursor = tick(sensor, instance, cursor, hook)
+        assert len(webhook.posted) == 1
+        daemon.tick("orders_landing_sensor", TickStatus.SKIPPED)
         cursor = tick(sensor, instance, cursor, hook)
         tick(sensor, instance, cursor, hook)
     assert kinds(webhook) == [
@@ -175,5 +233,32 @@ def test_a_sensor_failing_tick_after_tick_alerts_once_and_its_recovery_once(
         ("sensor_recovered", "orders_landing_sensor", "ERROR"),
     ]
     text = webhook.posted[0].body["text"]
-    assert "its last 3 ticks failed: LandingRootUnavailableError: the landing root is gone" in text
+    assert (
+        "its last 3 ticks or more failed: LandingRootUnavailableError: orders: the landing root "
+        "/mnt/landing cannot be listed (No such file or directory). <"
+    ) in text
     assert "/locations/cdc_platform/sensors/orders_landing_sensor" in text
+
+
+def test_a_cause_the_fleet_shares_is_one_digest(webhook: Webhook) -> None:
+    """Every landing sensor failing on one unmounted root: one message naming them, not 40."""
+    hook = AlertWebhookResource(webhook_url=webhook.secret_url)
+    watched = [f"t{i:02d}_landing_sensor" for i in range(40)]
+    sensor = build_source_alert_sensor([], watched)
+    with dg.instance_for_test() as instance:
+        daemon = Daemon(instance)
+        cursor = tick(sensor, instance, None, hook)
+        for _ in range(FAILING_TICKS):
+            for name in watched:
+                daemon.tick(name, TickStatus.FAILURE, ROOT_GONE)
+        tick(sensor, instance, cursor, hook)
+    (digest,) = [c.body for c in webhook.posted]
+    assert digest["kind"] == "sensor_failing" and digest["counts"] == {"subjects": 40}
+    assert digest["subjects"] == sorted(watched)
+    assert digest["text"].startswith(
+        ":rotating_light: cdc_platform: 40 `sensor_failing` alerts at once: `t00_landing_sensor`, "
+    )
+    assert (
+        "and 30 more; the first: its last 3 ticks or more failed: LandingRootUnavailable"
+        in (digest["text"])
+    )

@@ -27,6 +27,7 @@ from cdc_platform.lib.sensor_cursor import (
     CursorState,
     PartitionRequest,
     backlog,
+    backlog_since,
     due_for_check,
     evaluate,
     postponed,
@@ -120,7 +121,10 @@ def build_landing_sensor(
             run_requests=run_requests,
             cursor=new_state.to_json(),
             skip_reason=None if run_requests else "no new or changed hour folders",
-            asset_events=_backlog_observation(table, state, new_state, now),
+            # After a reset cursor, always: the last report may no longer hold.
+            asset_events=_backlog_observation(
+                table, state if context.cursor else None, new_state, now
+            ),
         )
 
     return _landing_sensor
@@ -204,17 +208,24 @@ def partitions_of(tags: Mapping[str, str]) -> list[str]:
 BACKLOG_HOURS = "landing/unapplied_hours"
 BACKLOG_OLDEST = "landing/oldest_unapplied_hour"
 BACKLOG_AGE = "landing/oldest_unapplied_minutes"
+BACKLOG_SINCE = "landing/unapplied_since"  # epoch seconds the oldest was first requested
 
 
 def _backlog_observation(
-    table: TableConfig, before: CursorState, after: CursorState, now: datetime
+    table: TableConfig, before: CursorState | None, after: CursorState, now: datetime
 ) -> list[dg.AssetObservation]:
+    """The backlog, when it differs from ``before``'s (None: report it anyway)."""
     count, oldest, age = backlog(after, now)
-    if (count, oldest) == backlog(before, now)[:2]:
+    since = backlog_since(after)
+    if before is not None and (count, oldest, since) == (
+        *backlog(before, now)[:2],
+        backlog_since(before),
+    ):
         return []
     metadata: dict[str, Any] = {
         BACKLOG_HOURS: count,
         BACKLOG_OLDEST: oldest or "",
         BACKLOG_AGE: dg.MetadataValue.float(round(age, 1)),
+        BACKLOG_SINCE: dg.MetadataValue.float(since or 0.0),
     }
     return [dg.AssetObservation(asset_key=dg.AssetKey(table.name), metadata=metadata)]

@@ -9,9 +9,11 @@ whose ticks keep failing. Each is alerted once when it starts and once when it e
 - ``sensor_failing`` / ``sensor_recovered``: a sensor's last ``FAILING_TICKS`` ticks all
   failed (a landing root unmounted: ``check_landing_root``), and then one did not.
 
-One event-log query (from a storage-id cursor, as the check alert sensor reads) and one tick
-query a tick, whatever the number of tables; delivery is ``defs.alerts.deliver``'s, retried
-from the cursor.
+A tick reads the event log from a storage-id cursor (one query per event type, as the check
+alert sensor reads) and the sensors' states (one query, plus one for each sensor whose latest
+tick failed), whatever the number of tables. More than ``DIGEST_OVER`` alerts of one kind in a
+tick go out as one digest (an unmounted landing root fails every table's sensor at once).
+Delivery is ``defs.alerts.deliver``'s, retried from the cursor.
 """
 
 import json
@@ -21,22 +23,32 @@ from typing import Any
 
 import dagster as dg
 from dagster._core.definitions.freshness import FreshnessState, FreshnessStateChange
+from dagster._core.definitions.run_request import InstigatorType
 from dagster._core.definitions.selector import InstigatorSelector
-from dagster._core.scheduler.instigation import TickStatus
+from dagster._core.scheduler.instigation import SensorInstigatorData, TickStatus
 
-from cdc_platform.defs.alerts import AlertWebhookResource, _queued, deliver, metadata_int
-from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST
-from cdc_platform.lib.alerts import source_alert
+from cdc_platform.defs.alerts import (
+    AlertWebhookResource,
+    _queued,
+    _root_message,
+    deliver,
+    metadata_int,
+)
+from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
+from cdc_platform.lib.alerts import source_alert, source_digest
 from cdc_platform.lib.config import TableConfig
 
 SOURCE_ALERT_SENSOR_NAME = "cdc_source_alerts"
 # A sensor is alerted once this many of its latest ticks in a row failed (one is a blip).
 FAILING_TICKS = 3
+# More alerts of one kind than this in one tick are sent as one digest.
+DIGEST_OVER = 5
 EVENT_PAGE = 1000
 EVENT_PAGES = 5
 # The code location's name when the sensor runs outside one (tests): pyproject's.
 DEFAULT_LOCATION = "cdc_platform"
-_EVENTS = {dg.DagsterEventType.FRESHNESS_STATE_CHANGE, dg.DagsterEventType.ASSET_OBSERVATION}
+_EVENTS = (dg.DagsterEventType.FRESHNESS_STATE_CHANGE, dg.DagsterEventType.ASSET_OBSERVATION)
+_PROBLEM_SEVERITY = {"WARN": "WARN", "FAIL": "ERROR"}
 
 
 @dataclass
@@ -96,7 +108,7 @@ def freshness_change(
     state: SourceAlertCursor, change: FreshnessStateChange, table: TableConfig, links: _Links
 ) -> dict[str, Any] | None:
     """The alert a freshness state change calls for: late or stale (once per state), fresh
-    again after either."""
+    again after either (at the severity of what it ends). No policy any more ends it quietly."""
     name, new = table.name, change.new_state
     if new in (FreshnessState.WARN, FreshnessState.FAIL):
         if state.stale.get(name) == new.value:
@@ -112,8 +124,16 @@ def freshness_change(
             severity="ERROR" if new == FreshnessState.FAIL else "WARN",
             table=name,
         )
-    if new == FreshnessState.PASS and state.stale.pop(name, None) is not None:
-        return source_alert("source_fresh", name, "new data arrived", links.asset(name), table=name)
+    before = state.stale.pop(name, None)
+    if new == FreshnessState.PASS and before is not None:
+        return source_alert(
+            "source_fresh",
+            name,
+            "new data arrived",
+            links.asset(name),
+            severity=_PROBLEM_SEVERITY.get(before, "ERROR"),
+            table=name,
+        )
     return None
 
 
@@ -151,10 +171,10 @@ def backlog_change(
         if before is not None and before.get("alerted"):
             return source_alert("hours_applied", table, "", links.asset(table), table=table)
         return None
-    age = float(metadata.get(BACKLOG_AGE) or 0.0)
+    since = float(metadata.get(BACKLOG_SINCE) or 0.0)  # older landing sensors: from the age
     state.backlog[table] = {
         "oldest": str(metadata.get(BACKLOG_OLDEST) or ""),
-        "since": at - age * 60,
+        "since": since or at - float(metadata.get(BACKLOG_AGE) or 0.0) * 60,
         "hours": hours,
         "alerted": bool(before and before.get("alerted")),
     }
@@ -178,8 +198,8 @@ def overdue(
             source_alert(
                 "hours_unapplied",
                 name,
-                f"{entry['hours']} hour(s) landed and not applied for {minutes:.0f} min, the "
-                f"oldest {entry['oldest']}; they are requested again with backoff",
+                f"{entry['hours']} hour(s) requested and not applied for {minutes:.0f} min, "
+                f"the oldest {entry['oldest']}; they are requested again with backoff",
                 links.asset(name),
                 table=name,
                 counts={"unapplied_hours": int(entry["hours"])},
@@ -189,48 +209,68 @@ def overdue(
 
 
 def _events(storage: Any, after: int) -> Iterable[tuple[int, dg.EventLogEntry]]:
-    """The freshness changes and observations recorded after ``after``, in order, a page a
-    query (at most ``EVENT_PAGES`` a tick: the rest next tick)."""
-    for _ in range(EVENT_PAGES):
-        page = storage.get_logs_for_all_runs_by_log_id(
-            after_cursor=after, dagster_event_type=_EVENTS, limit=EVENT_PAGE
-        )
-        for storage_id in sorted(page):
-            after = max(after, storage_id)
-            yield storage_id, page[storage_id]
-        if len(page) < EVENT_PAGE:
-            return
+    """The freshness changes and observations recorded after ``after``, in storage order: a
+    query per event type and page (at most ``EVENT_PAGES`` pages a tick: the rest next tick,
+    from the lowest id a full page stopped at)."""
+    entries: dict[int, dg.EventLogEntry] = {}
+    until: int | None = None  # a full page's last id: what comes after it is read next tick
+    for event_type in _EVENTS:
+        start = after
+        for _ in range(EVENT_PAGES):
+            page = storage.get_logs_for_all_runs_by_log_id(
+                after_cursor=start, dagster_event_type=event_type, limit=EVENT_PAGE
+            )
+            entries.update(page)
+            if len(page) < EVENT_PAGE:
+                break
+            start = max(page)
+        else:
+            until = start if until is None else min(until, start)
+    for storage_id in sorted(entries):
+        if until is None or storage_id <= until:
+            yield storage_id, entries[storage_id]
 
 
 def _read_events(
+    context: dg.SensorEvaluationContext,
     state: SourceAlertCursor,
-    storage: Any,
     tables: Mapping[str, TableConfig],
     links: _Links,
 ) -> list[dict[str, Any]]:
     alerts = []
     assert state.after is not None
-    for storage_id, entry in _events(storage, state.after):
+    for storage_id, entry in _events(context.instance.event_log_storage, state.after):
         state.after = max(state.after, storage_id)
-        event = entry.dagster_event
-        key = event.asset_key if event is not None else None
-        table = tables.get(key.to_user_string()) if key is not None else None
-        if event is None or table is None:
-            continue  # another code location's asset
-        data = event.event_specific_data
-        alert = None
-        if isinstance(data, FreshnessStateChange):
-            alert = freshness_change(state, data, table, links)
-        elif event.event_type == dg.DagsterEventType.ASSET_OBSERVATION:
-            meta = {
-                k: v.value
-                for k, v in event.asset_observation_data.asset_observation.metadata.items()
-            }
-            if BACKLOG_HOURS in meta:
-                alert = backlog_change(state, table.name, meta, entry.timestamp, links)
+        try:
+            alert = _one_event(state, entry, tables, links)
+        except (TypeError, ValueError) as exc:  # a foreign observation: never stop the sensor
+            context.log.warning(f"event {storage_id} skipped: {type(exc).__name__}: {exc}")
+            continue
         if alert is not None:
             alerts.append(alert)
     return alerts
+
+
+def _one_event(
+    state: SourceAlertCursor,
+    entry: dg.EventLogEntry,
+    tables: Mapping[str, TableConfig],
+    links: _Links,
+) -> dict[str, Any] | None:
+    event = entry.dagster_event
+    key = event.asset_key if event is not None else None
+    table = tables.get(key.to_user_string()) if key is not None else None
+    if event is None or table is None:
+        return None  # another code location's asset
+    data = event.event_specific_data
+    if isinstance(data, FreshnessStateChange):
+        return freshness_change(state, data, table, links)
+    if event.event_type == dg.DagsterEventType.ASSET_OBSERVATION:
+        observed = event.asset_observation_data.asset_observation.metadata
+        meta = {k: v.value for k, v in observed.items()}
+        if BACKLOG_HOURS in meta:
+            return backlog_change(state, table.name, meta, entry.timestamp, links)
+    return None
 
 
 def failing_sensors(
@@ -239,31 +279,67 @@ def failing_sensors(
     selectors: Mapping[str, str],
     links: _Links,
 ) -> list[dict[str, Any]]:
-    """``sensor_failing`` when a sensor's last ``FAILING_TICKS`` ticks failed (with the last
-    error's first line), ``sensor_recovered`` when its latest tick did not (one query)."""
-    ticks = instance.get_batch_ticks(list(selectors.values()), limit=FAILING_TICKS)
+    """``sensor_failing`` when a sensor's latest ``FAILING_TICKS`` ticks failed (naming the
+    innermost error's first line), ``sensor_recovered`` after its next good tick.
+
+    As Dagster's sensor daemon decides it: a sensor whose state records a successful last tick
+    is fine (one query for every sensor); only for the others is the latest tick read, whose
+    ``consecutive_failure_count`` counts the failures in a row (a tick still running is not a
+    failure)."""
+    names = {selector_id: name for name, selector_id in selectors.items()}
     alerts = []
-    for name, selector_id in sorted(selectors.items()):
-        latest = ticks.get(selector_id) or []
-        failed = [t for t in latest if t.status == TickStatus.FAILURE]
-        if len(latest) == FAILING_TICKS and len(failed) == FAILING_TICKS:
+    for sensor in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        name = names.get(sensor.selector_id)
+        data = sensor.instigator_data
+        if name is None or not isinstance(data, SensorInstigatorData):
+            continue
+        if data.last_tick_success_timestamp is not None:
             if name in state.failing:
-                continue
-            state.failing.append(name)
-            error = latest[0].error
-            message = (error.message if error is not None else "").strip().splitlines()
-            alerts.append(
-                source_alert(
-                    "sensor_failing",
-                    name,
-                    f"its last {FAILING_TICKS} ticks failed: {message[0] if message else '?'}",
-                    links.sensor(name),
-                )
+                state.failing.remove(name)
+                alerts.append(source_alert("sensor_recovered", name, "", links.sensor(name)))
+            continue
+        if name in state.failing:
+            continue
+        latest = instance.get_ticks(sensor.instigator_origin_id, sensor.selector_id, limit=1)
+        if not latest or latest[0].status != TickStatus.FAILURE:
+            continue
+        tick = latest[0]
+        if (tick.consecutive_failure_count or tick.failure_count or 0) < FAILING_TICKS:
+            continue
+        state.failing.append(name)
+        lines = _root_message(tick.error).strip().splitlines() if tick.error else []
+        alerts.append(
+            source_alert(
+                "sensor_failing",
+                name,
+                f"its last {FAILING_TICKS} ticks or more failed: {lines[0] if lines else '?'}",
+                links.sensor(name),
             )
-        elif latest and latest[0].status != TickStatus.FAILURE and name in state.failing:
-            state.failing.remove(name)
-            alerts.append(source_alert("sensor_recovered", name, "", links.sensor(name)))
+        )
     return alerts
+
+
+def forget_unknown(
+    state: SourceAlertCursor, tables: Mapping[str, TableConfig], watched: Sequence[str]
+) -> None:
+    """Drop what the config no longer has (a table removed, its freshness unset, a sensor
+    gone): it will not end with an alert, and it must not count as failing."""
+    with_policy = {n for n, t in tables.items() if t.expected_delivery_hours}
+    state.stale = {n: v for n, v in state.stale.items() if n in with_policy}
+    state.backlog = {n: v for n, v in state.backlog.items() if n in tables}
+    state.failing = [n for n in state.failing if n in watched]
+
+
+def digested(alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """More than ``DIGEST_OVER`` alerts of one kind become one digest of them (a cause shared
+    by the whole fleet is one message, and the pending queue keeps every one)."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for alert in alerts:
+        kinds.setdefault(alert["kind"], []).append(alert)
+    out = []
+    for group in kinds.values():
+        out += [source_digest(group)] if len(group) > DIGEST_OVER else group
+    return out
 
 
 def build_source_alert_sensor(
@@ -300,12 +376,13 @@ def build_source_alert_sensor(
             context.repository_name or "__repository__",
         )
         storage = context.instance.event_log_storage
+        forget_unknown(state, by_name, watched_sensors)
         alerts: list[dict[str, Any]] = []
         if state.after is None:
             state.after = storage.get_maximum_record_id() or 0
             alerts += seed_freshness(state, context.instance, by_name, links)
         else:
-            alerts += _read_events(state, storage, by_name, links)
+            alerts += _read_events(context, state, by_name, links)
         alerts += overdue(state, by_name, now(), links)
         selectors = {
             name: InstigatorSelector(
@@ -314,7 +391,7 @@ def build_source_alert_sensor(
             for name in watched_sensors
         }
         alerts += failing_sensors(state, context.instance, selectors, links)
-        state.pending += [_queued(a) for a in alerts]
+        state.pending += [_queued(a) for a in digested(alerts)]
         state.pending, delivered = deliver(context, alert_webhook, state.pending)
         summary = (
             f"{len(alerts)} change(s); {len(state.stale)} stale, "

@@ -191,6 +191,36 @@ def source_alert(
     }
 
 
+_DIGEST_NAMED = 10  # subjects a digest's text names (its ``subjects`` field: MAX_FILES)
+
+
+def source_digest(alerts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One payload for many ``source_alert`` payloads of one kind (a cause the fleet shares:
+    every landing sensor failing on one unmounted root). Its text names the first subjects
+    and gives the first one's detail; ``subjects`` lists them."""
+    first = alerts[0]
+    subjects = [str(a["subject"]) for a in alerts]
+    named = ", ".join(f"`{_one_line(n, 100)}`" for n in subjects[:_DIGEST_NAMED])
+    more = len(subjects) - min(len(subjects), _DIGEST_NAMED)
+    icon = _SOURCE_HEADS[str(first["kind"])].split()[0]
+    head = f"{icon} cdc_platform: {len(subjects)} `{first['kind']}` alerts at once: {named}"
+    head += f" and {more} more" if more else ""
+    detail = str(first.get("detail") or "")
+    text = f"{head}; the first: {_slack_escape(detail)}." if detail else f"{head}."
+    severe = any(a.get("severity") == "ERROR" for a in alerts)
+    return {
+        "text": f"{text} <{first['url']}|open>",
+        "kind": first["kind"],
+        "severity": "ERROR" if severe else "WARN",
+        "table": None,
+        "subject": f"{len(subjects)} {first['kind']}",
+        "subjects": subjects[:MAX_FILES],
+        "counts": {"subjects": len(subjects)},
+        "detail": detail,
+        "url": first["url"],
+    }
+
+
 def new_table_alert(
     table: str,
     columns: list[tuple[str, str]],

@@ -540,6 +540,15 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
                 f"a CSV table must declare the type of every column, including the key {missing or pk}",
             )
 
+    backoff = positive_int("retry_backoff_seconds", 300)
+    alert_minutes = positive_int("unapplied_alert_minutes", 60)
+    if alert_minutes * 60 <= 2 * backoff:
+        # An hour is first looked at again after one backoff: a healthy table would alert.
+        raise fail(
+            "unapplied_alert_minutes",
+            f"{alert_minutes} min must be longer than twice retry_backoff_seconds ({backoff} s)",
+        )
+
     return TableConfig(
         name=name,
         primary_key=tuple(pk),
@@ -558,8 +567,8 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
         widen_types=choice("widen_types", WIDEN_TYPES),
         group=_group(raw.get("group", DEFAULT_GROUP), fail),
         max_file_bytes=positive_int("max_file_bytes", DEFAULT_MAX_BYTES),
-        retry_backoff_seconds=positive_int("retry_backoff_seconds", 300),
-        unapplied_alert_minutes=positive_int("unapplied_alert_minutes", 60),
+        retry_backoff_seconds=backoff,
+        unapplied_alert_minutes=alert_minutes,
         expected_delivery_hours=(
             positive_int("expected_delivery_hours", 1)
             if raw.get("expected_delivery_hours") is not None

@@ -200,6 +200,11 @@ def backlog(state: CursorState, now: datetime) -> tuple[int, str | None, float]:
     return len(state.pending), oldest, max(0.0, (_as_utc(now).timestamp() - first) / 60)
 
 
+def backlog_since(state: CursorState) -> float | None:
+    """When the longest-waiting pending hour was first requested (epoch seconds)."""
+    return min((p.first_requested for p in state.pending.values()), default=None)
+
+
 def _with_pending(
     pending: Mapping[str, Pending], wanted: Mapping[str, tuple[str, str]], at: float
 ) -> dict[str, Pending]:
