@@ -13,11 +13,15 @@ ui: java $(VENV)/.installed
 	@test -f $(DAGSTER_HOME)/dagster.yaml || { echo "run 'make demo' first"; exit 1; }
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+# Two pytest workers, a test file each at a time: most of a test's time is a JVM, a Dagster
+# subprocess or a wait, not both cores (the suite takes about two thirds of its serial time).
+PYTEST_WORKERS ?= -n 2 --dist loadfile
+
 test: java $(VENV)/.installed jars
 	$(BIN)/ruff check cdc_platform cdc_platform_tests benchmarks
 	$(BIN)/ruff format --check cdc_platform cdc_platform_tests benchmarks
 	$(BIN)/pyright
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # A real Spark standalone cluster (a master and two workers from the pyspark package).
 test-cluster: java $(VENV)/.installed jars
