@@ -1,5 +1,6 @@
 """Unattended operation through a real Dagster daemon (issue 32): an hour that landed while the
-warehouse was down reaches the table once storage is back, with no human action."""
+warehouse was down reaches the table once storage is back, with no human action; a source that
+went quiet is stale in Dagster's freshness and alerted once."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from cdc_platform.lib.sensor_cursor import REASON_RETRY
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, write_parquet_events
+from cdc_platform_tests.webhook import Webhook
 
 # Generous: each run starts a Spark JVM of its own on a 2-core machine.
 FAIL_SECONDS = 240
@@ -29,7 +31,7 @@ RECOVER_SECONDS = 420
 
 
 def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
-    tmp_path: Path,
+    tmp_path: Path, webhook: Webhook
 ) -> None:
     hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
     config = tmp_path / "cdc_platform.yaml"
@@ -68,6 +70,7 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
         "DAGSTER_HOME": str(home),
         "PYTHONPATH": str(REPO_ROOT),
         "FRESHNESS_DAEMON_INTERVAL_SECONDS": "5",
+        "CDC_ALERT_WEBHOOK_URL": webhook.secret_url,
     }
     with dg.DagsterInstance.from_config(str(home)) as instance:
         materialized_long_ago(instance, "quiet", hours=3)
@@ -125,6 +128,13 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
                 120,
                 lambda: freshness() == {"quiet": "FAIL", "t": "PASS"},
             )
+
+            def stale_alerts() -> list[str]:
+                return [
+                    c.body["subject"] for c in webhook.posted if c.body["kind"] == "source_stale"
+                ]
+
+            wait_for("a source_stale alert", 90, lambda: "quiet" in stale_alerts())
             retried = [r for r in runs if r.tags.get(REASON_TAG) == REASON_RETRY]
             assert retried, [r.tags for r in runs]
     finally:
@@ -135,6 +145,7 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
         except subprocess.TimeoutExpired:
             os.killpg(daemon.pid, signal.SIGKILL)
         log.close()
+    assert stale_alerts().count("quiet") == 1  # once, however many ticks saw it stale
     rows = history_rows(paths.history)
     assert [(r["id"], r["v"], r["_fivetran_active"]) for r in rows] == [(1, "landed", True)]
     # Applied once: the change log holds the event once, whatever the number of runs.
