@@ -1,0 +1,564 @@
+"""A fleet of tables on one machine (issue 32, item 6): what idling costs, how fast a burst of
+landed hours drains, and whether the UI keeps up.
+
+Each part starts the deployment as ``deploy/`` wires it (``benchmarks/freshness.py``'s harness:
+``deploy/dagster.yaml`` with SQLite instead of PostgreSQL, the code server and the daemon from
+the systemd units' command lines) over a config of N tables named like a real landing zone's:
+
+- **idle** (``--idle 200,500``): N tables, no new file. After every landing sensor has ticked
+  once, ``--idle-minutes`` are measured: CPU seconds a minute of the daemon's and the code
+  server's process trees (``/proc``: user + system, their reaped children included), every
+  sensor tick's duration (p50/p95, from the instance's tick records), and the event-log
+  statements one tick of each kind of sensor runs (evaluated in this process against the same
+  instance, counted with a SQLAlchemy hook). Target: the daemon and the code server together
+  under 10% of one core at 500 tables.
+- **burst** (``--burst 200``): a Spark Connect server too (its UI on, to count Spark jobs); once
+  every sensor has ticked, one ``--events``-event hour lands in each table in the same second.
+  Then: the time until the last table's history commit holding it (the drain), p50/p95/max per
+  table, runs launched, Spark jobs, peak RSS of every process (this one, the daemon, the code
+  server and its runs, the Connect server's JVM). **Headroom** = 60 minutes / drain. Target:
+  >= 4 at 200 tables (the last table visible within 15 minutes).
+- **ui** (``--ui 500``): ``dagster-webserver`` on the idle instance of that size; the Assets,
+  Automation and Runs pages are loaded in headless Chromium (``apt-get install chromium``); a
+  page's time is Chromium's wall time for it minus its time for ``about:blank``. Target < 3 s.
+
+Run it alone on the machine (2 shared cores: seconds are indicative, counts exact)::
+
+    .venv/bin/python benchmarks/fleet.py                                  # everything (~1 h)
+    .venv/bin/python benchmarks/fleet.py --idle 20 --idle-minutes 1 --burst 5 --ui 0  # harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import dagster as dg  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import sqlalchemy  # noqa: E402
+import sqlalchemy.event  # noqa: E402
+import yaml  # noqa: E402
+from dagster._core.definitions.run_request import InstigatorType  # noqa: E402
+from freshness import (  # noqa: E402
+    BenchError,
+    Layout,
+    Stack,
+    hour_events,
+    service_env,
+    start_code_server,
+    stopped_on_signals,
+    unit_command,
+    wait_for,
+    write_instance,
+)
+from scale import EventGenerator, git_head, log, met, print_table, rss_bytes, tree_pids  # noqa: E402
+from ui_at_scale import free_port, graphql, screenshot, table_names, wait_until_loaded  # noqa: E402
+
+from cdc_platform import connect_server  # noqa: E402
+from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, AlertWebhookResource  # noqa: E402
+from cdc_platform.defs.factory import build_definitions  # noqa: E402
+from cdc_platform.lib.config import load_config  # noqa: E402
+from cdc_platform.lib.landing import hour_folder, hour_to_partition_key  # noqa: E402
+from cdc_platform.lib.warehouse import TablePaths  # noqa: E402
+
+TARGET_IDLE_CORE_SHARE = 0.10  # of one core, daemon + code server, at 500 tables
+TARGET_HEADROOM = 4.0  # 60 minutes / the burst's drain, at 200 tables
+TARGET_PAGE_S = 3.0
+UI_PAGES = {"Assets": "/assets", "Automation": "/automation", "Runs": "/runs"}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+def prepare(work: Path, name: str, tables: int, start: datetime, sensor_threads: int = 0) -> Layout:
+    """A fresh layout under ``work/name``: instance, config of ``tables`` tables (every table's
+    landing folder made, empty), landing root and warehouse. ``sensor_threads``: the daemon
+    evaluates sensors in that many threads (Dagster's ``sensors: use_threads``)."""
+    root = work / name
+    if root.exists():
+        shutil.rmtree(root)
+    layout = Layout.under(root)
+    for folder in (layout.home, layout.landing, layout.warehouse):
+        folder.mkdir(parents=True)
+    write_instance(layout.home)
+    if sensor_threads:
+        instance = yaml.safe_load((layout.home / "dagster.yaml").read_text())
+        instance["sensors"] = {"use_threads": True, "num_workers": sensor_threads}
+        (layout.home / "dagster.yaml").write_text(yaml.safe_dump(instance, sort_keys=False))
+    names = table_names(tables)
+    for table in names:
+        (layout.landing / table).mkdir()
+    config = {
+        "landing_root": str(layout.landing),
+        "warehouse_root": str(layout.warehouse),
+        "tables": [
+            {"name": t, "primary_key": ["id"], "start": hour_to_partition_key(start)} for t in names
+        ],
+    }
+    layout.config.write_text(json.dumps(config, indent=1))  # JSON is YAML
+    return layout
+
+
+def start_services(stack: Stack, layout: Layout, remote: tuple[str, Path] | None) -> None:
+    stack.env = service_env(layout, connect_server.free_port(), *(remote or (None, None)))
+    stack.env.pop("CDC_ALERT_WEBHOOK_URL", None)
+    start_code_server(stack, 600)
+    stack.start("daemon", unit_command("cdc-platform-daemon.service", "ExecStart", stack.env))
+
+
+def landing_sensor_states(instance: dg.DagsterInstance) -> list[Any]:
+    states = instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
+    return [s for s in states if s.name.endswith("_landing_sensor")]
+
+
+def ticked_since(instance: dg.DagsterInstance, since: float) -> int:
+    """How many landing sensors have a tick that started after ``since``."""
+    states = landing_sensor_states(instance)
+    ids = [s.selector_id for s in states]
+    latest = instance.get_batch_ticks(ids, limit=1) if ids else {}
+    return sum(1 for ticks in latest.values() if ticks and ticks[0].timestamp >= since)
+
+
+def wait_all_ticked(stack: Stack, instance: dg.DagsterInstance, tables: int, since: float) -> None:
+    log(f"  waiting until all {tables} landing sensors have ticked")
+    wait_for(
+        stack, "every landing sensor's tick", lambda: ticked_since(instance, since) >= tables, 900
+    )
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU of a process tree, its reaped children included (``/proc/*/stat``)."""
+    total = 0
+    for pid in tree_pids(root):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    return total / CLOCK_TICKS
+
+
+def tick_durations(instance: dg.DagsterInstance, since: float) -> list[float]:
+    durations = []
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        ticks = instance.get_ticks(state.instigator_origin_id, state.selector_id, after=since)
+        durations += [t.end_timestamp - t.timestamp for t in ticks if t.end_timestamp]
+    return durations
+
+
+def percentile(values: Sequence[float], q: int) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else 0.0
+
+
+class StatementCounter:
+    """SQL statements on Dagster's event log tables, from every engine in this process."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        sqlalchemy.event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", self._seen)
+
+    def _seen(self, conn: Any, cursor: Any, sql: str, *args: Any) -> None:
+        if "event_logs" in sql or "asset_check_executions" in sql:
+            self.count += 1
+
+    def close(self) -> None:
+        sqlalchemy.event.remove(sqlalchemy.engine.Engine, "before_cursor_execute", self._seen)
+
+
+def queries_per_tick(layout: Layout) -> dict[str, int]:
+    """Event-log statements of one steady tick of each kind of sensor (the second tick of each,
+    the first having set its cursor), at this fleet's size and against its instance."""
+    defs = build_definitions(load_config(layout.config))
+    repo = defs.get_repository_def()
+    kinds = {
+        "landing sensor": next(s for s in repo.sensor_defs if s.name.endswith("_landing_sensor")),
+        **{s.name: s for s in repo.sensor_defs if s.name.startswith("cdc_") and "alert" in s.name},
+    }
+    out = {}
+    with dg.DagsterInstance.from_config(str(layout.home)) as instance:
+        for label, sensor in kinds.items():
+            resources = {ALERT_RESOURCE_KEY: AlertWebhookResource()} if "alert" in label else {}
+            cursor = None
+            counter = StatementCounter()
+            try:
+                for _ in range(2):
+                    counter.count = 0
+                    context = dg.build_sensor_context(
+                        instance=instance, cursor=cursor, resources=resources, repository_def=repo
+                    )
+                    cursor = sensor.evaluate_tick(context).cursor
+            finally:
+                counter.close()
+            out[label] = counter.count
+    return out
+
+
+# --------------------------------------------------------------------------- idle
+
+
+@dataclass
+class IdleFigures:
+    tables: int
+    threads: int  # the daemon's sensor threads (0: sensors evaluated one after another)
+    minutes: float
+    daemon_cpu: float  # CPU seconds a minute
+    code_cpu: float
+    ticks: list[float]
+    queries: dict[str, int]
+
+    @property
+    def core_share(self) -> float:
+        return (self.daemon_cpu + self.code_cpu) / 60
+
+
+def idle(args: argparse.Namespace, tables: int, threads: int) -> IdleFigures:
+    since = datetime.now(UTC) - timedelta(days=1)
+    layout = prepare(args.work_dir, f"idle-{tables}-{threads}", tables, since, threads)
+    stack = Stack(layout.work)
+    log(
+        f"idle, {tables} tables, sensor threads {threads or 'off'}: starting the code server "
+        "and the daemon (no Spark)"
+    )
+    try:
+        started = time.time()
+        start_services(stack, layout, None)
+        daemon, code = (s.proc.pid for s in stack.services[::-1])
+        with dg.DagsterInstance.from_config(str(layout.home)) as instance:
+            wait_all_ticked(stack, instance, tables, started)
+            t0, cpu0 = time.time(), (cpu_seconds(daemon), cpu_seconds(code))
+            log(f"  measuring {args.idle_minutes:g} minute(s)")
+            time.sleep(args.idle_minutes * 60)
+            stack.check_alive()
+            minutes = (time.time() - t0) / 60
+            cpu1 = (cpu_seconds(daemon), cpu_seconds(code))
+            ticks = tick_durations(instance, t0)
+        queries = queries_per_tick(layout)
+    finally:
+        stack.stop()
+    return IdleFigures(
+        tables,
+        threads,
+        minutes,
+        (cpu1[0] - cpu0[0]) / minutes,
+        (cpu1[1] - cpu0[1]) / minutes,
+        ticks,
+        queries,
+    )
+
+
+def print_idle(figures: Sequence[IdleFigures]) -> None:
+    rows = [
+        [
+            f.tables,
+            f.threads or "off",
+            f"{f.minutes:.1f}",
+            f"{f.daemon_cpu:.2f}",
+            f"{f.code_cpu:.2f}",
+            f"{f.core_share:.1%}",
+            len(f.ticks),
+            f"{percentile(f.ticks, 50) * 1000:.0f}",
+            f"{percentile(f.ticks, 95) * 1000:.0f}",
+        ]
+        for f in figures
+    ]
+    print_table(
+        ["tables", "sensor threads", "min", "daemon cpu s/min", "code server cpu s/min", "of one core", "ticks",
+         "tick p50 ms", "tick p95 ms"],
+        rows,
+    )  # fmt: skip
+    for f in figures:
+        per = ", ".join(f"{k} {v}" for k, v in f.queries.items())
+        log(f"  {f.tables} tables, event-log statements in one tick: {per}")
+    big = [f for f in figures if f.tables >= 500]
+    for f in big:
+        log(
+            f"  target: daemon + code server under {TARGET_IDLE_CORE_SHARE:.0%} of one core at "
+            f"{f.tables} tables: {f.core_share:.1%}, {met(f.core_share < TARGET_IDLE_CORE_SHARE)}"
+        )
+
+
+# --------------------------------------------------------------------------- burst
+
+
+class RssPeak:
+    """Peak summed RSS of some process trees, sampled each second in a thread."""
+
+    def __init__(self, roots: Callable[[], list[int]]) -> None:
+        self.roots, self.peak = roots, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pids = {p for root in self.roots() for p in tree_pids(root)}
+            self.peak = max(self.peak, sum(rss_bytes(p) for p in pids))
+            self._stop.wait(1.0)
+
+    @contextmanager
+    def sampling(self) -> Iterator[RssPeak]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()
+
+
+def spark_jobs(ui_port: int) -> int | None:
+    """Jobs the Connect server's Spark ran (the highest job id + 1, from its UI's REST API)."""
+    base = f"http://127.0.0.1:{ui_port}/api/v1/applications"
+    try:
+        with urllib.request.urlopen(base, timeout=30) as r:
+            (app,) = json.loads(r.read())
+        with urllib.request.urlopen(f"{base}/{app['id']}/jobs", timeout=60) as r:
+            jobs = json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+    return max((j["jobId"] for j in jobs), default=-1) + 1
+
+
+def commit_time(history: Path) -> float | None:
+    """When the history table's first commit adding rows landed (the table is new: that is
+    the hour), from the mtime of its log entry."""
+    log_dir = history / "_delta_log"
+    try:
+        entries = sorted(p for p in log_dir.iterdir() if p.suffix == ".json")
+    except OSError:
+        return None
+    for entry in entries:
+        if '"add"' in entry.read_text():
+            return entry.stat().st_mtime
+    return None
+
+
+@dataclass
+class BurstFigures:
+    tables: int
+    events: int
+    latencies: list[float]  # landing -> visible, per table
+    runs: int
+    spark_jobs: int | None
+    peak_rss: int
+
+    @property
+    def drain(self) -> float:
+        return max(self.latencies)
+
+    @property
+    def headroom(self) -> float:
+        return 3600 / self.drain
+
+
+def land_all(layout: Layout, names: Sequence[str], hour: datetime, events: int, seed: int) -> float:
+    """One ``events``-event Parquet file per table in ``hour``, written under hidden names, then
+    renamed into place together; the landing time."""
+    gen = EventGenerator(events * 10, seed)
+    staged = []
+    for table in names:
+        folder = hour_folder(layout.landing, table, hour)
+        folder.mkdir(parents=True)
+        pq.write_table(hour_events(gen, hour, events), folder / ".part-0.parquet.tmp")
+        staged.append(folder)
+    landed = time.time()
+    for folder in staged:
+        os.replace(folder / ".part-0.parquet.tmp", folder / "part-0.parquet")
+    return landed
+
+
+def burst(args: argparse.Namespace) -> BurstFigures:
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    layout = prepare(args.work_dir, f"burst-{args.burst}", args.burst, hour - timedelta(hours=2))
+    names = table_names(args.burst)
+    warehouse = load_config(layout.config).warehouse_root
+    histories = {t: Path(TablePaths.of(warehouse, t).history.path) for t in names}
+    stack = Stack(layout.work)
+    ui_port = free_port()
+    log(f"burst, {args.burst} tables x {args.events} events: starting Spark Connect, the code "
+        "server and the daemon")  # fmt: skip
+    try:
+        port, state = connect_server.free_port(), layout.work / "spark-connect"
+        stack.connect = (port, state)
+        url = connect_server.start(
+            port, state_dir=state, conf={"spark.ui.enabled": "true", "spark.ui.port": str(ui_port)}
+        )
+        start_services(stack, layout, (url, connect_server.auth_file(state)))
+        started = time.time()
+
+        def roots() -> list[int]:
+            server = connect_server.server_pid(state, port)
+            return [os.getpid(), *([server] if server else [])]
+
+        with dg.DagsterInstance.from_config(str(layout.home)) as instance:
+            wait_all_ticked(stack, instance, args.burst, started)
+            jobs_before = spark_jobs(ui_port)
+            with RssPeak(roots).sampling() as rss:
+                landed = land_all(layout, names, hour, args.events, args.seed)
+                log(
+                    f"  landed {args.burst} hours at {datetime.fromtimestamp(landed, UTC):%H:%M:%S}"
+                )
+                seen: dict[str, float] = {}
+                scanned = [0.0]
+
+                def drained() -> bool:
+                    """Every 5 s (the commits' mtimes are the figures, not this poll's)."""
+                    if time.monotonic() - scanned[0] < 5:
+                        return False
+                    scanned[0] = time.monotonic()
+                    for table, history in histories.items():
+                        if table not in seen and (at := commit_time(history)) is not None:
+                            seen[table] = at - landed
+                    return len(seen) == len(histories)
+
+                wait_for(stack, "every table's history commit", drained, args.burst_timeout)
+            runs = instance.get_runs_count()
+            jobs_after = spark_jobs(ui_port)
+    finally:
+        stack.stop()
+    jobs = None if jobs_before is None or jobs_after is None else jobs_after - jobs_before
+    return BurstFigures(args.burst, args.events, list(seen.values()), runs, jobs, rss.peak)
+
+
+def print_burst(f: BurstFigures) -> None:
+    lat = f.latencies
+    log(
+        f"  {f.tables} tables x {f.events} events: drained in {f.drain:.0f} s "
+        f"({f.drain / 60:.1f} min); per table p50 {percentile(lat, 50):.0f} s, "
+        f"p95 {percentile(lat, 95):.0f} s, max {max(lat):.0f} s; runs launched {f.runs}; "
+        f"Spark jobs {f.spark_jobs if f.spark_jobs is not None else 'n/a'}; "
+        f"peak RSS of every process {f.peak_rss / 2**30:.2f} GiB"
+    )
+    log(
+        f"  headroom = 60 min / drain = {f.headroom:.1f} (target >= {TARGET_HEADROOM:g} at 200 "
+        f"tables: {met(f.headroom >= TARGET_HEADROOM)}); "
+        f"{f.drain / f.tables:.1f} s a table, one run per table-hour"
+    )
+
+
+# --------------------------------------------------------------------------- ui
+
+
+def ui(args: argparse.Namespace) -> dict[str, float] | None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        log("ui: not measured: no chromium (Debian: apt-get install chromium)")
+        return None
+    layout = prepare(args.work_dir, f"ui-{args.ui}", args.ui, datetime.now(UTC) - timedelta(days=1))
+    stack = Stack(layout.work)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log(f"ui, {args.ui} tables: starting dagster-webserver")
+    try:
+        stack.env = service_env(layout, connect_server.free_port(), None, None)
+        server = stack.start(
+            "webserver",
+            [str(Path(sys.executable).with_name("dagster-webserver")), "-h", "127.0.0.1",
+             "-p", str(port), "-w", str(HERE.parent / "workspace.yaml")],
+        )  # fmt: skip
+        wait_until_loaded(base, server.proc, server.log_path)
+        graphql(base, "mutation { setNuxSeen }")
+        with tempfile.TemporaryDirectory() as tmp:
+            profile, png = Path(tmp) / "profile", Path(tmp) / "page.png"
+            screenshot(chromium, "about:blank", png, profile)  # Chromium's first start
+            blank = statistics.median(
+                screenshot(chromium, "about:blank", png, profile) for _ in range(3)
+            )
+            pages = {}
+            for name, path in UI_PAGES.items():
+                screenshot(chromium, base + path, png, profile)  # the server's first render
+                took = [screenshot(chromium, base + path, png, profile) for _ in range(3)]
+                pages[name] = max(0.0, statistics.median(took) - blank)
+    finally:
+        stack.stop()
+    return pages
+
+
+def print_ui(tables: int, pages: dict[str, float]) -> None:
+    for name, seconds in pages.items():
+        log(
+            f"  {name} page at {tables} tables: {seconds:.1f} s (target < {TARGET_PAGE_S:g} s: "
+            f"{met(seconds < TARGET_PAGE_S)})"
+        )
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_fleet_bench"))
+    parser.add_argument("--idle", default="200,500", help="fleet sizes to idle, comma-separated")
+    parser.add_argument("--idle-minutes", type=float, default=5.0)
+    parser.add_argument(
+        "--sensor-threads",
+        default="0,4",
+        help="the daemon's sensor threads to idle the largest fleet with (0: off), comma-separated",
+    )
+    parser.add_argument("--burst", type=int, default=200, help="tables in the burst (0: skip)")
+    parser.add_argument("--events", type=int, default=100, help="events in each table's hour")
+    parser.add_argument("--burst-timeout", type=float, default=3 * 3600.0, help="seconds")
+    parser.add_argument("--ui", type=int, default=500, help="tables for the UI pages (0: skip)")
+    parser.add_argument("--seed", type=int, default=32)
+    args = parser.parse_args(argv)
+    args.idle_sizes = [int(n) for n in args.idle.split(",") if n.strip() and int(n) > 0]
+    args.threads = [int(n) for n in args.sensor_threads.split(",") if n.strip()] or [0]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    log(f"cdc_platform fleet (git {git_head()}), {os.cpu_count()} cores, work dir {args.work_dir}")
+    with stopped_on_signals():
+        try:
+            # Every size as deployed; the largest with each number of sensor threads too.
+            runs = [(n, args.threads[0]) for n in args.idle_sizes]
+            if args.idle_sizes:
+                runs += [(max(args.idle_sizes), t) for t in args.threads[1:]]
+            idles = [idle(args, n, t) for n, t in runs]
+            if idles:
+                log("\nidle: no new file")
+                print_idle(idles)
+            if args.burst:
+                figures = burst(args)
+                log("\nburst: one hour lands in every table at once")
+                print_burst(figures)
+            if args.ui:
+                pages = ui(args)
+                if pages is not None:
+                    log("\nui: headless Chromium, a page's time less about:blank's")
+                    print_ui(args.ui, pages)
+        except BenchError as exc:
+            log(f"FAILED: {exc}")
+            return 1
+        except KeyboardInterrupt:
+            log("interrupted")
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
