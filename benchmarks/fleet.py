@@ -429,7 +429,7 @@ def burst(args: argparse.Namespace) -> BurstFigures:
                     f"  landed {args.burst} hours at {datetime.fromtimestamp(landed, UTC):%H:%M:%S}"
                 )
                 seen: dict[str, float] = {}
-                scanned = [0.0]
+                scanned, progress = [0.0], [0]
 
                 def drained() -> bool:
                     """Every 5 s (the commits' mtimes are the figures, not this poll's)."""
@@ -439,6 +439,9 @@ def burst(args: argparse.Namespace) -> BurstFigures:
                     for table, history in histories.items():
                         if table not in seen and (at := commit_time(history)) is not None:
                             seen[table] = at - landed
+                    if int(time.time() - landed) // 60 > progress[0]:
+                        progress[0] = int(time.time() - landed) // 60
+                        log(f"  {progress[0]} min: {len(seen)} of {len(histories)} visible")
                     return len(seen) == len(histories)
 
                 wait_for(stack, "every table's history commit", drained, args.burst_timeout)
