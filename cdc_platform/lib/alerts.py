@@ -15,7 +15,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from email.message import Message
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, get_args
 
 AlertKind = Literal["check_failed", "check_recovered", "run_failed"]
 # build_alert's kinds; new_table_alert's own:
@@ -30,14 +30,7 @@ SourceAlertKind = Literal[
     "sensor_failing",
     "sensor_recovered",
 ]
-SOURCE_KINDS: tuple[str, ...] = (
-    "source_stale",
-    "source_fresh",
-    "hours_unapplied",
-    "hours_applied",
-    "sensor_failing",
-    "sensor_recovered",
-)
+SOURCE_KINDS: tuple[str, ...] = get_args(SourceAlertKind)
 _SOURCE_HEADS = {
     "source_stale": ":hourglass: cdc_platform: {what} is stale",
     "source_fresh": ":white_check_mark: cdc_platform: {what} is fresh again",
