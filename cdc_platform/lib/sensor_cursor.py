@@ -192,11 +192,12 @@ def postponed(state: CursorState, keys: Collection[str], now: datetime) -> Curso
 
 
 def backlog(state: CursorState, now: datetime) -> tuple[int, str | None, float]:
-    """(hours landed and not yet seen applied, the oldest of them, its age in minutes)."""
-    if not state.pending:
+    """(hours landed and not yet seen applied, the oldest of them, minutes since the longest
+    waiting one was first requested: ``backlog_since``)."""
+    first = backlog_since(state)
+    if first is None:
         return 0, None, 0.0
     oldest = min(state.pending, key=partition_key_to_hour)
-    first = min(p.first_requested for p in state.pending.values())
     return len(state.pending), oldest, max(0.0, (_as_utc(now).timestamp() - first) / 60)
 
 
