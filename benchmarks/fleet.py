@@ -64,6 +64,7 @@ from freshness import (  # noqa: E402
     Layout,
     Stack,
     hour_events,
+    percentile,
     service_env,
     start_code_server,
     stop_group,
@@ -178,11 +179,6 @@ def tick_durations(instance: dg.DagsterInstance, since: float) -> list[float]:
     return durations
 
 
-def percentile(values: Sequence[float], q: int) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else 0.0
-
-
 class StatementCounter:
     """SQL statements on Dagster's event log tables, from every engine in this process."""
 
@@ -288,8 +284,8 @@ def print_idle(figures: Sequence[IdleFigures]) -> None:
             f"{f.code_cpu:.2f}",
             f"{f.core_share:.1%}",
             len(f.ticks),
-            f"{percentile(f.ticks, 50) * 1000:.0f}",
-            f"{percentile(f.ticks, 95) * 1000:.0f}",
+            f"{percentile(f.ticks, 50) * 1000:.0f}" if f.ticks else "n/a",
+            f"{percentile(f.ticks, 95) * 1000:.0f}" if f.ticks else "n/a",
         ]
         for f in figures
     ]
