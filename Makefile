@@ -13,9 +13,11 @@ ui: java $(VENV)/.installed
 	@test -f $(DAGSTER_HOME)/dagster.yaml || { echo "run 'make demo' first"; exit 1; }
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
-# Two pytest workers, a test file each at a time: most of a test's time is a JVM, a Dagster
-# subprocess or a wait, not both cores (the suite takes about two thirds of its serial time).
+# Two pytest workers, a test file each at a time, the longest files first (conftest.py): most of
+# a test's time is a JVM, a Dagster subprocess or a wait, not both cores. The standalone-cluster
+# and Spark Connect tests run in the same pool, so their servers' start-up overlaps other files.
 PYTEST_WORKERS ?= -n 2 --dist loadfile
+PYTEST_ARGS ?= --run-cluster --run-connect
 
 test: java $(VENV)/.installed jars
 	$(BIN)/ruff check cdc_platform cdc_platform_tests benchmarks
