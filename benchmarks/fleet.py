@@ -23,9 +23,14 @@ the systemd units' command lines) over a config of N tables named like a real la
   protocol: a page's time runs from the navigation to the answer of the last GraphQL query
   its load made (its data on screen), the median of 3 after a first visit. Target < 3 s.
 
+Each part runs in each ``--landing-sensor`` mode (``per_table``: a sensor and a run per table;
+``fleet``: one sensor, runs of ``--tables-per-run`` tables), so the two designs are compared in
+one sitting; ``--burst-modes 200:fleet,40:per_table,40:fleet`` picks sizes per mode (a
+200-table burst one run per table-hour takes most of an hour here).
+
 Run it alone on the machine (2 shared cores: seconds are indicative, counts exact)::
 
-    .venv/bin/python benchmarks/fleet.py                                  # everything (~1 h)
+    .venv/bin/python benchmarks/fleet.py                                  # everything (~2 h)
     .venv/bin/python benchmarks/fleet.py --idle 20 --idle-minutes 1 --burst 5 --ui 0  # harness
 """
 
@@ -80,7 +85,8 @@ from websockets.sync.client import connect  # noqa: E402
 from cdc_platform import connect_server  # noqa: E402
 from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, AlertWebhookResource  # noqa: E402
 from cdc_platform.defs.factory import build_definitions  # noqa: E402
-from cdc_platform.lib.config import load_config  # noqa: E402
+from cdc_platform.defs.fleet import FLEET_SENSOR, FleetCursor  # noqa: E402
+from cdc_platform.lib.config import CONFIG_ENV_VAR, load_config  # noqa: E402
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key  # noqa: E402
 from cdc_platform.lib.warehouse import TablePaths  # noqa: E402
 
@@ -94,7 +100,28 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # --------------------------------------------------------------------------- the fleet
 
 
-def prepare(work: Path, name: str, tables: int, start: datetime, sensor_threads: int = 0) -> Layout:
+@dataclass(frozen=True)
+class Mode:
+    """How landed hours become runs: ``per_table`` (a sensor and a run per table) or ``fleet``
+    (one sensor, runs of up to ``tables_per_run`` tables)."""
+
+    landing_sensor: str
+    tables_per_run: int = 1
+
+    def __str__(self) -> str:
+        if self.landing_sensor == "per_table":
+            return "per_table"
+        return f"fleet, {self.tables_per_run} tables a run"
+
+
+def prepare(
+    work: Path,
+    name: str,
+    tables: int,
+    start: datetime,
+    mode: Mode,
+    sensor_threads: int = 0,
+) -> Layout:
     """A fresh layout under ``work/name``: instance, config of ``tables`` tables (every table's
     landing folder made, empty), landing root and warehouse. ``sensor_threads``: the daemon
     evaluates sensors in that many threads (Dagster's ``sensors: use_threads``)."""
@@ -115,6 +142,8 @@ def prepare(work: Path, name: str, tables: int, start: datetime, sensor_threads:
     config = {
         "landing_root": str(layout.landing),
         "warehouse_root": str(layout.warehouse),
+        "landing_sensor": mode.landing_sensor,
+        "tables_per_run": mode.tables_per_run,
         "tables": [
             {"name": t, "primary_key": ["id"], "start": hour_to_partition_key(start)} for t in names
         ],
@@ -135,23 +164,45 @@ def start_services(stack: Stack, layout: Layout, remote: tuple[str, Path] | None
     stack.start("daemon", unit_command("cdc-platform-daemon.service", "ExecStart", stack.env))
 
 
+def is_landing_sensor(name: str) -> bool:
+    return name.endswith("_landing_sensor") or name == FLEET_SENSOR
+
+
 def landing_sensor_states(instance: dg.DagsterInstance) -> list[Any]:
     states = instance.all_instigator_state(instigator_type=InstigatorType.SENSOR)
-    return [s for s in states if s.name.endswith("_landing_sensor")]
+    return [s for s in states if is_landing_sensor(s.name)]
 
 
-def ticked_since(instance: dg.DagsterInstance, since: float) -> int:
-    """How many landing sensors have a tick that started after ``since``."""
+def tables_ticked_since(instance: dg.DagsterInstance, since: float) -> int:
+    """How many tables a landing sensor has looked at in a tick that started after ``since``:
+    per-table sensors, one each; the fleet sensor, the tables whose cursor it stored."""
     states = landing_sensor_states(instance)
     ids = [s.selector_id for s in states]
     latest = instance.get_batch_ticks(ids, limit=1) if ids else {}
-    return sum(1 for ticks in latest.values() if ticks and ticks[0].timestamp >= since)
+    fleet = [s for s in states if s.name == FLEET_SENSOR]
+    if not fleet:
+        return sum(1 for ticks in latest.values() if ticks and ticks[0].timestamp >= since)
+    raw = fleet[0].instigator_data.cursor if fleet[0].instigator_data else None
+    ticks = latest.get(fleet[0].selector_id) or []
+    if not raw or not ticks or ticks[0].timestamp < since:
+        return 0
+    epoch = FleetCursor.from_json(raw)
+    keys = {epoch.key(t) for t in load_config_names(instance)}
+    return len(instance.run_storage.get_cursor_values(keys))
+
+
+def load_config_names(instance: dg.DagsterInstance) -> list[str]:
+    return [t.name for t in load_config(os.environ[CONFIG_ENV_VAR]).tables]
 
 
 def wait_all_ticked(stack: Stack, instance: dg.DagsterInstance, tables: int, since: float) -> None:
-    log(f"  waiting until all {tables} landing sensors have ticked")
+    log(f"  waiting until a landing sensor has looked at each of the {tables} tables")
+    os.environ[CONFIG_ENV_VAR] = stack.env[CONFIG_ENV_VAR]
     wait_for(
-        stack, "every landing sensor's tick", lambda: ticked_since(instance, since) >= tables, 900
+        stack,
+        "every table's landing tick",
+        lambda: tables_ticked_since(instance, since) >= tables,
+        900,
     )
 
 
@@ -200,7 +251,7 @@ def queries_per_tick(layout: Layout) -> dict[str, int]:
     defs = build_definitions(load_config(layout.config))
     repo = defs.get_repository_def()
     kinds = {
-        "landing sensor": next(s for s in repo.sensor_defs if s.name.endswith("_landing_sensor")),
+        "landing sensor": next(s for s in repo.sensor_defs if is_landing_sensor(s.name)),
         **{s.name: s for s in repo.sensor_defs if s.name.startswith("cdc_") and "alert" in s.name},
     }
     out = {}
@@ -227,6 +278,7 @@ def queries_per_tick(layout: Layout) -> dict[str, int]:
 
 @dataclass
 class IdleFigures:
+    mode: Mode
     tables: int
     threads: int  # the daemon's sensor threads (0: sensors evaluated one after another)
     minutes: float
@@ -240,12 +292,13 @@ class IdleFigures:
         return (self.daemon_cpu + self.code_cpu) / 60
 
 
-def idle(args: argparse.Namespace, tables: int, threads: int) -> IdleFigures:
-    layout = prepare(args.work_dir, f"idle-{tables}-{threads}", tables, a_day_ago(), threads)
+def idle(args: argparse.Namespace, mode: Mode, tables: int, threads: int) -> IdleFigures:
+    name = f"idle-{mode.landing_sensor}-{tables}-{threads}"
+    layout = prepare(args.work_dir, name, tables, a_day_ago(), mode, threads)
     stack = Stack(layout.work)
     log(
-        f"idle, {tables} tables, sensor threads {threads or 'off'}: starting the code server "
-        "and the daemon (no Spark)"
+        f"idle, {tables} tables, {mode}, sensor threads {threads or 'off'}: starting the code "
+        "server and the daemon (no Spark)"
     )
     try:
         started = time.time()
@@ -264,6 +317,7 @@ def idle(args: argparse.Namespace, tables: int, threads: int) -> IdleFigures:
     finally:
         stack.stop()
     return IdleFigures(
+        mode,
         tables,
         threads,
         minutes,
@@ -277,6 +331,7 @@ def idle(args: argparse.Namespace, tables: int, threads: int) -> IdleFigures:
 def print_idle(figures: Sequence[IdleFigures]) -> None:
     rows = [
         [
+            f.mode,
             f.tables,
             f.threads or "off",
             f"{f.minutes:.1f}",
@@ -290,18 +345,19 @@ def print_idle(figures: Sequence[IdleFigures]) -> None:
         for f in figures
     ]
     print_table(
-        ["tables", "sensor threads", "min", "daemon cpu s/min", "code server cpu s/min", "of one core", "ticks",
+        ["landing sensor", "tables", "sensor threads", "min", "daemon cpu s/min", "code server cpu s/min", "of one core", "ticks",
          "tick p50 ms", "tick p95 ms"],
         rows,
     )  # fmt: skip
     for f in figures:
         per = ", ".join(f"{k} {v}" for k, v in f.queries.items())
-        log(f"  {f.tables} tables, event-log statements in one tick: {per}")
+        log(f"  {f.tables} tables, {f.mode}, event-log statements in one tick: {per}")
     big = [f for f in figures if f.tables >= 500]
     for f in big:
         log(
             f"  target: daemon + code server under {TARGET_IDLE_CORE_SHARE:.0%} of one core at "
-            f"{f.tables} tables: {f.core_share:.1%}, {met(f.core_share < TARGET_IDLE_CORE_SHARE)}"
+            f"{f.tables} tables ({f.mode}): {f.core_share:.1%}, "
+            f"{met(f.core_share < TARGET_IDLE_CORE_SHARE)}"
         )
 
 
@@ -361,6 +417,7 @@ def commit_time(history: Path) -> float | None:
 
 @dataclass
 class BurstFigures:
+    mode: Mode
     tables: int
     events: int
     latencies: list[float]  # landing -> visible, per table
@@ -393,16 +450,17 @@ def land_all(layout: Layout, names: Sequence[str], hour: datetime, events: int, 
     return landed
 
 
-def burst(args: argparse.Namespace) -> BurstFigures:
+def burst(args: argparse.Namespace, mode: Mode, tables: int) -> BurstFigures:
     hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
-    layout = prepare(args.work_dir, f"burst-{args.burst}", args.burst, hour - timedelta(hours=2))
-    names = table_names(args.burst)
+    name = f"burst-{mode.landing_sensor}-{tables}"
+    layout = prepare(args.work_dir, name, tables, hour - timedelta(hours=2), mode)
+    names = table_names(tables)
     warehouse = load_config(layout.config).warehouse_root
     histories = {t: Path(TablePaths.of(warehouse, t).history.path) for t in names}
     stack = Stack(layout.work)
     ui_port = free_port()
-    log(f"burst, {args.burst} tables x {args.events} events: starting Spark Connect, the code "
-        "server and the daemon")  # fmt: skip
+    log(f"burst, {tables} tables x {args.events} events, {mode}: starting Spark Connect, the "
+        "code server and the daemon")  # fmt: skip
     try:
         port, state = connect_server.free_port(), layout.work / "spark-connect"
         stack.connect = (port, state)
@@ -417,13 +475,11 @@ def burst(args: argparse.Namespace) -> BurstFigures:
             return [os.getpid(), *([server] if server else [])]
 
         with dg.DagsterInstance.from_config(str(layout.home)) as instance:
-            wait_all_ticked(stack, instance, args.burst, started)
+            wait_all_ticked(stack, instance, tables, started)
             jobs_before = spark_jobs(ui_port)
             with RssPeak(roots).sampling() as rss:
                 landed = land_all(layout, names, hour, args.events, args.seed)
-                log(
-                    f"  landed {args.burst} hours at {datetime.fromtimestamp(landed, UTC):%H:%M:%S}"
-                )
+                log(f"  landed {tables} hours at {datetime.fromtimestamp(landed, UTC):%H:%M:%S}")
                 seen: dict[str, float] = {}
                 scanned, progress = [0.0], [0]
 
@@ -446,13 +502,13 @@ def burst(args: argparse.Namespace) -> BurstFigures:
     finally:
         stack.stop()
     jobs = None if jobs_before is None or jobs_after is None else jobs_after - jobs_before
-    return BurstFigures(args.burst, args.events, list(seen.values()), runs, jobs, rss.peak)
+    return BurstFigures(mode, tables, args.events, list(seen.values()), runs, jobs, rss.peak)
 
 
 def print_burst(f: BurstFigures) -> None:
     lat = f.latencies
     log(
-        f"  {f.tables} tables x {f.events} events: drained in {f.drain:.0f} s "
+        f"  {f.tables} tables x {f.events} events, {f.mode}: drained in {f.drain:.0f} s "
         f"({f.drain / 60:.1f} min); per table p50 {percentile(lat, 50):.0f} s, "
         f"p95 {percentile(lat, 95):.0f} s, max {max(lat):.0f} s; runs launched {f.runs}; "
         f"Spark jobs {f.spark_jobs if f.spark_jobs is not None else 'n/a'}; "
@@ -461,7 +517,7 @@ def print_burst(f: BurstFigures) -> None:
     log(
         f"  headroom = 60 min / drain = {f.headroom:.1f} (target >= {TARGET_HEADROOM:g} at 200 "
         f"tables: {met(f.headroom >= TARGET_HEADROOM)}); "
-        f"{f.drain / f.tables:.1f} s a table, one run per table-hour"
+        f"{f.drain / f.tables:.1f} s a table"
     )
 
 
@@ -536,16 +592,18 @@ class Browser:
         stop_group(self.proc, grace_s=10)
 
 
-def ui(args: argparse.Namespace) -> dict[str, float] | None:
+def ui(args: argparse.Namespace, mode: Mode) -> dict[str, float] | None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         log("ui: not measured: no chromium (Debian: apt-get install chromium)")
         return None
-    layout = prepare(args.work_dir, f"ui-{args.ui}", args.ui, a_day_ago())
+    layout = prepare(
+        args.work_dir, f"ui-{mode.landing_sensor}-{args.ui}", args.ui, a_day_ago(), mode
+    )
     stack = Stack(layout.work)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    log(f"ui, {args.ui} tables: starting dagster-webserver")
+    log(f"ui, {args.ui} tables, {mode}: starting dagster-webserver")
     try:
         stack.env = service_env(layout, connect_server.free_port(), None, None)
         server = stack.start(
@@ -569,10 +627,10 @@ def ui(args: argparse.Namespace) -> dict[str, float] | None:
     return pages
 
 
-def print_ui(tables: int, pages: dict[str, float]) -> None:
+def print_ui(tables: int, mode: Mode, pages: dict[str, float]) -> None:
     for name, seconds in pages.items():
         log(
-            f"  {name} page at {tables} tables: {seconds:.1f} s (target < {TARGET_PAGE_S:g} s: "
+            f"  {name} page at {tables} tables, {mode}: {seconds:.1f} s (target < {TARGET_PAGE_S:g} s: "
             f"{met(seconds < TARGET_PAGE_S)})"
         )
 
@@ -590,7 +648,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="0,4",
         help="the daemon's sensor threads to idle the largest fleet with (0: off), comma-separated",
     )
-    parser.add_argument("--burst", type=int, default=200, help="tables in the burst (0: skip)")
+    parser.add_argument(
+        "--landing-sensor",
+        default="per_table,fleet",
+        help="the landing_sensor modes to idle and burst with, comma-separated",
+    )
+    parser.add_argument("--tables-per-run", type=int, default=20, help="in fleet mode")
+    parser.add_argument(
+        "--burst",
+        default="200",
+        help="tables in the burst, comma-separated sizes (0 or empty: skip); each size runs in "
+        "each mode of --burst-modes",
+    )
+    parser.add_argument(
+        "--burst-modes",
+        default=None,
+        help="the modes of the bursts (default: --landing-sensor); a size:mode item runs that "
+        "size in that mode only, e.g. 200:fleet,40:per_table,40:fleet",
+    )
     parser.add_argument("--events", type=int, default=100, help="events in each table's hour")
     parser.add_argument("--burst-timeout", type=float, default=3 * 3600.0, help="seconds")
     parser.add_argument("--ui", type=int, default=500, help="tables for the UI pages (0: skip)")
@@ -598,6 +673,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.idle_sizes = [int(n) for n in args.idle.split(",") if n.strip() and int(n) > 0]
     args.threads = [int(n) for n in args.sensor_threads.split(",") if n.strip()] or [0]
+    modes = {m: Mode(m, args.tables_per_run if m == "fleet" else 1) for m in ("per_table", "fleet")}
+    args.modes = [modes[m.strip()] for m in args.landing_sensor.split(",") if m.strip()]
+    args.bursts = []
+    for item in (args.burst_modes or "").split(",") if args.burst_modes else []:
+        size, _, mode = item.partition(":")
+        args.bursts.append((modes[mode.strip()], int(size)))
+    if not args.burst_modes:
+        sizes = [int(n) for n in str(args.burst).split(",") if n.strip() and int(n) > 0]
+        args.bursts = [(m, n) for n in sizes for m in args.modes]
     return args
 
 
@@ -607,23 +691,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"cdc_platform fleet (git {git_head()}), {os.cpu_count()} cores, work dir {args.work_dir}")
     with stopped_on_signals():
         try:
-            # Every size as deployed; the largest with each number of sensor threads too.
-            runs = [(n, args.threads[0]) for n in args.idle_sizes]
+            # Every size in each mode; the largest with each number of sensor threads too.
+            runs = [(m, n, args.threads[0]) for m in args.modes for n in args.idle_sizes]
             if args.idle_sizes:
-                runs += [(max(args.idle_sizes), t) for t in args.threads[1:]]
-            idles = [idle(args, n, t) for n, t in runs]
+                big = max(args.idle_sizes)
+                runs += [(m, big, t) for m in args.modes for t in args.threads[1:]]
+            idles = [idle(args, m, n, t) for m, n, t in runs]
             if idles:
                 log("\nidle: no new file")
                 print_idle(idles)
-            if args.burst:
-                figures = burst(args)
+            bursts = [burst(args, m, n) for m, n in args.bursts]
+            if bursts:
                 log("\nburst: one hour lands in every table at once")
-                print_burst(figures)
-            if args.ui:
-                pages = ui(args)
-                if pages is not None:
-                    log("\nui: headless Chromium, navigation to the page's last GraphQL answer")
-                    print_ui(args.ui, pages)
+                for figures in bursts:
+                    print_burst(figures)
+            uis = [(m, ui(args, m)) for m in args.modes] if args.ui else []
+            if any(pages is not None for _, pages in uis):
+                log("\nui: headless Chromium, navigation to the page's last GraphQL answer")
+                for mode, pages in uis:
+                    if pages is not None:
+                        print_ui(args.ui, mode, pages)
         except BenchError as exc:
             log(f"FAILED: {exc}")
             return 1

@@ -73,6 +73,17 @@ TOP_KEYS: dict[str, tuple[str, str]] = {
         "Each table's maintenance starts this many minutes after `maintenance_schedule` at most, "
         "at a place derived from its name, so a fleet does not start at one minute.",
     ),
+    "landing_sensor": (
+        "`per_table` or `fleet`",
+        "`per_table`: a landing sensor per table, each hour range of a table its own run. "
+        "`fleet`: one landing sensor for every table (a fleet idles at one tick a minute, not "
+        "one per table) whose runs apply one hour range for up to `tables_per_run` tables.",
+    ),
+    "tables_per_run": (
+        "tables (1-100)",
+        "With `landing_sensor: fleet`: how many tables one run applies (the same hour range, "
+        "each table its own step and commit; a failing table fails only its step).",
+    ),
     "discover": (
         "mapping",
         "A template giving every unlisted plain-Parquet landing folder an asset (keys below); "

@@ -28,6 +28,7 @@ from cdc_platform.defs.alerts import (
     metadata_int,
 )
 from cdc_platform.defs.discovery import build_new_tables_sensor
+from cdc_platform.defs.fleet import build_fleet_landing_sensor, build_ingest_jobs
 from cdc_platform.defs.lifecycle import build_lifecycle_jobs
 from cdc_platform.defs.maintenance import (
     BACKGROUND_PRIORITY,
@@ -67,7 +68,7 @@ CURRENT_TABLES_SENSOR = "cdc_current_tables"
 class TableDefinitions:
     asset: dg.AssetsDefinition
     checks: dg.AssetChecksDefinition
-    sensor: dg.SensorDefinition
+    sensor: dg.SensorDefinition | None  # None with `landing_sensor: fleet` (defs.fleet)
     current: dg.AssetsDefinition | None = None  # `<table>_current`, if the config asks for it
 
 
@@ -222,8 +223,12 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
                 },
             )
 
-    sensor = build_landing_sensor(
-        table, platform.landing_root, history_table, warehouse_root=platform.warehouse_root
+    sensor = (
+        build_landing_sensor(
+            table, platform.landing_root, history_table, warehouse_root=platform.warehouse_root
+        )
+        if platform.landing_sensor == "per_table"
+        else None
     )
     current = build_current_table_asset(platform, table) if table.current_table else None
     return TableDefinitions(history_table, history_checks, sensor, current)
@@ -422,6 +427,28 @@ def full_checks_schedule(
     return cdc_full_table_checks_schedule
 
 
+def _landing_sensors(
+    platform: PlatformConfig, tables: Sequence[TableDefinitions]
+) -> tuple[list[dg.SensorDefinition], list["UnresolvedAssetJobDefinition"]]:
+    """A sensor per table, or (``landing_sensor: fleet``) one sensor for all of them and the
+    asset jobs its multi-table runs belong to."""
+    if platform.landing_sensor == "per_table":
+        return [t.sensor for t in tables if t.sensor is not None], []
+    if not tables:
+        return [], []
+    assets = {t.asset.key.to_user_string(): t.asset for t in tables}
+    jobs = build_ingest_jobs(platform.tables, assets)
+    sensor = build_fleet_landing_sensor(
+        platform.tables,
+        platform.landing_root,
+        platform.warehouse_root,
+        assets,
+        jobs,
+        platform.tables_per_run,
+    )
+    return [sensor], jobs
+
+
 def build_definitions(platform: PlatformConfig) -> dg.Definitions:
     """Everything the code location serves, for every table in the config, plus (with a
     ``discover:`` template) every unlisted plain-Parquet table folder of the landing zone."""
@@ -459,8 +486,9 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         if current_assets
         else []
     )
+    landing_sensors, ingest_jobs = _landing_sensors(platform, tables)
     sensors = [
-        *(t.sensor for t in tables),
+        *landing_sensors,
         *current_sensor,
         build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
         build_run_failure_alert_sensor(),
@@ -472,6 +500,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         asset_checks=[t.checks for t in tables],
         sensors=[*sensors, build_source_alert_sensor(platform.tables, watched)],
         jobs=[
+            *ingest_jobs,
             *([check_job] if check_job else []),
             maintenance_job,
             build_plan_job(platform),

@@ -13,8 +13,10 @@ Dagster 1.13). The target asset should use ``BackfillPolicy.single_run()`` so th
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,55 @@ def run_request_for(table: TableConfig, request: PartitionRequest) -> dg.RunRequ
     return dg.RunRequest(run_key=request.run_key, tags=tags)
 
 
+@dataclass(frozen=True)
+class TableTick:
+    """One table's share of a landing-sensor tick."""
+
+    requests: list[PartitionRequest]
+    state: CursorState
+    observations: list[dg.AssetObservation]
+
+
+def tick_table(
+    context: dg.SensorEvaluationContext,
+    table: TableConfig,
+    landing_root: Path,
+    warehouse_root: Where | None,
+    state: CursorState | None,
+    now: datetime,
+    in_flight: Callable[[str], Collection[str]],
+    end_offset: int = 0,
+) -> TableTick:
+    """What either landing sensor does for one table: a missing ``state`` (a first tick, a
+    reset cursor) is seeded from the files the table's materializations already read
+    (``lib.applied_files``): only folders holding a file never read are requested. Then the
+    new or changed folders, and the pending hours whose backoff ran out (no hour left behind).
+    ``in_flight``: table name -> the partitions its queued or running runs will apply."""
+    fresh = state is None
+    if state is None:
+        state = CursorState()
+        if warehouse_root is not None:
+            done = applied_files.applied(applied_files.ledger_path(warehouse_root, table.name))
+            state = seed_state(table, landing_root, now, done, end_offset=end_offset)
+            context.log.info(
+                f"{table.name}: empty cursor; {len(state.folders)} hour folder(s) already applied"
+            )
+    requests, new_state = evaluate(table, landing_root, now, state, end_offset=end_offset)
+    if warehouse_root is not None and due_for_check(table, new_state, now):
+        retries, new_state = _reconcile(
+            context, table, landing_root, warehouse_root, new_state, now, in_flight
+        )
+        requests += retries
+    for request in requests:
+        context.log.info(
+            f"{table.name}: requesting {request.first}..{request.last} "
+            f"({len(request.partition_keys)} h, {request.reason})"
+        )
+    # After a reset cursor, always: the last report may no longer hold.
+    observations = _backlog_observation(table, None if fresh else state, new_state, now)
+    return TableTick(requests, new_state, observations)
+
+
 def build_landing_sensor(
     table: TableConfig,
     landing_root: Path,
@@ -74,13 +125,9 @@ def build_landing_sensor(
     warehouse_root: Where | None = None,
     clock: Callable[[], datetime] = _utcnow,
 ) -> dg.SensorDefinition:
-    """A sensor requesting runs of ``target`` for new/changed hour folders of ``table``.
-
-    The cursor (see ``CursorState``) is the only state. When it is empty (the first tick, or a
-    reset from the UI) it is seeded from the files the table's materializations already read
-    (``lib.applied_files``, under ``warehouse_root``): only folders holding a file never read are
-    requested. ``clock`` exists for tests.
-    """
+    """A sensor requesting runs of ``target`` for new/changed hour folders of ``table``
+    (``landing_sensor: per_table``). The cursor (see ``CursorState``) is the only state;
+    ``clock`` exists for tests."""
     end_offset = _end_offset(target)
 
     @dg.sensor(
@@ -96,45 +143,42 @@ def build_landing_sensor(
         tags={TABLE_TAG: table.name},
     )
     def _landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        check_landing_root(Path(landing_root), table)
-        now = clock()
-        state = CursorState.from_json(context.cursor)
-        if not context.cursor and warehouse_root is not None:
-            done = applied_files.applied(applied_files.ledger_path(warehouse_root, table.name))
-            state = seed_state(table, Path(landing_root), now, done, end_offset=end_offset)
-            context.log.info(
-                f"{table.name}: empty cursor; {len(state.folders)} hour folder(s) already applied"
-            )
-        requests, new_state = evaluate(table, Path(landing_root), now, state, end_offset=end_offset)
-        if warehouse_root is not None and due_for_check(table, new_state, now):
-            retries, new_state = _reconcile(
-                context, table, landing_root, warehouse_root, new_state, now
-            )
-            requests += retries
-        for request in requests:
-            context.log.info(
-                f"{table.name}: requesting {request.first}..{request.last} "
-                f"({len(request.partition_keys)} h, {request.reason})"
-            )
-        run_requests = [run_request_for(table, r) for r in requests]
+        check_landing_root(Path(landing_root), table.name)
+        state = CursorState.from_json(context.cursor) if context.cursor else None
+        tick = tick_table(
+            context,
+            table,
+            Path(landing_root),
+            warehouse_root,
+            state,
+            clock(),
+            partial(tagged_in_flight, context.instance),
+            end_offset,
+        )
+        run_requests = [run_request_for(table, r) for r in tick.requests]
         return dg.SensorResult(
             run_requests=run_requests,
-            cursor=new_state.to_json(),
+            cursor=tick.state.to_json(),
             skip_reason=None if run_requests else "no new or changed hour folders",
-            # After a reset cursor, always: the last report may no longer hold.
-            asset_events=_backlog_observation(
-                table, state if context.cursor else None, new_state, now
-            ),
+            asset_events=tick.observations,
         )
 
     return _landing_sensor
+
+
+def tagged_in_flight(instance: dg.DagsterInstance, table_name: str) -> set[str]:
+    """The partitions the table's queued or running runs (by its tag) will apply."""
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(tags={TABLE_TAG: table_name}, statuses=IN_PROGRESS)
+    )
+    return {key for run in runs for key in partitions_of(run.tags)}
 
 
 class LandingRootUnavailableError(RuntimeError):
     """The landing root is missing or cannot be listed: the tick fails, saying so."""
 
 
-def check_landing_root(root: Path, table: TableConfig) -> None:
+def check_landing_root(root: Path, who: str) -> None:
     """Fail the tick when the landing root is gone or unreadable (an unmounted volume, lost
     permissions): an empty listing would look exactly like a quiet source. Dagster shows the
     failed ticks on the sensor's page."""
@@ -143,7 +187,7 @@ def check_landing_root(root: Path, table: TableConfig) -> None:
             pass
     except OSError as exc:
         raise LandingRootUnavailableError(
-            f"{table.name}: the landing root {root} cannot be listed ({exc.strerror}): is the "
+            f"{who}: the landing root {root} cannot be listed ({exc.strerror}): is the "
             "landing volume mounted and readable? No hour is requested until it is back."
         ) from None
 
@@ -155,6 +199,7 @@ def _reconcile(
     warehouse_root: Where,
     state: CursorState,
     now: datetime,
+    in_flight: Callable[[str], Collection[str]],
 ) -> tuple[list[PartitionRequest], CursorState]:
     """The due pending hours against the applied-files ledger and the table's runs in flight
     (one ledger read and one run query, only on ticks where some hour is due)."""
@@ -169,11 +214,8 @@ def _reconcile(
             f"{len(due)} pending hour(s) are looked at again after the backoff"
         )
         return [], postponed(state, due, now)
-    runs = context.instance.get_runs(
-        filters=dg.RunsFilter(tags={TABLE_TAG: table.name}, statuses=IN_PROGRESS)
-    )
-    in_flight = {key for run in runs for key in partitions_of(run.tags)}
-    requests, state = reconcile(table, Path(landing_root), now, state, applied, in_flight)
+    flying = in_flight(table.name)
+    requests, state = reconcile(table, Path(landing_root), now, state, applied, flying)
     if requests:
         keys = [k for r in requests for k in r.partition_keys]
         context.log.warning(

@@ -162,6 +162,11 @@ class PlatformConfig:
     # source, may be read from (``lib.source_roots``); none: those jobs refuse every run.
     snapshot_roots: tuple[Location, ...] = ()
     adoption_roots: tuple[Location, ...] = ()
+    # "per_table": a landing sensor per table, a run per table and hour range. "fleet": one
+    # landing sensor for every table, and runs applying one hour range for up to
+    # ``tables_per_run`` tables each, each table its own step and commit (``defs.sensors``).
+    landing_sensor: str = "per_table"
+    tables_per_run: int = 1
 
     def table(self, name: str) -> TableConfig:
         for table in self.tables:
@@ -204,6 +209,8 @@ _TOP_FIELDS = {
     "discover",
     "snapshot_roots",
     "adoption_roots",
+    "landing_sensor",
+    "tables_per_run",
 }
 _DISCOVER_FIELDS = {"primary_key", "start", "expected_delivery_hours"}
 
@@ -280,7 +287,36 @@ def parse_config(raw: Any, base_dir: Path, source: Path | None = None) -> Platfo
         discover=discover,
         snapshot_roots=_source_roots(raw, "snapshot_roots", base_dir, where, roots, local=True),
         adoption_roots=_source_roots(raw, "adoption_roots", base_dir, where, roots, local=False),
+        **_landing_sensor(raw, where),
     )
+
+
+LANDING_SENSORS = ("per_table", "fleet")
+MAX_TABLES_PER_RUN = 100
+
+
+def _landing_sensor(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """``landing_sensor`` and ``tables_per_run``: several tables in one run need the one
+    sensor that sees them all."""
+    mode = raw.get("landing_sensor", "per_table")
+    if mode not in LANDING_SENSORS:
+        raise ConfigError(
+            f"{where}: field 'landing_sensor': {mode!r} must be one of {list(LANDING_SENSORS)}"
+        )
+    per_run = raw.get("tables_per_run", 1)
+    if not isinstance(per_run, int) or isinstance(per_run, bool):
+        per_run = 0
+    if not 1 <= per_run <= MAX_TABLES_PER_RUN:
+        raise ConfigError(
+            f"{where}: field 'tables_per_run': {raw.get('tables_per_run')!r} must be a number "
+            f"of tables from 1 to {MAX_TABLES_PER_RUN}"
+        )
+    if per_run > 1 and mode != "fleet":
+        raise ConfigError(
+            f"{where}: field 'tables_per_run': {per_run} tables in one run need "
+            "'landing_sensor: fleet' (one sensor sees every table's new hours)"
+        )
+    return {"landing_sensor": mode, "tables_per_run": per_run}
 
 
 def _source_roots(

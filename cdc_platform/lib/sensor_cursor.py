@@ -472,3 +472,58 @@ def make_run_key(table_name: str, key_fingerprints: list[tuple[str, str]]) -> st
         digest.update(f"{key}={fp}\n".encode())
     first, last = key_fingerprints[0][0], key_fingerprints[-1][0]
     return f"{table_name}:{first}..{last}:{digest.hexdigest()[:16]}"
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One run for several tables: the same hour range applied to each, each table its own
+    step and commit (``landing_sensor: fleet``)."""
+
+    tables: tuple[str, ...]
+    partition_keys: tuple[str, ...]
+    run_key: str
+    reasons: tuple[str, ...]
+
+    @property
+    def first(self) -> str:
+        return self.partition_keys[0]
+
+    @property
+    def last(self) -> str:
+        return self.partition_keys[-1]
+
+
+def batch(
+    requests: Mapping[str, Iterable[PartitionRequest]],
+    partitions_of: Mapping[str, str],
+    tables_per_run: int,
+) -> list[BatchRequest]:
+    """The tables' requests (table -> its ``PartitionRequest``s) as runs of at most
+    ``tables_per_run`` tables, grouped by hour range and by ``partitions_of`` (table -> its
+    partitions definition's identity: Dagster runs only assets that share one), oldest range
+    first. Deterministic: the same requests give the same run keys, so a tick evaluated twice
+    launches nothing twice."""
+    if tables_per_run < 1:
+        raise ValueError(f"tables_per_run must be >= 1, got {tables_per_run}")
+    groups: dict[tuple[str, tuple[str, ...]], list[tuple[str, PartitionRequest]]] = {}
+    for table in sorted(requests):
+        for request in requests[table]:
+            groups.setdefault((partitions_of[table], request.partition_keys), []).append(
+                (table, request)
+            )
+    out: list[BatchRequest] = []
+    for (_, keys), members in sorted(
+        groups.items(), key=lambda g: (partition_key_to_hour(g[0][1][0]), g[0])
+    ):
+        for i in range(0, len(members), tables_per_run):
+            chunk = members[i : i + tables_per_run]
+            digest = hashlib.sha256("\n".join(r.run_key for _, r in chunk).encode())
+            out.append(
+                BatchRequest(
+                    tables=tuple(t for t, _ in chunk),
+                    partition_keys=keys,
+                    run_key=f"tables:{keys[0]}..{keys[-1]}:{digest.hexdigest()[:16]}",
+                    reasons=tuple(sorted({r.reason for _, r in chunk})),
+                )
+            )
+    return out

@@ -1,0 +1,291 @@
+"""One landing sensor for a fleet (``landing_sensor: fleet``): every table in one tick, and
+runs that apply one hour range for several tables at once.
+
+Why: with a sensor per table, the daemon's own cost per tick (about 0.1 CPU-second here) times
+500 tables is most of a core while nothing lands, and each table-hour pays a run's fixed cost (a
+process, imports, a Spark session) for a few seconds of merging. Here one tick looks at every
+table with the same per-table logic (``defs.sensors.tick_table``), and the hours it requests
+become runs of up to ``tables_per_run`` tables (``lib.sensor_cursor.batch``): each table is its
+own step and its own commit, so a failing table fails its step and no other.
+
+**State.** A table's cursor (``CursorState``) is kept in the instance's key-value store
+(Dagster's daemon-cursor storage, in the instance's database), written only when it changed,
+so a tick writes bytes for what moved, not for 500 cursors. The sensor's own cursor holds an
+epoch and where the next tick starts: resetting it from the UI starts a new epoch, and every
+table is seeded again from its applied-files ledger, as a reset per-table sensor is.
+
+**Bounds.** A tick stops taking up tables after ``budget_seconds`` (a sensor evaluation must
+answer within Dagster's 60 s); the next tick starts where this one stopped. A table whose share
+of the tick raises is logged, names its error, and is looked at again next tick; the others go
+on. A landing root that cannot be listed fails the tick, as it fails a per-table sensor's.
+
+**Durability.** The tables' cursors are written before Dagster launches the runs they asked
+for. If the tick dies in between, those hours stay pending in the cursors and are requested
+again after their backoff (``lib.sensor_cursor.reconcile``): late, never lost.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import dagster as dg
+
+from cdc_platform.defs.sensors import (
+    IN_PROGRESS,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    REASON_TAG,
+    TABLE_TAG,
+    TableTick,
+    _end_offset,
+    _utcnow,
+    check_landing_root,
+    partitions_of,
+    tick_table,
+)
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.sensor_cursor import BatchRequest, CursorState, batch
+from cdc_platform.lib.storage import Where
+
+if TYPE_CHECKING:  # what define_asset_job returns (not exported by name)
+    from dagster._core.definitions.unresolved_asset_job_definition import (
+        UnresolvedAssetJobDefinition,
+    )
+
+FLEET_SENSOR = "cdc_landing"
+TABLES_TAG = "cdc_platform/tables"  # how many tables a run applies (the UI's run list shows it)
+# A tick takes up no new table after this long; Dagster gives a sensor evaluation 60 s.
+TICK_BUDGET_SECONDS = 30.0
+_CURSOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FleetCursor:
+    """The fleet sensor's own cursor: which epoch of table cursors is live, and where the next
+    tick starts in the table list."""
+
+    epoch: str
+    start: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({"v": _CURSOR_VERSION, "epoch": self.epoch, "start": self.start})
+
+    @classmethod
+    def from_json(cls, raw: str | None) -> FleetCursor:
+        """A new epoch for ``None``/``""`` (a first tick or a reset) or an unknown cursor."""
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or data.get("v") != _CURSOR_VERSION:
+            return cls(uuid.uuid4().hex)
+        return cls(str(data["epoch"]), int(data.get("start") or 0))
+
+    def key(self, table: str) -> str:
+        """The table's key in the instance's key-value store."""
+        return f"cdc_platform/landing/{self.epoch}/{table}"
+
+
+def ingest_job_name(table: TableConfig) -> str:
+    """The asset job of the tables sharing this table's hourly partitions: Dagster runs
+    several assets in one run only when they share a partitions definition."""
+    return f"cdc_ingest_from_{table.start:%Y_%m_%d_%H}"
+
+
+def build_ingest_jobs(
+    tables: Sequence[TableConfig], assets: Mapping[str, dg.AssetsDefinition]
+) -> list[UnresolvedAssetJobDefinition]:
+    """One asset job per partitions definition in use, selecting its tables (and their
+    checks): the jobs the fleet sensor's runs belong to."""
+    groups: dict[str, list[dg.AssetsDefinition]] = defaultdict(list)
+    for t in tables:
+        groups[ingest_job_name(t)].append(assets[t.name])
+    return [
+        dg.define_asset_job(
+            name,
+            selection=dg.AssetSelection.assets(*members),
+            description=(
+                f"Applies landed hours for the {len(members)} table(s) whose partitions start "
+                f"at {name.removeprefix('cdc_ingest_from_')}: runs of the {FLEET_SENSOR} sensor."
+            ),
+        )
+        for name, members in sorted(groups.items())
+    ]
+
+
+def batch_run_request(request: BatchRequest, job_name: str) -> dg.RunRequest:
+    """One run for the batch's tables: their assets selected, its hour or hour range tagged.
+    A run for one table carries the table's tag too (the run queue's one-run-per-table
+    limit then holds it in the queue while another run of the table is in flight)."""
+    tags = {REASON_TAG: ", ".join(request.reasons), TABLES_TAG: str(len(request.tables))}
+    if len(request.tables) == 1:
+        tags[TABLE_TAG] = request.tables[0]
+    selection = [dg.AssetKey(t) for t in request.tables]
+    if len(request.partition_keys) == 1:
+        return dg.RunRequest(
+            run_key=request.run_key,
+            job_name=job_name,
+            asset_selection=selection,
+            partition_key=request.first,
+            tags=tags,
+        )
+    tags |= {RANGE_START_TAG: request.first, RANGE_END_TAG: request.last}
+    return dg.RunRequest(
+        run_key=request.run_key, job_name=job_name, asset_selection=selection, tags=tags
+    )
+
+
+class InFlight:
+    """Table -> the partitions its queued or running runs will apply, from one query of the
+    instance's runs in progress (made on the first question of a tick, if any is asked)."""
+
+    def __init__(self, instance: dg.DagsterInstance) -> None:
+        self._instance = instance
+        self._by_table: dict[str, set[str]] | None = None
+
+    def __call__(self, table_name: str) -> set[str]:
+        if self._by_table is None:
+            self._by_table = defaultdict(set)
+            for run in self._instance.get_runs(filters=dg.RunsFilter(statuses=IN_PROGRESS)):
+                names = {k.to_user_string() for k in run.asset_selection or ()}
+                if run.tags.get(TABLE_TAG):
+                    names.add(run.tags[TABLE_TAG])
+                for name in names:
+                    self._by_table[name].update(partitions_of(run.tags))
+        return self._by_table.get(table_name, set())
+
+
+def _store(
+    instance: dg.DagsterInstance, changed: Mapping[str, str], stored: Mapping[str, str]
+) -> None:
+    """Write the changed cursors: new keys and known keys in separate calls (the storage
+    inserts, and only on a conflict updates, all of one call's keys: a call mixing both
+    would update the known ones and drop the new ones)."""
+    new = {k: v for k, v in changed.items() if k not in stored}
+    known = {k: v for k, v in changed.items() if k in stored}
+    for pairs in (new, known):
+        if pairs:
+            instance.run_storage.set_cursor_values(pairs)
+
+
+def _stored_state(
+    context: dg.SensorEvaluationContext, table: TableConfig, raw: str | None
+) -> CursorState | None:
+    """The table's stored cursor; an unreadable one is dropped (the table is seeded again
+    from its ledger, as after a reset), saying so."""
+    if raw is None:
+        return None
+    try:
+        return CursorState.from_json(raw)
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        context.log.warning(
+            f"{table.name}: its landing cursor cannot be read ({exc}); seeding it again from "
+            "the applied-files ledger"
+        )
+        return None
+
+
+def build_fleet_landing_sensor(
+    tables: Sequence[TableConfig],
+    landing_root: Path,
+    warehouse_root: Where | None,
+    assets: Mapping[str, dg.AssetsDefinition],
+    jobs: Sequence[UnresolvedAssetJobDefinition],
+    tables_per_run: int,
+    *,
+    default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+    clock: Callable[[], datetime] = _utcnow,
+    budget_seconds: float = TICK_BUDGET_SECONDS,
+) -> dg.SensorDefinition:
+    """The fleet's landing sensor: ``tick_table`` for each table, the requests batched."""
+    by_name = {t.name: t for t in tables}
+    names = sorted(by_name)
+    end_offsets = {t.name: _end_offset(assets[t.name]) for t in tables}
+
+    @dg.sensor(
+        name=FLEET_SENSOR,
+        minimum_interval_seconds=min(t.sensor_interval_seconds for t in tables),
+        jobs=list(jobs),
+        default_status=default_status,
+        description=(
+            f"Requests runs for new or changed hour folders of all {len(tables)} tables under "
+            f"{landing_root}, up to {tables_per_run} table(s) per run."
+        ),
+    )
+    def _fleet_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        check_landing_root(Path(landing_root), FLEET_SENSOR)
+        now = clock()
+        cursor = FleetCursor.from_json(context.cursor)
+        stored = context.instance.run_storage.get_cursor_values({cursor.key(n) for n in names})
+        ticks, looked_at = _tick_tables(
+            context, cursor, stored, now, time.monotonic() + budget_seconds
+        )
+        changed = {
+            cursor.key(name): tick.state.to_json()
+            for name, tick in ticks.items()
+            if tick.state.to_json() != stored.get(cursor.key(name))
+        }
+        _store(context.instance, changed, stored)
+        batches = batch(
+            {name: tick.requests for name, tick in ticks.items()},
+            {name: by_name[name].start_partition_key for name in ticks},
+            tables_per_run,
+        )
+        run_requests = [
+            batch_run_request(b, ingest_job_name(by_name[b.tables[0]])) for b in batches
+        ]
+        if looked_at < len(names):
+            context.log.info(f"{looked_at} of {len(names)} tables looked at in this tick")
+        return dg.SensorResult(
+            run_requests=run_requests,
+            cursor=FleetCursor(cursor.epoch, (cursor.start + looked_at) % len(names)).to_json(),
+            skip_reason=None if run_requests else "no new or changed hour folders",
+            asset_events=[o for tick in ticks.values() for o in tick.observations],
+        )
+
+    def _tick_tables(
+        context: dg.SensorEvaluationContext,
+        cursor: FleetCursor,
+        stored: Mapping[str, str],
+        now: datetime,
+        deadline: float,
+    ) -> tuple[dict[str, TableTick], int]:
+        """Each table's share, from where the last tick stopped, until the deadline."""
+        in_flight = InFlight(context.instance)
+        ticks: dict[str, TableTick] = {}
+        order = names[cursor.start % len(names) :] + names[: cursor.start % len(names)]
+        looked_at = 0
+        for name in order:
+            if looked_at and time.monotonic() > deadline:
+                break
+            looked_at += 1
+            table = by_name[name]
+            try:
+                state = _stored_state(context, table, stored.get(cursor.key(name)))
+                ticks[name] = tick_table(
+                    context,
+                    table,
+                    Path(landing_root),
+                    warehouse_root,
+                    state,
+                    now,
+                    in_flight,
+                    end_offsets[name],
+                )
+            except Exception as exc:  # one table's trouble never stops the others
+                context.log.error(
+                    f"{name}: its landing folders could not be looked at "
+                    f"({type(exc).__name__}: {exc}); the other tables go on, this one is "
+                    "looked at again next tick"
+                )
+        return ticks, looked_at
+
+    return _fleet_sensor

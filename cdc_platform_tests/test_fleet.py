@@ -1,0 +1,206 @@
+"""``landing_sensor: fleet``: one landing sensor for every table, and runs that apply the same
+hour for several tables, each table its own step and commit (``defs.fleet``)."""
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from deltalake import DeltaTable
+
+from cdc_platform.defs.factory import build_definitions, build_table_definitions
+from cdc_platform.defs.fleet import (
+    FLEET_SENSOR,
+    TABLES_TAG,
+    FleetCursor,
+    build_fleet_landing_sensor,
+    build_ingest_jobs,
+    ingest_job_name,
+)
+from cdc_platform.defs.sensors import BACKLOG_HOURS, REASON_TAG, TABLE_TAG
+from cdc_platform.lib.config import ConfigError, PlatformConfig, TableConfig, parse_config
+from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform.lib.sensor_cursor import REASON_NEW_FOLDER, REASON_RETRY
+from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import event as ev
+
+START = datetime(2024, 1, 1, tzinfo=UTC)
+H1 = START + timedelta(hours=1)
+NAMES = ("accounts", "orders", "users")
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def fleet(
+    landing: Path, warehouse: Path, clock: Clock, per_run: int, budget: float = 30.0
+) -> tuple[dg.Definitions, dg.SensorDefinition]:
+    tables = tuple(
+        TableConfig(name=n, primary_key=("id",), start=START, retry_backoff_seconds=60)
+        for n in NAMES
+    )
+    platform = PlatformConfig(landing, warehouse, tables)
+    defs = [build_table_definitions(platform, t) for t in tables]
+    assets = {t.name: d.asset for t, d in zip(tables, defs, strict=True)}
+    jobs = build_ingest_jobs(tables, assets)
+    sensor = build_fleet_landing_sensor(
+        tables, landing, warehouse, assets, jobs, per_run, clock=clock, budget_seconds=budget
+    )
+    definitions = dg.Definitions(
+        assets=list(assets.values()),
+        asset_checks=[d.checks for d in defs],
+        jobs=jobs,
+        sensors=[sensor],
+        resources=dagster_resources(),
+    )
+    return definitions, sensor
+
+
+def tick(
+    defs: dg.Definitions,
+    sensor: dg.SensorDefinition,
+    cursor: str | None,
+    instance: dg.DagsterInstance,
+) -> tuple[list[dg.RunRequest], str | None, list[dg.AssetObservation]]:
+    """Evaluate as the daemon does (asset selections and partition keys resolved)."""
+    context = dg.build_sensor_context(cursor=cursor, instance=instance, definitions=defs)
+    data = sensor.evaluate_tick(context)
+    events = [e for e in data.asset_events if isinstance(e, dg.AssetObservation)]
+    return list(data.run_requests or []), data.cursor, events
+
+
+def launch(
+    defs: dg.Definitions, request: dg.RunRequest, instance: dg.DagsterInstance
+) -> dg.ExecuteInProcessResult:
+    """The run a request asks for, executed as its job, its assets and partition."""
+    assert request.job_name is not None and request.asset_selection is not None
+    return defs.resolve_job_def(request.job_name).execute_in_process(
+        instance=instance,
+        partition_key=request.partition_key,
+        asset_selection=list(request.asset_selection),
+        tags=request.tags,
+        raise_on_error=False,
+    )
+
+
+def selected(request: dg.RunRequest) -> list[str]:
+    return sorted(k.to_user_string() for k in request.asset_selection or ())
+
+
+def test_one_run_applies_an_hour_for_several_tables_and_a_failing_table_fails_alone(
+    spark, lake
+) -> None:
+    """Issue 32, item 6: one tick sees every table; the hour that landed in three tables
+    becomes one run of two tables and one of one (``tables_per_run: 2``). A table whose
+    warehouse cannot be written fails its own step: the other table of its run is committed
+    and checked, and the failed table's hour is asked for again, alone, after its backoff."""
+    landing, warehouse = lake["landing"], lake["warehouse"]
+    for i, name in enumerate(NAMES):
+        write_parquet_events(landing, name, H1, [ev("INSERT", 1, H1, i, v=name)])
+    clock = Clock(datetime(2024, 1, 1, 5, 30, tzinfo=UTC))
+    defs, sensor = fleet(landing, warehouse, clock, per_run=2)
+    instance = dg.DagsterInstance.ephemeral()
+
+    requests, cursor, events = tick(defs, sensor, None, instance)
+    assert [selected(r) for r in requests] == [["accounts", "orders"], ["users"]]
+    assert {r.partition_key for r in requests} == {hour_to_partition_key(H1)}
+    assert {r.job_name for r in requests} == {ingest_job_name(TableConfig("x", ("id",), START))}
+    assert [r.tags.get(TABLE_TAG) for r in requests] == [None, "users"]
+    assert [r.tags[TABLES_TAG] for r in requests] == ["2", "1"]
+    assert {r.tags[REASON_TAG] for r in requests} == {REASON_NEW_FOLDER}
+    assert sorted(e.asset_key.to_user_string() for e in events) == sorted(NAMES)
+    # Each table's cursor is in the instance's key-value store, under the sensor's epoch.
+    epoch = FleetCursor.from_json(cursor)
+    assert set(instance.run_storage.get_cursor_values({epoch.key(n) for n in NAMES})) == {
+        epoch.key(n) for n in NAMES
+    }
+
+    blocker = TablePaths.of(warehouse, "orders").changelog.path.parent
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("not a folder: the orders table cannot be written")
+    both, alone = (launch(defs, r, instance) for r in requests)
+    assert not both.success and alone.success
+    failed = [e.step_key for e in both.all_events if e.is_step_failure]
+    assert failed == ["orders"]
+    assert {m.asset_key.to_user_string() for m in both.get_asset_materialization_events()} == {
+        "accounts"
+    }
+    checked = {e.asset_key.to_user_string() for e in both.get_asset_check_evaluations()}
+    assert checked == {"accounts"}
+    assert all(e.passed for e in both.get_asset_check_evaluations())
+
+    blocker.unlink()
+    clock.now += timedelta(minutes=2)  # past the 60 s backoff
+    requests, cursor, _ = tick(defs, sensor, cursor, instance)
+    assert [(selected(r), r.tags[REASON_TAG], r.tags.get(TABLE_TAG)) for r in requests] == [
+        (["orders"], REASON_RETRY, "orders")
+    ]
+    assert launch(defs, requests[0], instance).success
+    for i, name in enumerate(NAMES):
+        rows = DeltaTable(str(warehouse / name)).to_pyarrow_table(columns=["id", "v"])
+        assert rows.to_pylist() == [{"id": i, "v": name}]
+
+    clock.now += timedelta(minutes=2)
+    requests, cursor, events = tick(defs, sensor, cursor, instance)
+    assert requests == []
+    assert [e.metadata[BACKLOG_HOURS].value for e in events] == [0]  # orders' backlog ended
+    # A reset cursor: a new epoch, every table seeded again from its ledger: nothing to ask.
+    requests, reset, _ = tick(defs, sensor, None, instance)
+    assert requests == [] and FleetCursor.from_json(reset).epoch != epoch.epoch
+
+
+def test_a_tick_over_budget_goes_on_where_it_stopped_and_a_bad_cursor_is_reseeded(
+    tmp_path: Path,
+) -> None:
+    """With no time left, a tick still takes up one table and the next tick the next one;
+    a table whose stored cursor cannot be read is seeded again, and the others go on."""
+    landing, warehouse = tmp_path / "landing", tmp_path / "warehouse"
+    for name in NAMES:
+        write_parquet_events(landing, name, H1, [ev("INSERT", 1, H1, 1, v=name)])
+    clock = Clock(datetime(2024, 1, 1, 5, 30, tzinfo=UTC))
+    defs, sensor = fleet(landing, warehouse, clock, per_run=3, budget=0.0)
+    instance = dg.DagsterInstance.ephemeral()
+    cursor = None
+    for expected in NAMES:
+        requests, cursor, _ = tick(defs, sensor, cursor, instance)
+        assert [selected(r) for r in requests] == [[expected]]
+    epoch = FleetCursor.from_json(cursor)
+    instance.run_storage.set_cursor_values({epoch.key("accounts"): '{"v": 99}'})
+    (hour_folder(landing, "accounts", H1) / "late.parquet").write_bytes(b"PAR1")
+    requests, cursor, _ = tick(defs, sensor, cursor, instance)  # accounts' turn again
+    assert [selected(r) for r in requests] == [["accounts"]]
+
+
+def test_the_fleet_replaces_the_per_table_sensors_and_groups_jobs_by_partitions(
+    tmp_path: Path,
+) -> None:
+    """Tables with different starts cannot share a run (Dagster runs assets of one partitions
+    definition together): one job per start. The config refuses batching without the fleet."""
+    (tmp_path / "landing").mkdir()
+    raw = {
+        "landing_root": "landing",
+        "warehouse_root": "warehouse",
+        "landing_sensor": "fleet",
+        "tables_per_run": 20,
+        "tables": [
+            {"name": "a", "primary_key": ["id"], "start": "2024-01-01-00:00"},
+            {"name": "b", "primary_key": ["id"], "start": "2024-01-01-00:00"},
+            {"name": "c", "primary_key": ["id"], "start": "2025-06-01-00:00"},
+        ],
+    }
+    defs = build_definitions(parse_config(raw, tmp_path))
+    repo = defs.get_repository_def()
+    landing = [s.name for s in repo.sensor_defs if "landing" in s.name]
+    assert landing == [FLEET_SENSOR]
+    jobs = sorted(j.name for j in repo.get_all_jobs() if j.name.startswith("cdc_ingest_from_"))
+    assert jobs == ["cdc_ingest_from_2024_01_01_00", "cdc_ingest_from_2025_06_01_00"]
+    with pytest.raises(ConfigError, match="tables_per_run.*need 'landing_sensor: fleet'"):
+        parse_config({**raw, "landing_sensor": "per_table"}, tmp_path)
+    with pytest.raises(ConfigError, match="tables_per_run.*from 1 to 100"):
+        parse_config({**raw, "tables_per_run": 0}, tmp_path)
