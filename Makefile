@@ -16,7 +16,7 @@ ui: java $(VENV)/.installed
 # Two pytest workers, a test file each at a time, the longest files first (conftest.py): most of
 # a test's time is a JVM, a Dagster subprocess or a wait, not both cores. The standalone-cluster
 # and Spark Connect tests run in the same pool, so their servers' start-up overlaps other files.
-PYTEST_WORKERS ?= -n 2 --dist loadfile
+PYTEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 PYTEST_ARGS ?= --run-cluster --run-connect
 
 test: java $(VENV)/.installed jars

@@ -41,8 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The longest test files (serial seconds on CI, 2026-11-27), collected first: pytest-xdist's
-# loadfile scheduler hands files out in collection order, and a long file handed out last leaves
-# one worker running alone at the end (13 minutes of a 52-minute run, in alphabetical order).
+# loadfile scheduler hands files out in collection order (with --no-loadscope-reorder, as
+# `make test` runs it; by default it puts the files with the most tests first), and a long file
+# handed out last leaves one worker running alone at the end.
 LONGEST_FIRST = (
     "test_delta_spark.py",  # 509 s
     "test_adopt.py",  # 281 s
