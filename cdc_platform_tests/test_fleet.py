@@ -8,6 +8,7 @@ import dagster as dg
 import pytest
 from deltalake import DeltaTable
 
+from cdc_platform.defs.alerts import run_failed_payload
 from cdc_platform.defs.factory import build_definitions, build_table_definitions
 from cdc_platform.defs.fleet import (
     FLEET_SENSOR,
@@ -20,7 +21,13 @@ from cdc_platform.defs.fleet import (
 from cdc_platform.defs.sensors import BACKLOG_HOURS, REASON_TAG, TABLE_TAG
 from cdc_platform.lib.config import ConfigError, PlatformConfig, TableConfig, parse_config
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
-from cdc_platform.lib.sensor_cursor import REASON_NEW_FOLDER, REASON_RETRY
+from cdc_platform.lib.sensor_cursor import (
+    REASON_NEW_FOLDER,
+    REASON_RETRY,
+    PartitionRequest,
+    batch,
+)
+from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
@@ -45,7 +52,7 @@ def fleet(
         TableConfig(name=n, primary_key=("id",), start=START, retry_backoff_seconds=60)
         for n in NAMES
     )
-    platform = PlatformConfig(landing, warehouse, tables)
+    platform = PlatformConfig(landing, Location.of(warehouse), tables)
     defs = [build_table_definitions(platform, t) for t in tables]
     assets = {t.name: d.asset for t, d in zip(tables, defs, strict=True)}
     jobs = build_ingest_jobs(tables, assets)
@@ -108,6 +115,8 @@ def test_one_run_applies_an_hour_for_several_tables_and_a_failing_table_fails_al
     instance = dg.DagsterInstance.ephemeral()
 
     requests, cursor, events = tick(defs, sensor, None, instance)
+    assert requests == [] and events == []  # a first tick stores its epoch only
+    requests, cursor, events = tick(defs, sensor, cursor, instance)
     assert [selected(r) for r in requests] == [["accounts", "orders"], ["users"]]
     assert {r.partition_key for r in requests} == {hour_to_partition_key(H1)}
     assert {r.job_name for r in requests} == {ingest_job_name(TableConfig("x", ("id",), START))}
@@ -128,9 +137,13 @@ def test_one_run_applies_an_hour_for_several_tables_and_a_failing_table_fails_al
     assert not both.success and alone.success
     failed = [e.step_key for e in both.all_events if e.is_step_failure]
     assert failed == ["orders"]
-    assert {m.asset_key.to_user_string() for m in both.get_asset_materialization_events()} == {
-        "accounts"
-    }
+    # The run-failure alert names the table that failed, not the one that committed.
+    run = instance.get_run_by_id(both.run_id)
+    assert run is not None
+    alert = run_failed_payload(instance, run, None, "http://ui")
+    assert alert is not None and alert["table"] == "orders"
+    materialized = {str(m.asset_key) for m in both.get_asset_materialization_events()}
+    assert materialized == {str(dg.AssetKey("accounts"))}
     checked = {e.asset_key.to_user_string() for e in both.get_asset_check_evaluations()}
     assert checked == {"accounts"}
     assert all(e.passed for e in both.get_asset_check_evaluations())
@@ -151,8 +164,10 @@ def test_one_run_applies_an_hour_for_several_tables_and_a_failing_table_fails_al
     assert requests == []
     assert [e.metadata[BACKLOG_HOURS].value for e in events] == [0]  # orders' backlog ended
     # A reset cursor: a new epoch, every table seeded again from its ledger: nothing to ask.
-    requests, reset, _ = tick(defs, sensor, None, instance)
-    assert requests == [] and FleetCursor.from_json(reset).epoch != epoch.epoch
+    _, reset, _ = tick(defs, sensor, None, instance)
+    assert FleetCursor.from_json(reset).epoch != epoch.epoch
+    requests, _, events = tick(defs, sensor, reset, instance)
+    assert requests == [] and len(events) == len(NAMES)
 
 
 def test_a_tick_over_budget_goes_on_where_it_stopped_and_a_bad_cursor_is_reseeded(
@@ -166,7 +181,7 @@ def test_a_tick_over_budget_goes_on_where_it_stopped_and_a_bad_cursor_is_reseede
     clock = Clock(datetime(2024, 1, 1, 5, 30, tzinfo=UTC))
     defs, sensor = fleet(landing, warehouse, clock, per_run=3, budget=0.0)
     instance = dg.DagsterInstance.ephemeral()
-    cursor = None
+    _, cursor, _ = tick(defs, sensor, None, instance)  # the epoch
     for expected in NAMES:
         requests, cursor, _ = tick(defs, sensor, cursor, instance)
         assert [selected(r) for r in requests] == [[expected]]
@@ -200,7 +215,38 @@ def test_the_fleet_replaces_the_per_table_sensors_and_groups_jobs_by_partitions(
     assert landing == [FLEET_SENSOR]
     jobs = sorted(j.name for j in repo.get_all_jobs() if j.name.startswith("cdc_ingest_from_"))
     assert jobs == ["cdc_ingest_from_2024_01_01_00", "cdc_ingest_from_2025_06_01_00"]
-    with pytest.raises(ConfigError, match="tables_per_run.*need 'landing_sensor: fleet'"):
+    with pytest.raises(ConfigError, match=r"tables_per_run.*need 'landing_sensor: fleet'"):
         parse_config({**raw, "landing_sensor": "per_table"}, tmp_path)
-    with pytest.raises(ConfigError, match="tables_per_run.*from 1 to 100"):
+    with pytest.raises(ConfigError, match=r"tables_per_run.*from 1 to 100"):
         parse_config({**raw, "tables_per_run": 0}, tmp_path)
+
+
+def test_batches_group_by_hours_and_partitions_and_retries_run_alone() -> None:
+    """Tables with the same hours and start share runs, up to the limit, oldest hours first;
+    a table asked for again runs alone (a table that kills its run never holds the same
+    neighbours back twice)."""
+
+    def req(keys: tuple[str, ...], reason: str = REASON_NEW_FOLDER) -> PartitionRequest:
+        return PartitionRequest(keys, f"{keys}/{reason}", reason)
+
+    h1, h2 = ("2024-01-01-01:00",), ("2024-01-01-02:00",)
+    requests = {
+        "a": [req(h2)],
+        "b": [req(h2), req(h1)],
+        "c": [req(h2)],
+        "d": [req(h2, REASON_RETRY)],
+        "e": [req(h2, REASON_RETRY)],
+        "f": [req(h2)],
+    }
+    starts = {t: "2024-01-01-00:00" for t in requests} | {"f": "2023-01-01-00:00"}
+    batches = batch(requests, starts, tables_per_run=2)
+    assert [(b.tables, b.partition_keys) for b in batches] == [
+        (("b",), h1),
+        (("f",), h2),
+        (("a", "b"), h2),
+        (("c",), h2),
+        (("d",), h2),
+        (("e",), h2),
+    ]
+    assert len({b.run_key for b in batches}) == len(batches)
+    assert batch(requests, starts, tables_per_run=2) == batches  # deterministic

@@ -166,6 +166,22 @@ def table_for_run(
     return ", ".join(keys) if keys else run.job_name
 
 
+# A table's checks are one multi-asset check named ``<table>_invariants`` (defs.factory).
+CHECKS_STEP_SUFFIX = "_invariants"
+
+
+def failed_tables(run: dg.DagsterRun, steps: Sequence[dg.DagsterEvent]) -> str | None:
+    """For a run of several tables (``landing_sensor: fleet``), the tables whose steps failed
+    (a table's step is named after it, its checks' step ``<table>_invariants``): the others in
+    the run committed. None for any other run."""
+    selected = {k.to_user_string() for k in run.asset_selection or ()}
+    if len(selected) < 2:
+        return None
+    names = {(e.step_key or "").removesuffix(CHECKS_STEP_SUFFIX) for e in steps}
+    failed = sorted(names & selected)
+    return ", ".join(failed) if failed else None
+
+
 def planned_asset_keys(instance: dg.DagsterInstance, run_id: str) -> list[dg.AssetKey]:
     records = instance.get_records_for_run(
         run_id=run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION_PLANNED
@@ -241,7 +257,8 @@ def run_failed_payload(
     detail, failed_steps = failure_detail(steps, run_message)
     return build_alert(
         "run_failed",
-        table=table_for_run(run, lambda: planned_asset_keys(instance, run.run_id)),
+        table=failed_tables(run, steps)
+        or table_for_run(run, lambda: planned_asset_keys(instance, run.run_id)),
         partition=partition_for_run(run.tags),
         check=None,
         counts={"failed_steps": failed_steps},

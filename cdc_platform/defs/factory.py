@@ -22,6 +22,7 @@ import dagster as dg
 
 from cdc_platform.defs.alerts import (
     ALERT_RESOURCE_KEY,
+    CHECKS_STEP_SUFFIX,
     alert_webhook_from_env,
     build_check_failure_alert_sensor,
     build_run_failure_alert_sensor,
@@ -168,7 +169,9 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
 
     blocking_keys = [dg.AssetCheckKey(key, s.name) for s in check_specs if s.blocking]
 
-    @dg.multi_asset_check(specs=check_specs, name=f"{table.name}_invariants", can_subset=False)
+    @dg.multi_asset_check(
+        specs=check_specs, name=f"{table.name}{CHECKS_STEP_SUFFIX}", can_subset=False
+    )
     def history_checks(
         context: dg.AssetCheckExecutionContext, spark: SparkResource
     ) -> Iterable[dg.AssetCheckResult]:
@@ -372,14 +375,19 @@ def _version_before_this_run(
 def _a_blocking_check_failed_before(
     context: dg.AssetCheckExecutionContext, keys: Sequence[dg.AssetCheckKey]
 ) -> bool:
-    """Whether the latest result before this run of any of ``keys`` was a failure."""
+    """Whether the latest result before this run of any of ``keys`` was a failure. Completed
+    executions only: every queued or running run of the table has a PLANNED record of each
+    check, which would otherwise hide the failure behind it."""
     from dagster._core.storage.asset_check_execution_record import (
+        COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES,
         AssetCheckExecutionRecordStatus,
     )
 
     storage = context.instance.event_log_storage
     for check_key in keys:
-        history = storage.get_asset_check_execution_history(check_key, limit=3)
+        history = storage.get_asset_check_execution_history(
+            check_key, limit=2, status=COMPLETED_ASSET_CHECK_EXECUTION_RECORD_STATUSES
+        )
         earlier = [r for r in history if r.run_id != context.run.run_id]
         if earlier and earlier[0].status == AssetCheckExecutionRecordStatus.FAILED:
             return True

@@ -74,20 +74,22 @@ class FleetCursor:
 
     epoch: str
     start: int = 0
+    is_new: bool = True
 
     def to_json(self) -> str:
         return json.dumps({"v": _CURSOR_VERSION, "epoch": self.epoch, "start": self.start})
 
     @classmethod
     def from_json(cls, raw: str | None) -> FleetCursor:
-        """A new epoch for ``None``/``""`` (a first tick or a reset) or an unknown cursor."""
+        """A new epoch for ``None``/``""`` (a first tick or a reset) or an unknown cursor
+        (``is_new``: the sensor stores it before it seeds any table)."""
         try:
             data = json.loads(raw) if raw else None
         except ValueError:
             data = None
         if not isinstance(data, dict) or data.get("v") != _CURSOR_VERSION:
             return cls(uuid.uuid4().hex)
-        return cls(str(data["epoch"]), int(data.get("start") or 0))
+        return cls(str(data["epoch"]), int(data.get("start") or 0), is_new=False)
 
     def key(self, table: str) -> str:
         """The table's key in the instance's key-value store."""
@@ -153,13 +155,14 @@ class InFlight:
 
     def __call__(self, table_name: str) -> set[str]:
         if self._by_table is None:
-            self._by_table = defaultdict(set)
+            by_table: dict[str, set[str]] = defaultdict(set)
             for run in self._instance.get_runs(filters=dg.RunsFilter(statuses=IN_PROGRESS)):
                 names = {k.to_user_string() for k in run.asset_selection or ()}
                 if run.tags.get(TABLE_TAG):
                     names.add(run.tags[TABLE_TAG])
                 for name in names:
-                    self._by_table[name].update(partitions_of(run.tags))
+                    by_table[name].update(partitions_of(run.tags))
+            self._by_table = by_table  # only once read whole: a failed query asks again
         return self._by_table.get(table_name, set())
 
 
@@ -181,7 +184,7 @@ def _stored_state(
 ) -> CursorState | None:
     """The table's stored cursor; an unreadable one is dropped (the table is seeded again
     from its ledger, as after a reset), saying so."""
-    if raw is None:
+    if not raw:  # "" too: written by hand, it resets this one table
         return None
     try:
         return CursorState.from_json(raw)
@@ -224,6 +227,10 @@ def build_fleet_landing_sensor(
         check_landing_root(Path(landing_root), FLEET_SENSOR)
         now = clock()
         cursor = FleetCursor.from_json(context.cursor)
+        if cursor.is_new:
+            # The epoch is stored first, alone: a first tick that fails or times out while it
+            # seeds 500 tables then resumes the same epoch, not a new one every tick.
+            return dg.SensorResult(cursor=cursor.to_json(), skip_reason="a new cursor epoch")
         stored = context.instance.run_storage.get_cursor_values({cursor.key(n) for n in names})
         ticks, looked_at = _tick_tables(
             context, cursor, stored, now, time.monotonic() + budget_seconds

@@ -69,6 +69,12 @@ class SparkResource(dg.ConfigurableResource):
     def session(self, warehouse: Where | None = None) -> SparkSession:
         """The session, built on first use where the deployment says, with the Hadoop settings
         of the code location's ``warehouse`` when it is an object store."""
+        # A step after one whose Connect connection dropped (the server restarted) builds a
+        # new session instead of failing on the broken one: the steps of a multi-table run
+        # share this resource (landing_sensor: fleet).
+        session = self._session
+        if session is not None and _is_connect(session) and not connect_session_usable(session):
+            self._session = None
         if self._session is None:
             from pyspark.sql import SparkSession
 

@@ -502,22 +502,25 @@ def batch(
     ``tables_per_run`` tables, grouped by hour range and by ``partitions_of`` (table -> its
     partitions definition's identity: Dagster runs only assets that share one), oldest range
     first. Deterministic: the same requests give the same run keys, so a tick evaluated twice
-    launches nothing twice."""
+    launches nothing twice. A table asked for again (``REASON_RETRY``: its last run did not
+    apply the hour) runs alone: whatever failed it, a Python error or a killed process, never
+    holds other tables back twice."""
     if tables_per_run < 1:
         raise ValueError(f"tables_per_run must be >= 1, got {tables_per_run}")
-    groups: dict[tuple[str, tuple[str, ...]], list[tuple[str, PartitionRequest]]] = {}
+    groups: dict[tuple[str, tuple[str, ...], str], list[tuple[str, PartitionRequest]]] = {}
     for table in sorted(requests):
         for request in requests[table]:
-            groups.setdefault((partitions_of[table], request.partition_keys), []).append(
+            alone = f"retry:{table}" if request.reason == REASON_RETRY else ""
+            groups.setdefault((partitions_of[table], request.partition_keys, alone), []).append(
                 (table, request)
             )
     out: list[BatchRequest] = []
-    for (_, keys), members in sorted(
+    for (_, keys, _), members in sorted(
         groups.items(), key=lambda g: (partition_key_to_hour(g[0][1][0]), g[0])
     ):
         for i in range(0, len(members), tables_per_run):
             chunk = members[i : i + tables_per_run]
-            digest = hashlib.sha256("\n".join(r.run_key for _, r in chunk).encode())
+            digest = hashlib.sha256("".join(f"{t}\0{r.run_key}\n" for t, r in chunk).encode())
             out.append(
                 BatchRequest(
                     tables=tuple(t for t, _ in chunk),
