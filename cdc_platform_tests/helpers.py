@@ -99,3 +99,13 @@ def dagster_resources(**overrides: Any) -> dict[str, Any]:
         "alert_webhook": AlertWebhookResource(),
         **overrides,
     }
+
+
+class Clock:
+    """A settable ``now`` for a sensor's ``clock``."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now

@@ -29,20 +29,12 @@ from cdc_platform.lib.sensor_cursor import (
 )
 from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
-from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import Clock, dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = START + timedelta(hours=1)
 NAMES = ("accounts", "orders", "users")
-
-
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 def fleet(

@@ -31,7 +31,7 @@ from cdc_platform.lib.sensor_cursor import (
     CursorState,
 )
 from cdc_platform.lib.warehouse import TablePaths
-from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import Clock, dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
@@ -54,14 +54,6 @@ def put(root: Path, hour: datetime, name: str = "part-0.parquet") -> None:
     folder = hour_folder(root, "orders", hour)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_bytes(b"PAR1" + name.encode())
-
-
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 def tick(

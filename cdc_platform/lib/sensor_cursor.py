@@ -222,12 +222,10 @@ def _with_pending(
 
 
 @dataclass(frozen=True)
-class PartitionRequest:
-    """One run to launch: a range of consecutive hourly partitions and why."""
+class HourRange:
+    """Consecutive hourly partitions, oldest first."""
 
     partition_keys: tuple[str, ...]
-    run_key: str
-    reason: str
 
     @property
     def first(self) -> str:
@@ -236,6 +234,14 @@ class PartitionRequest:
     @property
     def last(self) -> str:
         return self.partition_keys[-1]
+
+
+@dataclass(frozen=True)
+class PartitionRequest(HourRange):
+    """One run to launch: a range of consecutive hourly partitions and why."""
+
+    run_key: str
+    reason: str
 
 
 def _as_utc(now: datetime) -> datetime:
@@ -475,22 +481,13 @@ def make_run_key(table_name: str, key_fingerprints: list[tuple[str, str]]) -> st
 
 
 @dataclass(frozen=True)
-class BatchRequest:
+class BatchRequest(HourRange):
     """One run for several tables: the same hour range applied to each, each table its own
     step and commit (``landing_sensor: fleet``)."""
 
     tables: tuple[str, ...]
-    partition_keys: tuple[str, ...]
     run_key: str
     reasons: tuple[str, ...]
-
-    @property
-    def first(self) -> str:
-        return self.partition_keys[0]
-
-    @property
-    def last(self) -> str:
-        return self.partition_keys[-1]
 
 
 def batch(
