@@ -40,14 +40,13 @@ import dagster as dg
 
 from cdc_platform.defs.sensors import (
     IN_PROGRESS,
-    RANGE_END_TAG,
-    RANGE_START_TAG,
     REASON_TAG,
     TABLE_TAG,
     TableTick,
     _end_offset,
     _utcnow,
     check_landing_root,
+    hours_request,
     partitions_of,
     tick_table,
 )
@@ -131,17 +130,8 @@ def batch_run_request(request: BatchRequest, job_name: str) -> dg.RunRequest:
     if len(request.tables) == 1:
         tags[TABLE_TAG] = request.tables[0]
     selection = [dg.AssetKey(t) for t in request.tables]
-    if len(request.partition_keys) == 1:
-        return dg.RunRequest(
-            run_key=request.run_key,
-            job_name=job_name,
-            asset_selection=selection,
-            partition_key=request.first,
-            tags=tags,
-        )
-    tags |= {RANGE_START_TAG: request.first, RANGE_END_TAG: request.last}
-    return dg.RunRequest(
-        run_key=request.run_key, job_name=job_name, asset_selection=selection, tags=tags
+    return hours_request(
+        request, request.run_key, tags, job_name=job_name, asset_selection=selection
     )
 
 
@@ -235,11 +225,8 @@ def build_fleet_landing_sensor(
         ticks, looked_at = _tick_tables(
             context, cursor, stored, now, time.monotonic() + budget_seconds
         )
-        changed = {
-            cursor.key(name): tick.state.to_json()
-            for name, tick in ticks.items()
-            if tick.state.to_json() != stored.get(cursor.key(name))
-        }
+        states = {cursor.key(name): tick.state.to_json() for name, tick in ticks.items()}
+        changed = {key: raw for key, raw in states.items() if raw != stored.get(key)}
         _store(context.instance, changed, stored)
         batches = batch(
             {name: tick.requests for name, tick in ticks.items()},

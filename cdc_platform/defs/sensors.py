@@ -27,6 +27,7 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing import hour_to_partition_key, hours_between, partition_key_to_hour
 from cdc_platform.lib.sensor_cursor import (
     CursorState,
+    HourRange,
     PartitionRequest,
     backlog,
     backlog_since,
@@ -58,13 +59,21 @@ def _end_offset(target: dg.AssetsDefinition) -> int:
     return 0
 
 
+def hours_request(
+    hours: HourRange, run_key: str, tags: Mapping[str, str], **kwargs: Any
+) -> dg.RunRequest:
+    """One RunRequest for ``hours``: a single partition, or a partition range run through the
+    range tags (both landing sensors spell their runs so)."""
+    if len(hours.partition_keys) == 1:
+        return dg.RunRequest(run_key=run_key, partition_key=hours.first, tags=tags, **kwargs)
+    tags = {**tags, RANGE_START_TAG: hours.first, RANGE_END_TAG: hours.last}
+    return dg.RunRequest(run_key=run_key, tags=tags, **kwargs)
+
+
 def run_request_for(table: TableConfig, request: PartitionRequest) -> dg.RunRequest:
-    """One RunRequest: a single partition, or a partition range run through the range tags."""
+    """One table's run for ``request``."""
     tags = {TABLE_TAG: table.name, REASON_TAG: request.reason}
-    if len(request.partition_keys) == 1:
-        return dg.RunRequest(run_key=request.run_key, partition_key=request.first, tags=tags)
-    tags |= {RANGE_START_TAG: request.first, RANGE_END_TAG: request.last}
-    return dg.RunRequest(run_key=request.run_key, tags=tags)
+    return hours_request(request, request.run_key, tags)
 
 
 @dataclass(frozen=True)
