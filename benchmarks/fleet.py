@@ -204,6 +204,21 @@ def wait_all_ticked(stack: Stack, instance: dg.DagsterInstance, tables: int, sin
         lambda: tables_ticked_since(instance, since) >= tables,
         900,
     )
+    # The tick that seeded the last tables reports their backlog, once (500 events to store);
+    # idling starts when each landing sensor has finished a tick begun after it.
+    seeded = time.time()
+    wait_for(
+        stack, "a landing tick after the seeding", lambda: all_ticked_after(instance, seeded), 300
+    )
+
+
+def all_ticked_after(instance: dg.DagsterInstance, since: float) -> bool:
+    states = landing_sensor_states(instance)
+    latest = instance.get_batch_ticks([s.selector_id for s in states], limit=1)
+    return all(
+        ticks and ticks[0].timestamp >= since and ticks[0].end_timestamp
+        for ticks in (latest.get(s.selector_id) for s in states)
+    )
 
 
 # --------------------------------------------------------------------------- measuring

@@ -15,8 +15,6 @@ from cdc_platform.defs.fleet import (
     TABLES_TAG,
     FleetCursor,
     build_fleet_landing_sensor,
-    build_ingest_jobs,
-    ingest_job_name,
 )
 from cdc_platform.defs.sensors import BACKLOG_HOURS, REASON_TAG, TABLE_TAG
 from cdc_platform.lib.config import ConfigError, PlatformConfig, TableConfig, parse_config
@@ -47,14 +45,12 @@ def fleet(
     platform = PlatformConfig(landing, Location.of(warehouse), tables)
     defs = [build_table_definitions(platform, t) for t in tables]
     assets = {t.name: d.asset for t, d in zip(tables, defs, strict=True)}
-    jobs = build_ingest_jobs(tables, assets)
     sensor = build_fleet_landing_sensor(
-        tables, landing, warehouse, assets, jobs, per_run, clock=clock, budget_seconds=budget
+        tables, landing, warehouse, assets, per_run, clock=clock, budget_seconds=budget
     )
     definitions = dg.Definitions(
         assets=list(assets.values()),
         asset_checks=[d.checks for d in defs],
-        jobs=jobs,
         sensors=[sensor],
         resources=dagster_resources(),
     )
@@ -111,7 +107,7 @@ def test_one_run_applies_an_hour_for_several_tables_and_a_failing_table_fails_al
     requests, cursor, events = tick(defs, sensor, cursor, instance)
     assert [selected(r) for r in requests] == [["accounts", "orders"], ["users"]]
     assert {r.partition_key for r in requests} == {hour_to_partition_key(H1)}
-    assert {r.job_name for r in requests} == {ingest_job_name(TableConfig("x", ("id",), START))}
+    assert {r.job_name for r in requests} == {"__ASSET_JOB"}  # Dagster's implicit asset job
     assert [r.tags.get(TABLE_TAG) for r in requests] == [None, "users"]
     assert [r.tags[TABLES_TAG] for r in requests] == ["2", "1"]
     assert {r.tags[REASON_TAG] for r in requests} == {REASON_NEW_FOLDER}
@@ -184,11 +180,9 @@ def test_a_tick_over_budget_goes_on_where_it_stopped_and_a_bad_cursor_is_reseede
     assert [selected(r) for r in requests] == [["accounts"]]
 
 
-def test_the_fleet_replaces_the_per_table_sensors_and_groups_jobs_by_partitions(
-    tmp_path: Path,
-) -> None:
-    """Tables with different starts cannot share a run (Dagster runs assets of one partitions
-    definition together): one job per start. The config refuses batching without the fleet."""
+def test_the_fleet_replaces_the_per_table_sensors_with_no_job_of_its_own(tmp_path: Path) -> None:
+    """One sensor targets the tables' assets; its runs belong to Dagster's implicit asset job.
+    The config refuses batching without the fleet."""
     (tmp_path / "landing").mkdir()
     raw = {
         "landing_root": "landing",
@@ -205,8 +199,8 @@ def test_the_fleet_replaces_the_per_table_sensors_and_groups_jobs_by_partitions(
     repo = defs.get_repository_def()
     landing = [s.name for s in repo.sensor_defs if "landing" in s.name]
     assert landing == [FLEET_SENSOR]
-    jobs = sorted(j.name for j in repo.get_all_jobs() if j.name.startswith("cdc_ingest_from_"))
-    assert jobs == ["cdc_ingest_from_2024_01_01_00", "cdc_ingest_from_2025_06_01_00"]
+    # No job of its own: its runs are Dagster's implicit asset job's (one 500-asset snapshot).
+    assert not [j.name for j in repo.get_all_jobs() if "landing" in j.name or "ingest" in j.name]
     with pytest.raises(ConfigError, match=r"tables_per_run.*need 'landing_sensor: fleet'"):
         parse_config({**raw, "landing_sensor": "per_table"}, tmp_path)
     with pytest.raises(ConfigError, match=r"tables_per_run.*from 1 to 100"):

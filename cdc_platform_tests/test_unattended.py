@@ -134,7 +134,7 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
                     c.body["subject"] for c in webhook.posted if c.body["kind"] == "source_stale"
                 ]
 
-            wait_for("a source_stale alert", 90, lambda: "quiet" in stale_alerts())
+            wait_for("a source_stale alert", 150, lambda: "quiet" in stale_alerts())
             retried = [r for r in runs if r.tags.get(REASON_TAG) == REASON_RETRY]
             assert retried, [r.tags for r in runs]
     finally:

@@ -58,6 +58,11 @@ CHECK_EVENT_PAGES = 10
 # Run failures read per tick (the rest on the next tick).
 RUN_FAILURE_PAGE = 100
 
+# How often the alert sensors read what the instance recorded. Each evaluation costs the code
+# server a fresh instance and the daemon a tick record, whatever the fleet's size (the idle
+# figures in benchmarks/fleet.py); for hourly data an alert up to a minute later loses nothing.
+ALERT_INTERVAL_SECONDS = 60
+
 
 class AlertWebhookResource(dg.ConfigurableResource):
     """Posts alert payloads to a Slack-compatible incoming webhook (no-op without a URL)."""
@@ -321,7 +326,7 @@ def build_run_failure_alert_sensor(
     *,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
     monitor_all_code_locations: bool = False,
-    minimum_interval_seconds: int = 30,
+    minimum_interval_seconds: int = ALERT_INTERVAL_SECONDS,
 ) -> dg.SensorDefinition:
     """A sensor posting a ``run_failed`` alert naming the table and partition(s) of every run
     that failed (not one failed only by blocking checks: the check alert covers it).
@@ -573,7 +578,7 @@ def build_check_failure_alert_sensor(
     check_keys: Sequence[dg.AssetCheckKey],
     *,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds: int = 30,
+    minimum_interval_seconds: int = ALERT_INTERVAL_SECONDS,
 ) -> dg.SensorDefinition:
     """A sensor posting ``check_failed`` / ``check_recovered`` alerts when a check of
     ``check_keys`` changes state (and, for a check listing files, when a new file is listed).

@@ -29,7 +29,7 @@ from cdc_platform.defs.alerts import (
     metadata_int,
 )
 from cdc_platform.defs.discovery import build_new_tables_sensor
-from cdc_platform.defs.fleet import build_fleet_landing_sensor, build_ingest_jobs
+from cdc_platform.defs.fleet import build_fleet_landing_sensor
 from cdc_platform.defs.lifecycle import build_lifecycle_jobs
 from cdc_platform.defs.maintenance import (
     BACKGROUND_PRIORITY,
@@ -437,24 +437,22 @@ def full_checks_schedule(
 
 def _landing_sensors(
     platform: PlatformConfig, tables: Sequence[TableDefinitions]
-) -> tuple[list[dg.SensorDefinition], list["UnresolvedAssetJobDefinition"]]:
-    """A sensor per table, or (``landing_sensor: fleet``) one sensor for all of them and the
-    asset jobs its multi-table runs belong to."""
+) -> list[dg.SensorDefinition]:
+    """A sensor per table, or (``landing_sensor: fleet``) one sensor for all of them."""
     if platform.landing_sensor == "per_table":
-        return [t.sensor for t in tables if t.sensor is not None], []
+        return [t.sensor for t in tables if t.sensor is not None]
     if not tables:
-        return [], []
+        return []
     assets = {t.asset.key.to_user_string(): t.asset for t in tables}
-    jobs = build_ingest_jobs(platform.tables, assets)
-    sensor = build_fleet_landing_sensor(
-        platform.tables,
-        platform.landing_root,
-        platform.warehouse_root,
-        assets,
-        jobs,
-        platform.tables_per_run,
-    )
-    return [sensor], jobs
+    return [
+        build_fleet_landing_sensor(
+            platform.tables,
+            platform.landing_root,
+            platform.warehouse_root,
+            assets,
+            platform.tables_per_run,
+        )
+    ]
 
 
 def build_definitions(platform: PlatformConfig) -> dg.Definitions:
@@ -494,9 +492,8 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         if current_assets
         else []
     )
-    landing_sensors, ingest_jobs = _landing_sensors(platform, tables)
     sensors = [
-        *landing_sensors,
+        *_landing_sensors(platform, tables),
         *current_sensor,
         build_check_failure_alert_sensor([k for t in tables for k in t.checks.check_keys]),
         build_run_failure_alert_sensor(),
@@ -508,7 +505,6 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         asset_checks=[t.checks for t in tables],
         sensors=[*sensors, build_source_alert_sensor(platform.tables, watched)],
         jobs=[
-            *ingest_jobs,
             *([check_job] if check_job else []),
             maintenance_job,
             build_plan_job(platform),

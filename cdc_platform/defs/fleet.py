@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import dagster as dg
 
@@ -43,21 +42,16 @@ from cdc_platform.defs.sensors import (
     REASON_TAG,
     TABLE_TAG,
     TableTick,
-    _end_offset,
-    _utcnow,
     check_landing_root,
     hours_request,
+    partition_end_offset,
     partitions_of,
     tick_table,
+    utcnow,
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.sensor_cursor import BatchRequest, CursorState, batch
 from cdc_platform.lib.storage import Where
-
-if TYPE_CHECKING:  # what define_asset_job returns (not exported by name)
-    from dagster._core.definitions.unresolved_asset_job_definition import (
-        UnresolvedAssetJobDefinition,
-    )
 
 FLEET_SENSOR = "cdc_landing"
 TABLES_TAG = "cdc_platform/tables"  # how many tables a run applies (the UI's run list shows it)
@@ -95,44 +89,17 @@ class FleetCursor:
         return f"cdc_platform/landing/{self.epoch}/{table}"
 
 
-def ingest_job_name(table: TableConfig) -> str:
-    """The asset job of the tables sharing this table's hourly partitions: Dagster runs
-    several assets in one run only when they share a partitions definition."""
-    return f"cdc_ingest_from_{table.start:%Y_%m_%d_%H}"
-
-
-def build_ingest_jobs(
-    tables: Sequence[TableConfig], assets: Mapping[str, dg.AssetsDefinition]
-) -> list[UnresolvedAssetJobDefinition]:
-    """One asset job per partitions definition in use, selecting its tables (and their
-    checks): the jobs the fleet sensor's runs belong to."""
-    groups: dict[str, list[dg.AssetsDefinition]] = defaultdict(list)
-    for t in tables:
-        groups[ingest_job_name(t)].append(assets[t.name])
-    return [
-        dg.define_asset_job(
-            name,
-            selection=dg.AssetSelection.assets(*members),
-            description=(
-                f"Applies landed hours for the {len(members)} table(s) whose partitions start "
-                f"at {name.removeprefix('cdc_ingest_from_')}: runs of the {FLEET_SENSOR} sensor."
-            ),
-        )
-        for name, members in sorted(groups.items())
-    ]
-
-
-def batch_run_request(request: BatchRequest, job_name: str) -> dg.RunRequest:
+def batch_run_request(request: BatchRequest) -> dg.RunRequest:
     """One run for the batch's tables: their assets selected, its hour or hour range tagged.
+    Dagster puts it in its implicit asset job, which runs assets together when they share
+    their partitions definition (``batch`` groups by start for that).
     A run for one table carries the table's tag too (the run queue's one-run-per-table
     limit then holds it in the queue while another run of the table is in flight)."""
     tags = {REASON_TAG: ", ".join(request.reasons), TABLES_TAG: str(len(request.tables))}
     if len(request.tables) == 1:
         tags[TABLE_TAG] = request.tables[0]
     selection = [dg.AssetKey(t) for t in request.tables]
-    return hours_request(
-        request, request.run_key, tags, job_name=job_name, asset_selection=selection
-    )
+    return hours_request(request, request.run_key, tags, asset_selection=selection)
 
 
 class InFlight:
@@ -191,22 +158,23 @@ def build_fleet_landing_sensor(
     landing_root: Path,
     warehouse_root: Where | None,
     assets: Mapping[str, dg.AssetsDefinition],
-    jobs: Sequence[UnresolvedAssetJobDefinition],
     tables_per_run: int,
     *,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
-    clock: Callable[[], datetime] = _utcnow,
+    clock: Callable[[], datetime] = utcnow,
     budget_seconds: float = TICK_BUDGET_SECONDS,
 ) -> dg.SensorDefinition:
     """The fleet's landing sensor: ``tick_table`` for each table, the requests batched."""
     by_name = {t.name: t for t in tables}
     names = sorted(by_name)
-    end_offsets = {t.name: _end_offset(assets[t.name]) for t in tables}
+    end_offsets = {t.name: partition_end_offset(assets[t.name]) for t in tables}
 
     @dg.sensor(
         name=FLEET_SENSOR,
         minimum_interval_seconds=min(t.sensor_interval_seconds for t in tables),
-        jobs=list(jobs),
+        # Targeting the assets, not a job of ours: the runs go to Dagster's implicit asset
+        # job, so the code location serves no second 500-asset job snapshot.
+        asset_selection=dg.AssetSelection.assets(*assets.values()),
         default_status=default_status,
         description=(
             f"Requests runs for new or changed hour folders of all {len(tables)} tables under "
@@ -233,9 +201,7 @@ def build_fleet_landing_sensor(
             {name: by_name[name].start_partition_key for name in ticks},
             tables_per_run,
         )
-        run_requests = [
-            batch_run_request(b, ingest_job_name(by_name[b.tables[0]])) for b in batches
-        ]
+        run_requests = [batch_run_request(b) for b in batches]
         if looked_at < len(names):
             context.log.info(f"{looked_at} of {len(names)} tables looked at in this tick")
         return dg.SensorResult(

@@ -47,11 +47,11 @@ TABLE_TAG = "cdc_platform/table"
 REASON_TAG = "cdc_platform/reason"
 
 
-def _utcnow() -> datetime:
+def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def _end_offset(target: dg.AssetsDefinition) -> int:
+def partition_end_offset(target: dg.AssetsDefinition) -> int:
     """How many not-yet-closed hours the target's partitions include (0 unless configured)."""
     partitions_def = target.partitions_def
     if isinstance(partitions_def, dg.TimeWindowPartitionsDefinition):
@@ -132,12 +132,12 @@ def build_landing_sensor(
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
     *,
     warehouse_root: Where | None = None,
-    clock: Callable[[], datetime] = _utcnow,
+    clock: Callable[[], datetime] = utcnow,
 ) -> dg.SensorDefinition:
     """A sensor requesting runs of ``target`` for new/changed hour folders of ``table``
     (``landing_sensor: per_table``). The cursor (see ``CursorState``) is the only state;
     ``clock`` exists for tests."""
-    end_offset = _end_offset(target)
+    end_offset = partition_end_offset(target)
 
     @dg.sensor(
         name=f"{table.name}_landing_sensor",

@@ -28,6 +28,7 @@ from dagster._core.definitions.selector import InstigatorSelector
 from dagster._core.scheduler.instigation import SensorInstigatorData, TickStatus
 
 from cdc_platform.defs.alerts import (
+    ALERT_INTERVAL_SECONDS,
     AlertWebhookResource,
     _queued,
     _root_message,
@@ -347,7 +348,7 @@ def build_source_alert_sensor(
     watched_sensors: Sequence[str],
     *,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds: int = 30,
+    minimum_interval_seconds: int = ALERT_INTERVAL_SECONDS,
     clock: Callable[[], float] | None = None,
 ) -> dg.SensorDefinition:
     """The sensor posting the alerts above for ``tables`` and the ``watched_sensors`` (its
