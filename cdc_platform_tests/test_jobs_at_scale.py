@@ -10,20 +10,27 @@ built, and the runs that go further than the table lookup get a Spark resource w
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pytest
+from dagster._utils.schedules import cron_string_iterator
 
 from cdc_platform.defs import maintenance, operations
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.defs.maintenance import MAINTENANCE_JOB, MAINTENANCE_OP
+from cdc_platform.defs.maintenance import (
+    FLEET_MAINTENANCE_SCHEDULE,
+    MAINTENANCE_JOB,
+    MAINTENANCE_OP,
+)
 from cdc_platform.defs.plans import PLAN_JOB, PLAN_OP
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, load_config
+from cdc_platform.lib.schedule_spread import STEP_MINUTES, spread_daily_cron
 from cdc_platform_tests.helpers import dagster_resources
 
 # The jobs the Jobs page lists, whatever the table count.
@@ -101,6 +108,47 @@ def test_the_jobs_do_not_grow_with_the_table_count(tmp_path):
         }
         assert request.tags["dagster/priority"] == "-1"
     assert len({r.run_key for r in requests}) == 200
+
+
+@pytest.mark.parametrize(("cron", "window"), [("30 4 * * *", 120), ("50 23 * * *", 45)])
+def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_day(
+    tmp_path, cron, window
+):
+    """``landing_sensor: fleet``: one schedule, whose ticks over a whole day launch each
+    table's maintenance exactly once, within one step after the minute its own schedule
+    would have had (the window crossing midnight too)."""
+    platform = platform_with(tmp_path, 200)
+    fleet = replace(
+        platform,
+        landing_sensor="fleet",
+        maintenance_schedule=cron,
+        schedule_window_minutes=window,
+    )
+    repo = build_definitions(fleet).get_repository_def()
+    assert [s.name for s in repo.schedule_defs if "maintenance" in s.name] == [
+        FLEET_MAINTENANCE_SCHEDULE
+    ]
+    schedule = repo.get_schedule_def(FLEET_MAINTENANCE_SCHEDULE)
+    day = datetime(2024, 1, 2, tzinfo=UTC)
+    ticks = cron_string_iterator(day.timestamp(), str(schedule.cron_schedule), "UTC")
+    started: dict[str, datetime] = {}
+    for tick in ticks:
+        if tick >= day + timedelta(days=1):
+            break
+        with dg.build_schedule_context(scheduled_execution_time=tick) as context:
+            for request in schedule.evaluate_tick(context).run_requests or []:
+                name = request.tags[TABLE_TAG]
+                assert name not in started, f"{name} started twice"
+                started[name] = tick
+                assert request.run_config == maintenance.maintenance_run_config(fleet.table(name))
+                assert request.tags["dagster/priority"] == "-1"
+    assert sorted(started) == sorted(t.name for t in fleet.tables)
+    for table in fleet.tables:
+        own = spread_daily_cron(cron, table.name, window)
+        minute, hour = (int(f) for f in own.split()[:2])
+        late = (started[table.name].hour * 60 + started[table.name].minute) - (hour * 60 + minute)
+        assert 0 <= late % (24 * 60) < STEP_MINUTES, (table.name, own, started[table.name])
+    assert len(set(started.values())) > 8  # spread, not one tick
 
 
 def _run(

@@ -102,7 +102,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
                     "primary_key": list(table.primary_key),
                     "table_path": dg.MetadataValue.path(str(paths.history)),
                     # The asset page cannot link an op job's schedule: name it here.
-                    "maintenance_schedule": maintenance_schedule_name(table),
+                    "maintenance_schedule": maintenance_schedule_name(platform, table),
                 },
                 freshness_policy=freshness_policy(table),
             )

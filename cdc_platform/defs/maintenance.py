@@ -3,7 +3,9 @@
 One job for every table (the Jobs page does not grow with the table count); each table gets a
 schedule, ``<table>_maintenance_schedule``, on the config's ``maintenance_schedule``, that
 launches this job with the table in its run config, so a table's maintenance can be stopped
-on its own. The op holds the table's pool slot while it works (``defs.operations``), so it
+on its own. A fleet (``landing_sensor: fleet``) gets one schedule instead,
+``cdc_maintenance_schedule``, that starts each table at the same spread minute: 500 schedules
+make the Automation page slow and the daemon's loop long. The op holds the table's pool slot while it works (``defs.operations``), so it
 never overlaps a materialization or an operator job of the same table. What it did is
 recorded as an observation of the table's asset (files and bytes before and after), visible
 on the asset's page beside its materializations.
@@ -24,7 +26,7 @@ from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.maintenance import DEFAULT_RETENTION_HOURS, compact, vacuum
-from cdc_platform.lib.schedule_spread import spread_daily_cron
+from cdc_platform.lib.schedule_spread import due_at, spread_daily_cron, window_cron
 from cdc_platform.lib.warehouse import TablePaths
 
 MAINTENANCE_JOB = "table_maintenance"
@@ -33,6 +35,7 @@ MAINTENANCE_JOB = "table_maintenance"
 PRIORITY_TAG = "dagster/priority"
 BACKGROUND_PRIORITY = "-1"
 MAINTENANCE_OP = "compact_and_vacuum"
+FLEET_MAINTENANCE_SCHEDULE = "cdc_maintenance_schedule"
 
 
 class MaintenanceConfig(TableRunConfig):
@@ -44,7 +47,9 @@ class MaintenanceConfig(TableRunConfig):
     vacuum: bool = Field(default=True, description="False: compact only.")
 
 
-def maintenance_schedule_name(table: TableConfig) -> str:
+def maintenance_schedule_name(platform: PlatformConfig, table: TableConfig) -> str:
+    if platform.landing_sensor == "fleet":
+        return FLEET_MAINTENANCE_SCHEDULE
     return f"{table.name}_maintenance_schedule"
 
 
@@ -103,19 +108,57 @@ def build_maintenance_schedules(
     """One schedule per table on the config's ``maintenance_schedule``, moved by a per-table
     offset within ``schedule_window_minutes`` (``lib.schedule_spread``): each launches ``job``
     for its table (tagged with it, below ingestion's priority in the run queue), and can be
-    stopped on its own."""
+    stopped on its own. A fleet: one schedule for all of them (``_fleet_schedule``)."""
+    if platform.landing_sensor == "fleet":
+        return [_fleet_schedule(platform, job)] if platform.tables else []
     return [
         dg.ScheduleDefinition(
-            name=maintenance_schedule_name(t),
+            name=maintenance_schedule_name(platform, t),
             job=job,
             cron_schedule=spread_daily_cron(
                 platform.maintenance_schedule, t.name, platform.schedule_window_minutes
             ),
             execution_timezone="UTC",
             run_config=maintenance_run_config(t),
-            tags={TABLE_TAG: t.name, PRIORITY_TAG: BACKGROUND_PRIORITY},
+            tags=_run_tags(t),
             description=f"Compaction and VACUUM of {t.name} ({MAINTENANCE_JOB}).",
             default_status=dg.DefaultScheduleStatus.RUNNING,
         )
         for t in platform.tables
     ]
+
+
+def _run_tags(table: TableConfig) -> dict[str, str]:
+    return {TABLE_TAG: table.name, PRIORITY_TAG: BACKGROUND_PRIORITY}
+
+
+def _fleet_schedule(platform: PlatformConfig, job: dg.JobDefinition) -> dg.ScheduleDefinition:
+    """Every table's maintenance from one schedule: it ticks through the window and starts
+    each table at the tick following its spread minute, the run a per-table schedule would
+    have launched (same run config, tags and one run per table and day)."""
+    cron, window = platform.maintenance_schedule, platform.schedule_window_minutes
+
+    @dg.schedule(
+        name=FLEET_MAINTENANCE_SCHEDULE,
+        job=job,
+        cron_schedule=window_cron(cron, window),
+        execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+        description=f"Compaction and VACUUM of each of the {len(platform.tables)} tables "
+        f"({MAINTENANCE_JOB}), spread over {window} min from {cron}.",
+    )
+    def cdc_maintenance_schedule(context: dg.ScheduleEvaluationContext):
+        tick = context.scheduled_execution_time
+        due = [t for t in platform.tables if due_at(cron, t.name, window, tick.hour, tick.minute)]
+        if not due:
+            return dg.SkipReason(f"no table's maintenance starts at {tick:%H:%M}")
+        return [
+            dg.RunRequest(
+                run_key=f"{t.name}:{tick.isoformat()}",
+                run_config=maintenance_run_config(t),
+                tags=_run_tags(t),
+            )
+            for t in due
+        ]
+
+    return cdc_maintenance_schedule

@@ -30,3 +30,35 @@ def spread_daily_cron(cron: str, name: str, window_minutes: int) -> str:
     minute, hour = int(m.group(1)), int(m.group(2))
     start = (hour * 60 + minute + offset_minutes(name, window_minutes)) % (24 * 60)
     return f"{start % 60} {start // 60} * * *"
+
+
+# A fleet's one maintenance schedule ticks this often through the window, and each tick starts
+# the tables whose place in the window fell since the previous one.
+STEP_MINUTES = 5
+
+
+def _daily_start(cron: str) -> int | None:
+    """Minute of the day a plain daily cron names, else None."""
+    m = _DAILY.match(cron.strip())
+    return None if m is None else int(m.group(2)) * 60 + int(m.group(1))
+
+
+def window_cron(cron: str, window_minutes: int) -> str:
+    """The cron of one schedule standing for every table's spread ``cron``: every
+    ``STEP_MINUTES`` through the hours the window touches (any other cron: as written)."""
+    start = _daily_start(cron)
+    if start is None:
+        return cron
+    minutes = range(start, start + max(window_minutes, 1) + STEP_MINUTES)
+    hours = sorted({(m // 60) % 24 for m in minutes})
+    return f"*/{STEP_MINUTES} {','.join(str(h) for h in hours)} * * *"
+
+
+def due_at(cron: str, name: str, window_minutes: int, hour: int, minute: int) -> bool:
+    """Whether ``name``'s spread start falls in the step ending at ``hour:minute`` (after the
+    previous tick, up to this one): each table is due at exactly one tick a day."""
+    start = _daily_start(cron)
+    if start is None:
+        return True
+    mine = (start + offset_minutes(name, window_minutes)) % (24 * 60)
+    return (hour * 60 + minute - mine) % (24 * 60) < STEP_MINUTES
