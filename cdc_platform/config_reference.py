@@ -77,7 +77,9 @@ TOP_KEYS: dict[str, tuple[str, str]] = {
         "`per_table` or `fleet`",
         "`per_table`: a landing sensor per table, each hour range of a table its own run. "
         "`fleet`: one landing sensor for every table (a fleet idles at one tick a minute, not "
-        "one per table) whose runs apply one hour range for up to `tables_per_run` tables.",
+        "one per table) whose runs apply one hour range for up to `tables_per_run` tables, "
+        "and one maintenance schedule, `cdc_maintenance_schedule`, starting each table at its "
+        "spread minute.",
     ),
     "tables_per_run": (
         "tables (1-100)",

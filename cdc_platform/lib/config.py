@@ -164,7 +164,8 @@ class PlatformConfig:
     adoption_roots: tuple[Location, ...] = ()
     # "per_table": a landing sensor per table, a run per table and hour range. "fleet": one
     # landing sensor for every table, and runs applying one hour range for up to
-    # ``tables_per_run`` tables each, each table its own step and commit (``defs.fleet``).
+    # ``tables_per_run`` tables each, each table its own step and commit (``defs.fleet``), and
+    # one maintenance schedule for every table (``defs.maintenance``).
     landing_sensor: str = "per_table"
     tables_per_run: int = 1
 
