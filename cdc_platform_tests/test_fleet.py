@@ -16,7 +16,13 @@ from cdc_platform.defs.fleet import (
     FleetCursor,
     build_fleet_landing_sensor,
 )
-from cdc_platform.defs.sensors import BACKLOG_HOURS, REASON_TAG, TABLE_TAG
+from cdc_platform.defs.sensors import (
+    BACKLOG_HOURS,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    REASON_TAG,
+    TABLE_TAG,
+)
 from cdc_platform.lib.config import ConfigError, PlatformConfig, TableConfig, parse_config
 from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
 from cdc_platform.lib.sensor_cursor import (
@@ -236,3 +242,45 @@ def test_batches_group_by_hours_and_partitions_and_retries_run_alone() -> None:
     ]
     assert len({b.run_key for b in batches}) == len(batches)
     assert batch(requests, starts, tables_per_run=2) == batches  # deterministic
+
+
+def test_tables_of_two_starts_and_an_hour_range_resolve_to_dagsters_asset_job(
+    tmp_path: Path,
+) -> None:
+    """What the implicit asset job must take: a range run (two hours, the range tags) of two
+    tables of one start, and a run of a table of another start, each resolved as the daemon
+    resolves a sensor's requests (their partitions checked against the selected assets)."""
+    landing, warehouse = tmp_path / "landing", tmp_path / "warehouse"
+    later = START + timedelta(hours=1)
+    tables = (
+        TableConfig(name="a", primary_key=("id",), start=START),
+        TableConfig(name="b", primary_key=("id",), start=START),
+        TableConfig(name="c", primary_key=("id",), start=later),
+    )
+    for table in tables:
+        for hour in (START, later) if table.start == START else (later,):
+            write_parquet_events(landing, table.name, hour, [ev("INSERT", 1, hour, 1, v="x")])
+    platform = PlatformConfig(landing, Location.of(warehouse), tables)
+    defs = [build_table_definitions(platform, t) for t in tables]
+    assets = {t.name: d.asset for t, d in zip(tables, defs, strict=True)}
+    clock = Clock(datetime(2024, 1, 1, 5, 30, tzinfo=UTC))
+    sensor = build_fleet_landing_sensor(tables, landing, warehouse, assets, 20, clock=clock)
+    definitions = dg.Definitions(
+        assets=list(assets.values()),
+        asset_checks=[d.checks for d in defs],
+        sensors=[sensor],
+        resources=dagster_resources(),
+    )
+    instance = dg.DagsterInstance.ephemeral()
+    _, cursor, _ = tick(definitions, sensor, None, instance)
+    requests, _, _ = tick(definitions, sensor, cursor, instance)
+    by_tables = {tuple(selected(r)): r for r in requests}
+    assert set(by_tables) == {("a", "b"), ("c",)}
+    assert {r.job_name for r in requests} == {"__ASSET_JOB"}
+    ab, c = by_tables[("a", "b")], by_tables[("c",)]
+    assert ab.partition_key is None
+    assert (ab.tags[RANGE_START_TAG], ab.tags[RANGE_END_TAG]) == (
+        hour_to_partition_key(START),
+        hour_to_partition_key(later),
+    )
+    assert c.partition_key == hour_to_partition_key(later)

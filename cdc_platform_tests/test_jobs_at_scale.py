@@ -17,6 +17,7 @@ from typing import Any
 
 import dagster as dg
 import pytest
+from dagster._core.storage.tags import SCHEDULE_NAME_TAG
 from dagster._utils.schedules import cron_string_iterator
 
 from cdc_platform.defs import maintenance, operations
@@ -30,7 +31,7 @@ from cdc_platform.defs.plans import PLAN_JOB, PLAN_OP
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, load_config
-from cdc_platform.lib.schedule_spread import STEP_MINUTES, spread_daily_cron
+from cdc_platform.lib.schedule_spread import STEP_MINUTES, spread_daily_cron, window_started
 from cdc_platform_tests.helpers import dagster_resources
 
 # The jobs the Jobs page lists, whatever the table count.
@@ -110,6 +111,21 @@ def test_the_jobs_do_not_grow_with_the_table_count(tmp_path):
     assert len({r.run_key for r in requests}) == 200
 
 
+def _launched(
+    instance: dg.DagsterInstance, repo: Any, schedule: Any, tick: datetime
+) -> list[dg.RunRequest]:
+    """One tick of ``schedule`` at ``tick``, its runs created as the daemon would create them."""
+    with dg.build_schedule_context(instance=instance, scheduled_execution_time=tick) as context:
+        requests = list(schedule.evaluate_tick(context).run_requests or [])
+    for request in requests:
+        instance.create_run_for_job(
+            repo.get_job(MAINTENANCE_JOB),
+            run_config=request.run_config,
+            tags={**request.tags, SCHEDULE_NAME_TAG: schedule.name},
+        )
+    return requests
+
+
 @pytest.mark.parametrize(("cron", "window"), [("30 4 * * *", 120), ("50 23 * * *", 45)])
 def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_day(
     tmp_path, cron, window
@@ -117,9 +133,8 @@ def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_day(
     """``landing_sensor: fleet``: one schedule, whose ticks over a whole day launch each
     table's maintenance exactly once, within one step after the minute its own schedule
     would have had (the window crossing midnight too)."""
-    platform = platform_with(tmp_path, 200)
     fleet = replace(
-        platform,
+        platform_with(tmp_path, 200),
         landing_sensor="fleet",
         maintenance_schedule=cron,
         schedule_window_minutes=window,
@@ -129,14 +144,13 @@ def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_day(
         FLEET_MAINTENANCE_SCHEDULE
     ]
     schedule = repo.get_schedule_def(FLEET_MAINTENANCE_SCHEDULE)
-    day = datetime(2024, 1, 2, tzinfo=UTC)
-    ticks = cron_string_iterator(day.timestamp(), str(schedule.cron_schedule), "UTC")
+    began = window_started(cron, datetime(2024, 1, 2, tzinfo=UTC))
     started: dict[str, datetime] = {}
-    for tick in ticks:
-        if tick >= day + timedelta(days=1):
-            break
-        with dg.build_schedule_context(scheduled_execution_time=tick) as context:
-            for request in schedule.evaluate_tick(context).run_requests or []:
+    with dg.instance_for_test() as instance:
+        for tick in cron_string_iterator(began.timestamp(), str(schedule.cron_schedule), "UTC"):
+            if tick >= began + timedelta(days=1):
+                break
+            for request in _launched(instance, repo, schedule, tick):
                 name = request.tags[TABLE_TAG]
                 assert name not in started, f"{name} started twice"
                 started[name] = tick
@@ -149,6 +163,23 @@ def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_day(
         late = (started[table.name].hour * 60 + started[table.name].minute) - (hour * 60 + minute)
         assert 0 <= late % (24 * 60) < STEP_MINUTES, (table.name, own, started[table.name])
     assert len(set(started.values())) > 8  # spread, not one tick
+
+
+def test_the_fleet_maintenance_schedule_catches_up_the_ticks_a_stopped_daemon_missed(tmp_path):
+    """Dagster runs only the newest missed tick: that tick starts every table whose minute
+    has passed in the window, and the next tick none of them again."""
+    fleet = replace(platform_with(tmp_path, 200), landing_sensor="fleet")
+    repo = build_definitions(fleet).get_repository_def()
+    schedule = repo.get_schedule_def(FLEET_MAINTENANCE_SCHEDULE)
+    began = window_started(fleet.maintenance_schedule, datetime(2024, 1, 2, 12, tzinfo=UTC))
+    halfway = began + timedelta(minutes=fleet.schedule_window_minutes // 2)
+    with dg.instance_for_test() as instance:
+        first = {r.tags[TABLE_TAG] for r in _launched(instance, repo, schedule, halfway)}
+        after = [r.tags[TABLE_TAG] for r in _launched(instance, repo, schedule, halfway)]
+        end = began + timedelta(minutes=fleet.schedule_window_minutes + STEP_MINUTES)
+        rest = {r.tags[TABLE_TAG] for r in _launched(instance, repo, schedule, end)}
+    assert 50 < len(first) < 150 and after == []  # the first half, once
+    assert first | rest == {t.name for t in fleet.tables} and not first & rest
 
 
 def _run(

@@ -11,9 +11,11 @@ recorded as an observation of the table's asset (files and bytes before and afte
 on the asset's page beside its materializations.
 """
 
+from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
+from dagster._core.storage.tags import SCHEDULE_NAME_TAG
 from pydantic import Field
 
 from cdc_platform.defs.operations import (
@@ -26,7 +28,12 @@ from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.maintenance import DEFAULT_RETENTION_HOURS, compact, vacuum
-from cdc_platform.lib.schedule_spread import due_at, spread_daily_cron, window_cron
+from cdc_platform.lib.schedule_spread import (
+    due_by,
+    spread_daily_cron,
+    window_cron,
+    window_started,
+)
 from cdc_platform.lib.warehouse import TablePaths
 
 MAINTENANCE_JOB = "table_maintenance"
@@ -94,7 +101,8 @@ def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
     @dg.job(
         name=MAINTENANCE_JOB,
         description="Compact a table's history table and change log, then VACUUM them (and "
-        "its current table). Each table's <table>_maintenance_schedule launches it.",
+        "its current table). Each table's <table>_maintenance_schedule launches it (a "
+        "fleet's: cdc_maintenance_schedule).",
     )
     def table_maintenance() -> None:
         compact_and_vacuum()
@@ -133,9 +141,11 @@ def _run_tags(table: TableConfig) -> dict[str, str]:
 
 
 def _fleet_schedule(platform: PlatformConfig, job: dg.JobDefinition) -> dg.ScheduleDefinition:
-    """Every table's maintenance from one schedule: it ticks through the window and starts
-    each table at the tick following its spread minute, the run a per-table schedule would
-    have launched (same run config, tags and one run per table and day)."""
+    """Every table's maintenance from one schedule, the run a per-table schedule would have
+    launched (same run config and tags, one run per table and window). Each tick starts the
+    tables whose spread minute has come and that this window has not started yet (one query
+    of the runs since it began): Dagster runs only the newest of the ticks a stopped daemon
+    missed, and their tables would otherwise wait a day."""
     cron, window = platform.maintenance_schedule, platform.schedule_window_minutes
 
     @dg.schedule(
@@ -148,13 +158,19 @@ def _fleet_schedule(platform: PlatformConfig, job: dg.JobDefinition) -> dg.Sched
         f"({MAINTENANCE_JOB}), spread over {window} min from {cron}.",
     )
     def cdc_maintenance_schedule(context: dg.ScheduleEvaluationContext):
-        tick = context.scheduled_execution_time
-        due = [t for t in platform.tables if due_at(cron, t.name, window, tick.hour, tick.minute)]
+        tick = context.scheduled_execution_time.astimezone(UTC)
+        began = window_started(cron, tick)
+        started = _started_since(context.instance, began)
+        due = [
+            t
+            for t in platform.tables
+            if t.name not in started and due_by(cron, t.name, window, tick)
+        ]
         if not due:
-            return dg.SkipReason(f"no table's maintenance starts at {tick:%H:%M}")
+            return dg.SkipReason(f"no table's maintenance is due at {tick:%H:%M}")
         return [
             dg.RunRequest(
-                run_key=f"{t.name}:{tick.isoformat()}",
+                run_key=f"{t.name}:{began.isoformat()}",
                 run_config=maintenance_run_config(t),
                 tags=_run_tags(t),
             )
@@ -162,3 +178,15 @@ def _fleet_schedule(platform: PlatformConfig, job: dg.JobDefinition) -> dg.Sched
         ]
 
     return cdc_maintenance_schedule
+
+
+def _started_since(instance: dg.DagsterInstance, began: datetime) -> set[str]:
+    """The tables this schedule launched a run for since ``began``."""
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(
+            job_name=MAINTENANCE_JOB,
+            tags={SCHEDULE_NAME_TAG: FLEET_MAINTENANCE_SCHEDULE},
+            created_after=began,
+        )
+    )
+    return {run.tags[TABLE_TAG] for run in runs if TABLE_TAG in run.tags}

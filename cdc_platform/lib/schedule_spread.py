@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from datetime import UTC, datetime, timedelta
 
 _DAILY = re.compile(r"^(\d{1,2}) (\d{1,2}) \* \* \*$")
 
@@ -33,7 +34,7 @@ def spread_daily_cron(cron: str, name: str, window_minutes: int) -> str:
 
 
 # A fleet's one maintenance schedule ticks this often through the window, and each tick starts
-# the tables whose place in the window fell since the previous one.
+# the tables whose place in the window has come and that have not started yet.
 STEP_MINUTES = 5
 
 
@@ -54,11 +55,22 @@ def window_cron(cron: str, window_minutes: int) -> str:
     return f"*/{STEP_MINUTES} {','.join(str(h) for h in hours)} * * *"
 
 
-def due_at(cron: str, name: str, window_minutes: int, hour: int, minute: int) -> bool:
-    """Whether ``name``'s spread start falls in the step ending at ``hour:minute`` (after the
-    previous tick, up to this one): each table is due at exactly one tick a day."""
+def window_started(cron: str, at: datetime) -> datetime:
+    """The latest start of ``cron``'s daily window at or before ``at`` (UTC); any other cron:
+    ``at`` itself."""
     start = _daily_start(cron)
     if start is None:
+        return at
+    at = at.astimezone(UTC).replace(second=0, microsecond=0)
+    since = (at.hour * 60 + at.minute - start) % (24 * 60)
+    return at - timedelta(minutes=since)
+
+
+def due_by(cron: str, name: str, window_minutes: int, at: datetime) -> bool:
+    """Whether ``name``'s spread start in the window begun at ``window_started(cron, at)``
+    has come by ``at``: a tick starts every such table its window has not started yet, so a
+    tick the daemon missed leaves nothing behind."""
+    if _daily_start(cron) is None:
         return True
-    mine = (start + offset_minutes(name, window_minutes)) % (24 * 60)
-    return (hour * 60 + minute - mine) % (24 * 60) < STEP_MINUTES
+    since = at.astimezone(UTC) - window_started(cron, at)
+    return offset_minutes(name, window_minutes) <= since.total_seconds() // 60
