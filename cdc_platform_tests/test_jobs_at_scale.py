@@ -10,6 +10,7 @@ built, and the runs that go further than the table lookup get a Spark resource w
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import SCHEDULE_NAME_TAG
+from dagster._core.test_utils import freeze_time
 from dagster._utils.schedules import cron_string_iterator
 
 from cdc_platform.defs import maintenance, operations
@@ -31,7 +32,13 @@ from cdc_platform.defs.plans import PLAN_JOB, PLAN_OP
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, load_config
-from cdc_platform.lib.schedule_spread import STEP_MINUTES, spread_daily_cron, window_started
+from cdc_platform.lib.schedule_spread import (
+    STEP_MINUTES,
+    due_by,
+    offset_minutes,
+    spread_daily_cron,
+    window_started,
+)
 from cdc_platform_tests.helpers import dagster_resources
 
 # The jobs the Jobs page lists, whatever the table count.
@@ -114,27 +121,31 @@ def test_the_jobs_do_not_grow_with_the_table_count(tmp_path):
 def _launched(
     instance: dg.DagsterInstance, repo: Any, schedule: Any, tick: datetime
 ) -> list[dg.RunRequest]:
-    """One tick of ``schedule`` at ``tick``, its runs created as the daemon would create them."""
-    with dg.build_schedule_context(instance=instance, scheduled_execution_time=tick) as context:
-        requests = list(schedule.evaluate_tick(context).run_requests or [])
-    for request in requests:
-        instance.create_run_for_job(
-            repo.get_job(MAINTENANCE_JOB),
-            run_config=request.run_config,
-            tags={**request.tags, SCHEDULE_NAME_TAG: schedule.name},
-        )
+    """One tick of ``schedule`` at ``tick``, its runs created then, as the daemon would."""
+    with freeze_time(tick):
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=tick) as ctx:
+            requests = list(schedule.evaluate_tick(ctx).run_requests or [])
+        for request in requests:
+            instance.create_run_for_job(
+                repo.get_job(MAINTENANCE_JOB), run_config=request.run_config, tags=request.tags
+            )
     return requests
 
 
-@pytest.mark.parametrize(("cron", "window"), [("30 4 * * *", 120), ("50 23 * * *", 45)])
-def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_day(
-    tmp_path, cron, window
+@pytest.mark.parametrize(
+    ("cron", "window", "lead_minutes"),
+    # A day-long window's ticks are 288 a day; test_a_day_long_window_... covers its edge.
+    [("30 4 * * *", 120, 60), ("50 23 * * *", 45, 60)],
+)
+def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_window(
+    tmp_path, cron, window, lead_minutes
 ):
-    """``landing_sensor: fleet``: one schedule, whose ticks over a whole day launch each
-    table's maintenance exactly once, within one step after the minute its own schedule
-    would have had (the window crossing midnight too)."""
+    """``landing_sensor: fleet``: one schedule, whose ticks over two days (from the hour before
+    a window, whose ticks start nobody) launch each table's maintenance once per window,
+    within one step after the minute its own schedule would have had (a window crossing
+    midnight too)."""
     fleet = replace(
-        platform_with(tmp_path, 200),
+        platform_with(tmp_path, 60),
         landing_sensor="fleet",
         maintenance_schedule=cron,
         schedule_window_minutes=window,
@@ -144,31 +155,46 @@ def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_day(
         FLEET_MAINTENANCE_SCHEDULE
     ]
     schedule = repo.get_schedule_def(FLEET_MAINTENANCE_SCHEDULE)
-    began = window_started(cron, datetime(2024, 1, 2, tzinfo=UTC))
-    started: dict[str, datetime] = {}
+    began = window_started(cron, datetime(2024, 1, 2, 12, tzinfo=UTC))
+    first = began - timedelta(minutes=lead_minutes)
+    started: dict[str, list[datetime]] = {t.name: [] for t in fleet.tables}
     with dg.instance_for_test() as instance:
-        for tick in cron_string_iterator(began.timestamp(), str(schedule.cron_schedule), "UTC"):
-            if tick >= began + timedelta(days=1):
+        for tick in cron_string_iterator(first.timestamp(), str(schedule.cron_schedule), "UTC"):
+            if tick >= began + timedelta(days=2):
                 break
             for request in _launched(instance, repo, schedule, tick):
-                name = request.tags[TABLE_TAG]
-                assert name not in started, f"{name} started twice"
-                started[name] = tick
-                assert request.run_config == maintenance.maintenance_run_config(fleet.table(name))
+                assert tick >= began, f"{request.tags[TABLE_TAG]} started before its window"
+                started[request.tags[TABLE_TAG]].append(tick)
+                assert request.run_config == maintenance.maintenance_run_config(
+                    fleet.table(request.tags[TABLE_TAG])
+                )
                 assert request.tags["dagster/priority"] == "-1"
-    assert sorted(started) == sorted(t.name for t in fleet.tables)
     for table in fleet.tables:
         own = spread_daily_cron(cron, table.name, window)
         minute, hour = (int(f) for f in own.split()[:2])
-        late = (started[table.name].hour * 60 + started[table.name].minute) - (hour * 60 + minute)
-        assert 0 <= late % (24 * 60) < STEP_MINUTES, (table.name, own, started[table.name])
-    assert len(set(started.values())) > 8  # spread, not one tick
+        assert len(started[table.name]) == 2, (table.name, started[table.name])
+        for tick in started[table.name]:
+            late = (tick.hour * 60 + tick.minute) - (hour * 60 + minute)
+            assert 0 <= late % (24 * 60) < STEP_MINUTES, (table.name, own, tick)
+    assert len({tick for ticks in started.values() for tick in ticks}) > 8  # spread
+
+
+def test_a_day_long_window_places_every_table_before_its_last_tick():
+    """Offsets past the last 5-minute tick of a 1,440-minute window would never be due."""
+    name = next(n for n in (f"t{i}" for i in range(100_000)) if _raw_offset(n) >= 1436)
+    assert offset_minutes(name, 1440) == 24 * 60 - STEP_MINUTES
+    began = datetime(2024, 1, 2, tzinfo=UTC)
+    assert due_by("0 0 * * *", name, 1440, began + timedelta(minutes=24 * 60 - STEP_MINUTES))
+
+
+def _raw_offset(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % 1440
 
 
 def test_the_fleet_maintenance_schedule_catches_up_the_ticks_a_stopped_daemon_missed(tmp_path):
     """Dagster runs only the newest missed tick: that tick starts every table whose minute
     has passed in the window, and the next tick none of them again."""
-    fleet = replace(platform_with(tmp_path, 200), landing_sensor="fleet")
+    fleet = replace(platform_with(tmp_path, 60), landing_sensor="fleet")
     repo = build_definitions(fleet).get_repository_def()
     schedule = repo.get_schedule_def(FLEET_MAINTENANCE_SCHEDULE)
     began = window_started(fleet.maintenance_schedule, datetime(2024, 1, 2, 12, tzinfo=UTC))
@@ -178,7 +204,7 @@ def test_the_fleet_maintenance_schedule_catches_up_the_ticks_a_stopped_daemon_mi
         after = [r.tags[TABLE_TAG] for r in _launched(instance, repo, schedule, halfway)]
         end = began + timedelta(minutes=fleet.schedule_window_minutes + STEP_MINUTES)
         rest = {r.tags[TABLE_TAG] for r in _launched(instance, repo, schedule, end)}
-    assert 50 < len(first) < 150 and after == []  # the first half, once
+    assert 15 < len(first) < 45 and after == []  # the first half, once
     assert first | rest == {t.name for t in fleet.tables} and not first & rest
 
 

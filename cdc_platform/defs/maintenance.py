@@ -11,7 +11,7 @@ recorded as an observation of the table's asset (files and bytes before and afte
 on the asset's page beside its materializations.
 """
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import dagster as dg
@@ -186,7 +186,9 @@ def _started_since(instance: dg.DagsterInstance, began: datetime) -> set[str]:
         filters=dg.RunsFilter(
             job_name=MAINTENANCE_JOB,
             tags={SCHEDULE_NAME_TAG: FLEET_MAINTENANCE_SCHEDULE},
-            created_after=began,
+            # Dagster compares strictly (created > after): a run of the window's first tick
+            # can be created in its very second.
+            created_after=began - timedelta(seconds=1),
         )
     )
     return {run.tags[TABLE_TAG] for run in runs if TABLE_TAG in run.tags}

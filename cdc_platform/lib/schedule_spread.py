@@ -14,13 +14,18 @@ from datetime import UTC, datetime, timedelta
 
 _DAILY = re.compile(r"^(\d{1,2}) (\d{1,2}) \* \* \*$")
 
+# A fleet's one maintenance schedule ticks this often through the window, and each tick starts
+# the tables whose place in the window has come and that have not started yet.
+STEP_MINUTES = 5
+
 
 def offset_minutes(name: str, window_minutes: int) -> int:
-    """A table's place in the window: stable, and even over many names."""
+    """A table's place in the window: stable, and even over many names; in a day-long window
+    no later than its last ``STEP_MINUTES`` tick, which the fleet's schedule must reach."""
     if window_minutes <= 1:
         return 0
     digest = hashlib.sha256(name.encode()).digest()
-    return int.from_bytes(digest[:8], "big") % window_minutes
+    return min(int.from_bytes(digest[:8], "big") % window_minutes, 24 * 60 - STEP_MINUTES)
 
 
 def spread_daily_cron(cron: str, name: str, window_minutes: int) -> str:
@@ -31,11 +36,6 @@ def spread_daily_cron(cron: str, name: str, window_minutes: int) -> str:
     minute, hour = int(m.group(1)), int(m.group(2))
     start = (hour * 60 + minute + offset_minutes(name, window_minutes)) % (24 * 60)
     return f"{start % 60} {start // 60} * * *"
-
-
-# A fleet's one maintenance schedule ticks this often through the window, and each tick starts
-# the tables whose place in the window has come and that have not started yet.
-STEP_MINUTES = 5
 
 
 def _daily_start(cron: str) -> int | None:
@@ -72,5 +72,9 @@ def due_by(cron: str, name: str, window_minutes: int, at: datetime) -> bool:
     tick the daemon missed leaves nothing behind."""
     if _daily_start(cron) is None:
         return True
-    since = at.astimezone(UTC) - window_started(cron, at)
-    return offset_minutes(name, window_minutes) <= since.total_seconds() // 60
+    since = (at.astimezone(UTC) - window_started(cron, at)).total_seconds() // 60
+    # The schedule's ticks of its first hour before today's start are in no window (an
+    # hour past the last one's end): a first deploy at 04:00 starts nobody before 04:30.
+    if since >= window_minutes + STEP_MINUTES + 60:
+        return False
+    return offset_minutes(name, window_minutes) <= since
