@@ -5,8 +5,8 @@ schedule, ``<table>_maintenance_schedule``, on the config's ``maintenance_schedu
 launches this job with the table in its run config, so a table's maintenance can be stopped
 on its own. A fleet (``landing_sensor: fleet``) gets one schedule instead,
 ``cdc_maintenance_schedule``, that starts each table at the same spread minute: 500 schedules
-make the Automation page slow and the daemon's loop long. The op holds the table's pool slot while it works (``defs.operations``), so it
-never overlaps a materialization or an operator job of the same table. What it did is
+make the Automation page slow and the daemon's loop long. The op holds the table's pool slot
+while it works (``defs.operations``), so it never overlaps a materialization or an operator job of the same table. What it did is
 recorded as an observation of the table's asset (files and bytes before and after), visible
 on the asset's page beside its materializations.
 """
@@ -159,13 +159,11 @@ def _fleet_schedule(platform: PlatformConfig, job: dg.JobDefinition) -> dg.Sched
     )
     def cdc_maintenance_schedule(context: dg.ScheduleEvaluationContext):
         tick = context.scheduled_execution_time.astimezone(UTC)
+        due = [t for t in platform.tables if due_by(cron, t.name, window, tick)]
         began = window_started(cron, tick)
-        started = _started_since(context.instance, began)
-        due = [
-            t
-            for t in platform.tables
-            if t.name not in started and due_by(cron, t.name, window, tick)
-        ]
+        if due:  # the ticks before the window's start ask the run storage nothing
+            started = _started_since(context.instance, began)
+            due = [t for t in due if t.name not in started]
         if not due:
             return dg.SkipReason(f"no table's maintenance is due at {tick:%H:%M}")
         return [

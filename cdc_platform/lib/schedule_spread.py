@@ -30,12 +30,11 @@ def offset_minutes(name: str, window_minutes: int) -> int:
 
 def spread_daily_cron(cron: str, name: str, window_minutes: int) -> str:
     """``cron`` moved later by ``name``'s offset when it is a plain daily time, else as is."""
-    m = _DAILY.match(cron.strip())
-    if m is None:
+    start = _daily_start(cron)
+    if start is None:
         return cron
-    minute, hour = int(m.group(1)), int(m.group(2))
-    start = (hour * 60 + minute + offset_minutes(name, window_minutes)) % (24 * 60)
-    return f"{start % 60} {start // 60} * * *"
+    mine = (start + offset_minutes(name, window_minutes)) % (24 * 60)
+    return f"{mine % 60} {mine // 60} * * *"
 
 
 def _daily_start(cron: str) -> int | None:
