@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from cdc_platform.lib.delta import DataFile
+    from cdc_platform.lib.table import Table
 
 TableRef = str | os.PathLike[str] | Location | TablePaths
 Engine = Literal["duckdb", "polars"]
@@ -114,21 +115,24 @@ def as_of_instant(ts: datetime | str) -> datetime:
 class _Snapshot:
     """One version of the history table: what every read in this module works from."""
 
-    path: Location
+    table: Table
     version: int
     schema: pa.Schema  # the whole table, state columns included
     files: tuple[DataFile, ...]
 
     @classmethod
     def open(cls, table: TableRef, version: int | None = None) -> _Snapshot:
-        from cdc_platform.lib import delta
+        from cdc_platform.lib.table import Table
 
         path = history_path(table)
-        if not delta.exists(path):
+        history = Table.open(path, version)
+        if history.version is None:
             raise FileNotFoundError(f"no Delta table at {path}: has the table been materialized?")
-        dt = delta.open_table(path, version)
-        files = tuple(delta.snapshot_files(dt))
-        return cls(path, dt.version(), delta.table_arrow_schema(dt), files)
+        return cls(history, history.version, history.arrow_schema, tuple(history.files))
+
+    @property
+    def path(self) -> Location:
+        return self.table.location
 
     @property
     def columns(self) -> list[str]:
@@ -199,19 +203,11 @@ def _spark_read(
 ) -> DataFrame:
     from pyspark.sql import SparkSession
 
-    from cdc_platform.lib import changelog, delta
-
     session = spark or SparkSession.getActiveSession()
     if session is None:
         raise ValueError("no active SparkSession: pass spark=<your session>")
     snap = _Snapshot.open(table, version)
-    schema = changelog.spark_schema(snap.schema)
-    files = snap.files_at(at)
-    rows = (
-        delta.read_files(session.read.schema(schema), snap.path, files)
-        if files
-        else session.createDataFrame([], schema)
-    )
+    rows = snap.table.read(session, snap.files_at(at))
     if at is None:
         valid = col(ACTIVE)
     else:

@@ -26,6 +26,7 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import IN_SUBFOLDER, SYMLINK, hour_folder
 from cdc_platform.lib.pipeline import LandingRootMissingError, materialize
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, write_parquet_events
@@ -546,8 +547,9 @@ def test_pending_files_recompute_only_when_the_applied_version_was_cleaned_up(
 
     def pending_files(applied_version: int) -> tuple[list[delta.DataFile], int]:
         """The log's files added after ``applied_version``, and its current version."""
-        dt = delta.open_table(path)
-        return changelog.files_since(path, dt, applied_version), dt.version()
+        log = Table.open(path)
+        assert log.version is not None
+        return changelog.files_since(log, applied_version), log.version
 
     pending, version = pending_files(1)
     assert (len(pending), version) == (2, 3)

@@ -46,6 +46,7 @@ from cdc_platform.lib.storage import (
     StorageOptionError,
     hadoop_conf,
 )
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
@@ -224,8 +225,9 @@ def test_a_writers_files_are_collected_and_committed_atomically(platform, s3):
     old = delta.open_table(table, version=1)
     assert [f.path for f in delta.snapshot_files(old)] == [first[0].path]
     # What a reader of the watermark sees pending: after input 1, the second write; after 2, none.
-    assert [f.path for f in changelog.files_since(table, now, 1)] == [second[0].path]
-    assert changelog.files_since(table, now, 2) == []
+    log = Table.open(table)
+    assert [f.path for f in changelog.files_since(log, 1)] == [second[0].path]
+    assert changelog.files_since(log, 2) == []
     # The file Spark would read, under Hadoop's name for S3.
     assert delta.absolute_paths(table, [second[0].path]) == [
         f"s3a://{_key(table)}/{second[0].path}"

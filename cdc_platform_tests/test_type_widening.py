@@ -16,7 +16,7 @@ from cdc_platform.lib import current_table, delta, invariants
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.reading import widest
+from cdc_platform.lib.schema import widest
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events

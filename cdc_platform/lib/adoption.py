@@ -46,15 +46,17 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.merge import MergeResult, apply_pending
 from cdc_platform.lib.pipeline import to_ms
-from cdc_platform.lib.reading import (
+from cdc_platform.lib.reading import event_schema
+from cdc_platform.lib.schema import (
     NATIVE_READ_OPTIONS,
     WIDENINGS,
-    event_schema,
     normalize_type,
+    spark_schema,
     widest,
 )
 from cdc_platform.lib.source_roots import SourceRootError, adoption_source
 from cdc_platform.lib.storage import Location, Where, read_parquet
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
 
@@ -181,7 +183,7 @@ def adopt(
     given = inserts.unionByName(deletes, allowMissingColumns=True).withColumn(
         SOURCE_FILE, F.lit(source_name(where))
     )
-    shape = changelog.spark_schema(event_schema(delta.arrow_schema_of(typed.drop(DELETED))))
+    shape = spark_schema(event_schema(delta.arrow_schema_of(typed.drop(DELETED))))
     events = given.select(
         *[
             (col(f.name) if f.name in given.columns else F.lit(None)).cast(f.dataType).alias(f.name)
@@ -267,7 +269,7 @@ def _delta_rows(spark: SparkSession, where: Location) -> DataFrame:
     )
     if needs_library:
         return _delta_library_rows(spark, where, dt, needs_library)
-    logical = changelog.spark_schema(delta.table_arrow_schema(dt))
+    logical = spark_schema(delta.table_arrow_schema(dt))
     physical = _physical_schema(dt, where)
     if dt.metadata().partition_columns:
         return _partitioned_rows(spark, where, dt, logical, physical)
@@ -446,7 +448,7 @@ def _check_keys(rows: DataFrame, where: Location, pk: Sequence[str]) -> None:
 def _normalized(rows: DataFrame, data: Sequence[str]) -> DataFrame:
     """Each data column cast to the one type the change log uses for it (``normalize_type``)."""
     arrow = delta.arrow_schema_of(rows.select(*cols(list(data))))
-    target = changelog.spark_schema(pa.schema([pa.field(f.name, f.type) for f in arrow]))
+    target = spark_schema(pa.schema([pa.field(f.name, f.type) for f in arrow]))
     return rows.select(
         *[col(f.name).cast(f.dataType).alias(f.name) for f in target.fields], col(DELETED)
     )
@@ -460,7 +462,7 @@ def _widened(
     the column when there is none."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    logged = changelog.key_and_data_fields(paths.changelog)
+    logged = changelog.key_and_data_fields(Table.open(paths.changelog))
     if logged is None:
         return typed
     have = {f.name: f.type for f in logged}

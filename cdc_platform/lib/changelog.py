@@ -30,13 +30,12 @@ from cdc_platform.lib.columns import (
     internal,
     timestamp_lit,
 )
-from cdc_platform.lib.reading import normalize_type
+from cdc_platform.lib.schema import normalize_type, spark_schema
 from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.table import Table
 
 if TYPE_CHECKING:
-    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
-    from pyspark.sql.types import StructType
 
 SYSTEM = set(CHANGELOG_SYSTEM_COLUMNS)
 # Events per change-log file of a big append (a backfill): a quarter of a full-size file, so a
@@ -68,11 +67,9 @@ class AppendResult:
     version: int | None
 
 
-def key_and_data_fields(path: Where) -> pa.Schema | None:
+def key_and_data_fields(log: Table) -> pa.Schema | None:
     """The change log's key and data columns so far (None before its first event)."""
-    if not delta.exists(path):
-        return None
-    return key_and_data_of(delta.table_arrow_schema(delta.open_table(path)))
+    return key_and_data_of(log.arrow_schema) if log.exists else None
 
 
 def key_and_data_of(log_schema: pa.Schema) -> pa.Schema:
@@ -80,34 +77,6 @@ def key_and_data_of(log_schema: pa.Schema) -> pa.Schema:
     return pa.schema(
         [pa.field(f.name, normalize_type(f.type)) for f in log_schema if f.name not in SYSTEM]
     )
-
-
-def spark_schema(dt_schema: pa.Schema) -> StructType:
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    return from_arrow_schema(
-        pa.schema([pa.field(f.name, normalize_type(f.type)) for f in dt_schema])
-    )
-
-
-def read(
-    spark: SparkSession, path: Where, files: Sequence[delta.DataFile] | None = None
-) -> DataFrame | None:
-    """The change log's events (all of them, or those in ``files``) as a lazy DataFrame."""
-    if not delta.exists(path):
-        return None
-    dt = delta.open_table(path)
-    files = delta.snapshot_files(dt) if files is None else files
-    return read_files(spark, path, spark_schema(delta.table_arrow_schema(dt)), files)
-
-
-def read_files(
-    spark: SparkSession, path: Where, schema: StructType, files: Sequence[delta.DataFile]
-) -> DataFrame:
-    """The events in ``files`` of the change log at ``path``, read with ``schema``."""
-    if not files:
-        return spark.createDataFrame([], schema)
-    return delta.read_files(spark.read.schema(schema), path, files)
 
 
 def append(
@@ -145,13 +114,13 @@ def append(
     lo, hi = seq_range
 
     def attempt() -> AppendResult:
-        dt = delta.ensure_table(path, schema, description="cdc_platform change log")
-        dt = delta.widen_table(spark, path, dt, schema)  # a column the batch widened
-        if fence is not None and dt.version() != fence.version:
+        log = Table.open(path).ensure(schema, "cdc_platform change log")
+        log = log.widened(spark, schema)  # a column the batch widened
+        if fence is not None and log.version != fence.version:
             # Moved since the decision (or this batch changed its schema: a commit of its own,
             # after which the caller decides again on the new version).
             raise CommitFailedError(
-                f"{path}: the change log is at version {dt.version()}, not {fence.version} "
+                f"{path}: the change log is at version {log.version}, not {fence.version} "
                 "as when the operation decided"
             )
         # Revoked files go before the duplicates are resolved, so that a kept file's copy of
@@ -160,23 +129,23 @@ def append(
         kept = events.filter(~col(SOURCE_FILE).isin(sorted(gone))) if gone else events
         batch = kept.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
         # Only files whose seq range overlaps this batch can hold a duplicate of its events.
-        candidates = _overlapping(delta.snapshot_files(dt), lo, hi)
+        candidates = _overlapping(log.files, lo, hi)
         new = batch
         if candidates:
-            logged = delta.read_files(spark.read, path, candidates).select(*cols([*pk, SEQ]))
+            logged = log.read(spark, candidates).select(*cols([*pk, SEQ]))
             # Broadcast only when the statistics say few rows (``lib.joins``): re-reading a
             # bulk hour checks its events against millions logged.
             logged = joins.build_side(logged, joins.records(candidates))
             new = new.join(logged, [*pk, SEQ], "left_anti")
-        gone = _seq_overlapping(forgotten, lo, hi) if forgotten is not None else []
+        ledger = Table.open(forgotten) if forgotten is not None else None
+        gone = _overlapping(ledger.files, lo, hi) if ledger is not None else []
         gone = [f for f in gone if removal_committed(path, f)]
-        if forgotten is not None and gone:
-            ledger = delta.read_files(spark.read, forgotten, gone)
-            forgot = joins.build_side(ledger.select(*cols([*pk, SEQ])), joins.records(gone))
-            new = new.join(forgot, [*pk, SEQ], "left_anti")
+        if ledger is not None and gone:
+            forgot = ledger.read(spark, gone).select(*cols([*pk, SEQ]))
+            new = new.join(joins.build_side(forgot, joins.records(gone)), [*pk, SEQ], "left_anti")
         # The table's columns and types: a column the table widened after this batch was read
         # (a concurrent append) is cast up, as the widening cast the rows already there.
-        table_schema = delta.table_arrow_schema(dt)
+        table_schema = log.arrow_schema
         known = set(new.columns)
         new = delta.arrow_cast(
             new.select(
@@ -191,28 +160,15 @@ def append(
         # its recent past (``merge._slow_events``), skips the files of earlier times.
         n = delta.file_count_for(expected_rows, LOG_ROWS_PER_FILE)
         shaped = new.repartitionByRange(n, col(TS), *cols(pk)) if n > 1 else new.coalesce(1)
-        adds = delta.write_files(shaped, path)
-        if before_commit is not None:
-            try:
+        with log.committing() as append:
+            adds = append.write(shaped)
+            if before_commit is not None:
                 before_commit()
-            except BaseException:
-                delta.discard(path, adds)
-                raise
-        if not adds:
-            return AppendResult(0, dt.version())
-        count = sum(delta.num_records(a) for a in adds)
-        try:  # strict: if another writer logged events meanwhile, dedupe against them again
-            version = delta.commit(
-                dt,
-                adds,
-                [],
-                delta.table_arrow_schema(dt),
-                metadata={"cdc_platform.new_events": count},
-                strict=True,
-            )
-        except BaseException:
-            delta.discard(path, adds)
-            raise
+            if not adds:
+                return AppendResult(0, log.version)
+            count = sum(delta.num_records(a) for a in adds)
+            # strict: if another writer logged events meanwhile, dedupe against them again
+            version = append.commit(metadata={"cdc_platform.new_events": count}, strict=True)
         return AppendResult(count, version)
 
     if fence is not None:
@@ -227,12 +183,6 @@ def _overlapping(files: Sequence[delta.DataFile], lo: int, hi: int) -> list[delt
         for f in files
         if f.min_values.get(SEQ) is None or not (f.min_values[SEQ] > hi or f.max_values[SEQ] < lo)
     ]
-
-
-def _seq_overlapping(ledger: Where, lo: int, hi: int) -> list[delta.DataFile]:
-    if not delta.exists(ledger):
-        return []
-    return _overlapping(delta.snapshot_files(delta.open_table(ledger)), lo, hi)
 
 
 def forget(
@@ -259,22 +209,19 @@ def forget(
                 REMOVAL: F.lit(removal).cast("string"),
             }
         )
-    dt = delta.ensure_table(
-        path, delta.arrow_schema_of(rows), description="cdc_platform events removed for good"
-    )
-    dt = delta.widen_table(rows.sparkSession, path, dt, delta.arrow_schema_of(rows))
-    adds = delta.write_files(rows.repartitionByRange(1, col(SEQ)), path)
-    try:
-        delta.commit(dt, adds, [], delta.table_arrow_schema(dt))
-    except BaseException:
-        delta.discard(path, adds)
-        raise
+    schema = delta.arrow_schema_of(rows)
+    ledger = Table.open(path).ensure(schema, "cdc_platform events removed for good")
+    ledger = ledger.widened(rows.sparkSession, schema)
+    with ledger.committing() as add:
+        add.write(rows.repartitionByRange(1, col(SEQ)))
+        add.commit()
 
 
 def unforget(path: Where, removal: str) -> None:
     """Drop the ledger rows of a removal whose commit lost its race (it decides again)."""
-    if delta.exists(path):
-        delta.open_table(path).delete(delta.in_predicate(REMOVAL, [removal]))
+    ledger = Table.open(path)
+    if ledger.dt is not None:
+        ledger.dt.delete(delta.in_predicate(REMOVAL, [removal]))
 
 
 def removal_committed(log: Where, ledger_file: delta.DataFile) -> bool:
@@ -307,16 +254,15 @@ def removal_committed(log: Where, ledger_file: delta.DataFile) -> bool:
     return False
 
 
-def files_since(path: Where, dt: DeltaTable, applied_version: int | None) -> list[delta.DataFile]:
-    """Files of the snapshot ``dt`` that were added after ``applied_version`` (all if None)."""
-    now = delta.snapshot_files(dt)
+def files_since(log: Table, applied_version: int | None) -> list[delta.DataFile]:
+    """Files of the snapshot ``log`` that were added after ``applied_version`` (all if None)."""
     if applied_version is None:
-        return now
-    if applied_version >= dt.version():
+        return log.files
+    if log.version is None or applied_version >= log.version:
         return []
     try:
-        before_dt = delta.open_table(path, version=applied_version)
+        before = log.at(applied_version)
     except TableNotFoundError:  # "no files in log segment": that version's log was cleaned up
-        return now  # so recompute every key; any other error is raised
-    before = {f.path for f in delta.snapshot_files(before_dt)}
-    return [f for f in now if f.path not in before]
+        return log.files  # so recompute every key; any other error is raised
+    seen = {f.path for f in before.files}
+    return [f for f in log.files if f.path not in seen]

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from cdc_platform import read
-from cdc_platform.lib import changelog, delta
+from cdc_platform.lib import delta
 from cdc_platform.lib.columns import col, cols, is_reserved
+from cdc_platform.lib.schema import spark_schema
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -62,22 +64,19 @@ def _refresh_once(
 ) -> CurrentTableResult:
     from pyspark.sql import functions as F
 
-    if not delta.exists(paths.history):
+    history = Table.open(paths.history)
+    if history.version is None:
         raise FileNotFoundError(
             f"history table {paths.history} does not exist yet: materialize it first"
         )
-    history = delta.open_table(paths.history)
-    history_version = history.version()
-    live_rows = sum(
-        f.num_records or 0 for f in delta.snapshot_files(history) if read.may_hold(f, None)
-    )
+    live_rows = sum(f.num_records or 0 for f in history.files if read.may_hold(f, None))
     # Key and data columns: every name outside the platform's `_fivetran_`/`_cdc_` spaces.
-    user = pa.schema([f for f in delta.table_arrow_schema(history) if not is_reserved(f.name)])
-    dt = (
-        delta.open_table(paths.current)
-        if delta.exists(paths.current)
-        else delta.ensure_table(paths.current, user, description=DESCRIPTION)
-    )
+    user = pa.schema([f for f in history.arrow_schema if not is_reserved(f.name)])
+    current = Table.open(paths.current)
+    if not current.exists:
+        current = current.ensure(user, DESCRIPTION)
+    dt = current.dt
+    assert dt is not None
     if dt.metadata().description != DESCRIPTION:
         # Another table's (a discovered `<table>_current`, say): never overwritten, vacuumed.
         raise CurrentTableClashError(
@@ -86,7 +85,7 @@ def _refresh_once(
             "is not overwritten. Turn current_table off for the table, or move that table away"
         )
     # Columns are only ever added, as in the history table: the table's own, then new ones.
-    existing = delta.table_arrow_schema(dt)
+    existing = current.arrow_schema
     # A column the history table widened takes its wider type (the commit below sets it).
     schema = pa.schema(
         [
@@ -95,8 +94,8 @@ def _refresh_once(
         ]
     )
     # The version just opened, not "the latest" again: the commit records what it reflects.
-    live = read.current(paths.history, spark=spark, version=history_version)
-    types = changelog.spark_schema(schema)
+    live = read.current(paths.history, spark=spark, version=history.version)
+    types = spark_schema(schema)
     rows = live.select(
         *(
             col(f.name)
@@ -105,29 +104,22 @@ def _refresh_once(
             for f in schema
         )
     )
-    old = delta.snapshot_files(dt)
     n = delta.file_count_for(live_rows)
     pk = cols(list(primary_key))
     shaped = rows.repartitionByRange(n, *pk) if n > 1 else rows.coalesce(1)
-    adds = delta.write_files(shaped.sortWithinPartitions(*pk), paths.current)
-    try:
-        version = delta.commit(
-            dt,
-            adds,
-            [],
-            schema,
-            metadata={HISTORY_VERSION: history_version},
+    with current.committing() as replace:
+        adds = replace.write(shaped.sortWithinPartitions(*pk))
+        version = replace.commit(
+            schema=schema,
+            metadata={HISTORY_VERSION: history.version},
             strict=True,
             overwrite=True,
         )
-    except BaseException:
-        delta.discard(paths.current, adds)
-        raise
     return CurrentTableResult(
         rows=sum(delta.num_records(a) for a in adds),
         version=version,
-        history_version=history_version,
+        history_version=history.version,
         files_added=len(adds),
-        files_removed=len(old),
+        files_removed=len(current.files),
         attempts=1,
     )

@@ -39,7 +39,7 @@ from cdc_platform.lib.columns import col
 from cdc_platform.lib.storage import GLOB_CHARACTERS, Location, Where, read_parquet
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, DataFrameReader, SparkSession
+    from pyspark.sql import DataFrame, DataFrameReader
 
 T = TypeVar("T")
 
@@ -433,65 +433,6 @@ def arrow_cast(df: DataFrame, schema: pa.Schema) -> DataFrame:
             )
 
     return frame.mapInArrow(cast, from_arrow_schema(schema))
-
-
-def widen_table(
-    spark: SparkSession, table_path: Where, dt: DeltaTable, target: pa.Schema
-) -> DeltaTable:
-    """Give ``dt``'s columns the (wider) types ``target`` has for them, in one strict commit.
-
-    Every file is rewritten on its own, its rows cast by Arrow (as new files are when they are
-    decoded), so the table keeps its file layout and statistics; the commit replaces them all
-    and sets the new schema (an overwrite, which keeps the table's properties and app
-    transactions). Columns ``target`` lacks, or has with the same type, are left as they are.
-    Returns the table as it is now (``dt`` itself when nothing widens).
-    """
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    from cdc_platform.lib.reading import NATIVE_READ_OPTIONS
-
-    current = table_arrow_schema(dt)
-    wanted = {f.name: f.type for f in target}
-    # Only ever wider: a column ``target`` has in a narrower type keeps the table's.
-    widened = pa.schema(
-        [f.with_type(wanted[f.name]) if _widens(f.type, wanted.get(f.name)) else f for f in current]
-    )
-    if widened.types == current.types:
-        return dt
-    changes = {
-        f.name: f"{f.type} -> {widened.field(f.name).type}"
-        for f in current
-        if widened.field(f.name).type != f.type
-    }
-
-    adds: list[AddAction] = []
-    try:
-        for f in snapshot_files(dt):
-            rows = read_files(
-                spark.read.schema(from_arrow_schema(current)).options(**NATIVE_READ_OPTIONS),
-                table_path,
-                [f],
-            )
-            adds += write_files(arrow_cast(rows, widened).coalesce(1), table_path)
-        commit(
-            dt,
-            adds,
-            [],
-            widened,
-            metadata={"cdc_platform.widened_columns": changes},
-            strict=True,
-            overwrite=True,
-        )
-    except BaseException:
-        discard(table_path, adds)
-        raise
-    return open_table(table_path)
-
-
-def _widens(have: pa.DataType, to: pa.DataType | None) -> bool:
-    from cdc_platform.lib.reading import widest
-
-    return to is not None and to != have and widest(have, to) == to
 
 
 def top_level_leaves(meta: pq.FileMetaData) -> dict[str, int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 from typing import TYPE_CHECKING, Any
 
-from cdc_platform.lib import changelog, delta, joins, quarantine, revoked_files
+from cdc_platform.lib import delta, joins, quarantine, revoked_files
 from cdc_platform.lib.columns import (
     ACTIVE,
     CHANGED,
@@ -56,12 +56,13 @@ from cdc_platform.lib.spark import (
     persisted,
 )
 from cdc_platform.lib.storage import Location
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
     from pyspark.sql import Column, DataFrame, SparkSession
-    from pyspark.sql.types import DataType, StructType
+    from pyspark.sql.types import DataType
 
 SAMPLE_SIZE = 5
 MAX_LISTED_FILES = 100  # quarantined file names a no_quarantined_files result lists
@@ -135,23 +136,22 @@ def touched_keys(
     merge), else those in the files the history table gained since (None: no scope, all keys)."""
     from pyspark.sql.types import StructType
 
-    if not delta.exists(paths.history):
+    history = Table.open(paths.history)
+    if history.dt is None:
         return None
-    dt = delta.open_table(paths.history)
-    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    listed = _listed_keys(dt, since_version, list(primary_key))
+    schema = history.spark_schema
+    listed = _listed_keys(history.dt, since_version, list(primary_key))
     if listed is not None and _fit(listed, schema[primary_key[0]].dataType):
         key_schema = StructType([schema[primary_key[0]]])
         keys = spark.createDataFrame([(v,) for v in listed], key_schema)
         return Scope(keys, values=listed)
-    return _keys_in_files_since(spark, paths, dt, schema, primary_key, since_version)
+    return _keys_in_files_since(spark, paths, history, primary_key, since_version)
 
 
 def _keys_in_files_since(
     spark: SparkSession,
     paths: TablePaths,
-    dt: DeltaTable,
-    schema: StructType,
+    history: Table,
     primary_key: Sequence[str],
     since_version: int | None,
 ) -> Scope | None:
@@ -160,10 +160,10 @@ def _keys_in_files_since(
     before is left (a first load, a rebuild, every file removed: the whole-table checks cost
     less than a scope of every key, and see keys the table lost), or when a lost file is gone
     from storage (vacuumed: its keys are unknown)."""
-    now = delta.snapshot_files(dt)
+    now = history.files
     old = []
     if since_version is not None and since_version >= 0:
-        old = delta.snapshot_files(delta.open_table(paths.history, version=since_version))
+        old = history.at(since_version).files
     before, after = {f.path for f in old}, {f.path for f in now}
     if not before & after:
         return None
@@ -172,13 +172,8 @@ def _keys_in_files_since(
     if removed and not _all_stored(paths, removed):
         return None
     changed = added + removed
-    if not changed:
-        return Scope(spark.createDataFrame([], schema).select(*cols(list(primary_key))))
-    return Scope(
-        delta.read_files(spark.read.schema(schema), paths.history, changed)
-        .select(*cols(list(primary_key)))
-        .distinct()
-    )
+    keys = history.read(spark, changed).select(*cols(list(primary_key)))
+    return Scope(keys.distinct() if changed else keys)
 
 
 def _all_stored(paths: TablePaths, files: Sequence[delta.DataFile]) -> bool:
@@ -241,21 +236,17 @@ def run_checks(
     key value; the counts are unchanged."""
     pk = list(primary_key)
     outcomes = [_quarantine_check(paths), _revoked_check(spark, paths)]
-    if not delta.exists(paths.history):
+    history = Table.open(paths.history)
+    if history.dt is None:
         return outcomes + [
             CheckOutcome(n, True, 0, detail="table not created yet")
             for n in CHECK_NAMES
             if n not in (NO_QUARANTINE, NO_REVOKED)
         ]
-    dt = delta.open_table(paths.history)
-    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    files = delta.snapshot_files(dt)
-    table = (
-        delta.read_files(spark.read.schema(schema), paths.history, files)
-        if files
-        else spark.createDataFrame([], schema)
-    )
-    events = changelog.read(spark, paths.changelog)
+    dt = history.dt
+    table = history.read(spark)
+    log = Table.open(paths.changelog)
+    events = log.read(spark) if log.exists else None
     with (
         conf_restored(spark, ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS),
         ExitStack() as kept,
@@ -671,16 +662,12 @@ def _revoked_check(spark: SparkSession, paths: TablePaths) -> CheckOutcome:
     from pyspark.sql import functions as F
 
     names = revoked_files.revoked_names(paths.revoked_files)
-    if not names or not delta.exists(paths.changelog):
-        return CheckOutcome(NO_REVOKED, True, 0)
-    dt = delta.open_table(paths.changelog)
-    files = [f for f in delta.snapshot_files(dt) if revoked_files.may_hold(f, names)]
-    if not files:
+    log = Table.open(paths.changelog) if names else None
+    files = [f for f in log.files if revoked_files.may_hold(f, names)] if log is not None else []
+    if log is None or not files:
         return CheckOutcome(NO_REVOKED, True, 0)
     left = (
-        changelog.read_files(
-            spark, paths.changelog, changelog.spark_schema(delta.table_arrow_schema(dt)), files
-        )
+        log.read(spark, files)
         .filter(col(SOURCE_FILE).isin(sorted(names)))
         .groupBy(SOURCE_FILE)
         .agg(F.count(F.lit(1)).alias("events"))

@@ -47,15 +47,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
 import pyarrow.fs as pafs
-from deltalake import DeltaTable
 from deltalake.transaction import AddAction
 
-from cdc_platform.lib import changelog, delta, merge
+from cdc_platform.lib import delta, merge
 from cdc_platform.lib.columns import ACTIVE, CURRENT, cols
 from cdc_platform.lib.config import load_config
 from cdc_platform.lib.storage import Location
+from cdc_platform.lib.table import Commit, Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -112,85 +111,57 @@ def _small(files: Sequence[delta.DataFile], small_rows: int) -> list[delta.DataF
 def _compact_history(
     spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
 ) -> Compaction:
-    if not delta.exists(paths.history):
+    history = Table.open(paths.history)
+    if not history.exists:
         return Compaction("history", 0, 0, 0, 0, 0, None)
-    dt = delta.open_table(paths.history)
-    files = delta.snapshot_files(dt)
-    arrow_schema = delta.table_arrow_schema(dt)
     chosen: list[delta.DataFile] = []
-    if CURRENT in arrow_schema.names:  # else the next run recomputes the table anyway
+    if CURRENT in history.arrow_schema.names:  # else the next run recomputes the table anyway
         by_segment: dict[str, list[delta.DataFile]] = {}
-        for f in files:
+        for f in history.files:
             by_segment.setdefault(_segment(f), []).append(f)
         chosen = [
             f for seg, fs in by_segment.items() if seg != "mixed" for f in _small(fs, small_rows)
         ]
         chosen += by_segment.get("mixed", [])  # files from before the segment layout
     adds: list[AddAction] = []
-    version = dt.version()
+    version = history.version
     if chosen:
-        rows = delta.read_files(
-            spark.read.schema(changelog.spark_schema(arrow_schema)), paths.history, chosen
-        )
-        adds = merge.write_segments(
-            rows, paths.history, pk, sum(f.num_records or 0 for f in chosen), data_change=False
-        )
-        version = _commit_rewrite(dt, paths.history, adds, chosen, arrow_schema)
-    return _summary("history", files, chosen, adds, version)
+        with history.committing() as rewrite:
+            rows = history.read(spark, chosen)
+            expected = sum(f.num_records or 0 for f in chosen)
+            adds = merge.write_segments(rows, rewrite, pk, expected, data_change=False)
+            version = _commit_rewrite(rewrite, chosen)
+    return _summary("history", history.files, chosen, adds, version)
 
 
 def _compact_changelog(
     spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
 ) -> Compaction:
-    if not delta.exists(paths.changelog) or not delta.exists(paths.history):
+    log, history = Table.open(paths.changelog), Table.open(paths.history)
+    if not log.exists or not history.exists:
         return Compaction("changelog", 0, 0, 0, 0, 0, None)
-    log = delta.open_table(paths.changelog)
-    history = delta.open_table(paths.history)
-    files = delta.snapshot_files(log)
-    applied = history.transaction_version(merge.APP_ID)
-    chosen = _small(files, small_rows) if applied == log.version() else []
+    applied = history.watermark(merge.APP_ID)
+    chosen = _small(log.files, small_rows) if applied == log.version else []
     adds: list[AddAction] = []
-    version = log.version()
+    version = log.version
     if chosen:
-        arrow_schema = delta.table_arrow_schema(log)
-        rows = delta.read_files(
-            spark.read.schema(changelog.spark_schema(arrow_schema)), paths.changelog, chosen
-        )
-        expected = sum(f.num_records or 0 for f in chosen)
-        n = delta.file_count_for(expected)
-        shaped = rows.repartitionByRange(n, *cols(pk)) if n > 1 else rows.coalesce(1)
-        adds = delta.write_files(
-            shaped.sortWithinPartitions(*cols(pk)), paths.changelog, data_change=False
-        )
-        version = _commit_rewrite(log, paths.changelog, adds, chosen, arrow_schema)
+        with log.committing() as rewrite:
+            rows = log.read(spark, chosen)
+            n = delta.file_count_for(sum(f.num_records or 0 for f in chosen))
+            shaped = rows.repartitionByRange(n, *cols(pk)) if n > 1 else rows.coalesce(1)
+            adds = rewrite.write(shaped.sortWithinPartitions(*cols(pk)), data_change=False)
+            version = _commit_rewrite(rewrite, chosen)
         # The history table reflects every event, now in the compacted files: say so.
-        delta.commit(
-            history,
-            [],
-            [],
-            delta.table_arrow_schema(history),
-            app_transaction=(merge.APP_ID, version),
-            strict=True,
-        )
+        with history.committing() as stamp:
+            stamp.commit(app_transaction=(merge.APP_ID, version), strict=True)
         merge.stamp_delete_only_keys(paths, version, applied)
-    return _summary("changelog", files, chosen, adds, version)
+    return _summary("changelog", log.files, chosen, adds, version)
 
 
-def _commit_rewrite(
-    dt: DeltaTable,
-    table_path: Location,
-    adds: list[AddAction],
-    removed: Sequence[delta.DataFile],
-    schema: pa.Schema,
-) -> int:
+def _commit_rewrite(rewrite: Commit, removed: Sequence[delta.DataFile]) -> int:
+    """The compacted files in place of ``removed``, strictly: rows unchanged (no data change)."""
     removes = delta.removes_for(removed, data_change=False)
-    try:
-        return delta.commit(
-            dt, adds, removes, schema, metadata={"cdc_platform.operation": "compact"}, strict=True
-        )
-    except BaseException:
-        delta.discard(table_path, adds)
-        raise
+    return rewrite.commit(removes, metadata={"cdc_platform.operation": "compact"}, strict=True)
 
 
 def _summary(

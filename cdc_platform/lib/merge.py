@@ -80,11 +80,11 @@ from cdc_platform.lib.history import (
 )
 from cdc_platform.lib.run_cost import lap
 from cdc_platform.lib.spark import ADAPTIVE, interpreted, persisted
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.storage import Location
+from cdc_platform.lib.table import Commit, Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from deltalake import DeltaTable
     from deltalake.transaction import AddAction
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
@@ -199,7 +199,7 @@ def caught_up(
     primary_key: Sequence[str],
     synced_at: datetime,
     history_columns: HistoryColumns = TRACK_ALL,
-) -> DeltaTable | None:
+) -> Table | None:
     """The change log as the history table now reflects it, after merging what was pending:
     the version an operator job decides on (None: no change log yet). Raises
     ``CommitFailedError`` when events were logged during the catch-up, so the caller's retry
@@ -207,28 +207,25 @@ def caught_up(
     from deltalake.exceptions import CommitFailedError
 
     apply_pending(spark, paths, primary_key, synced_at, history_columns)
-    if not delta.exists(paths.changelog):
+    log = Table.open(paths.changelog)
+    if not log.exists:
         return None
-    log = delta.open_table(paths.changelog)
-    history = delta.open_table(paths.history) if delta.exists(paths.history) else None
-    applied = history.transaction_version(APP_ID) if history is not None else None
-    if changelog.files_since(paths.changelog, log, applied):
+    if changelog.files_since(log, Table.open(paths.history).watermark(APP_ID)):
         raise CommitFailedError(f"{paths.changelog}: events were logged during the catch-up")
     return log
 
 
-def widen_to_changelog(spark: SparkSession, paths: TablePaths, log: DeltaTable) -> bool:
+def widen_to_changelog(spark: SparkSession, snap: _Snapshot) -> bool:
     """Give the history table and its side tables the column types the change-log snapshot
-    ``log`` has (wider, after a file widened a column there), each in one strict commit before
-    the merge: every version keeps its values, cast, and the merge then runs on the widened
-    table. Part of each merge attempt: a widening that loses a race is retried with the rest.
+    has (wider, after a file widened a column there), each in one strict commit before the
+    merge: every version keeps its values, cast, and the merge then runs on the widened table.
+    Part of each merge attempt: a widening that loses a race is retried with the rest.
     Returns whether a table was widened."""
-    logged = changelog.key_and_data_of(delta.table_arrow_schema(log))
+    logged = changelog.key_and_data_of(snap.changelog.arrow_schema)
     widened = False
-    for table in (paths.history, paths.delete_only_keys, paths.retracted_keys):
-        if delta.exists(table):
-            dt = delta.open_table(table)
-            widened |= delta.widen_table(spark, table, dt, logged) is not dt
+    for table in (snap.history, snap.delete_only_keys, snap.retracted_keys):
+        if table.exists:
+            widened |= table.widened(spark, logged) is not table
     return widened
 
 
@@ -243,7 +240,8 @@ def record_history_columns(
     from deltalake import CommitProperties
     from deltalake.exceptions import CommitFailedError
 
-    dt = delta.open_table(paths.history)
+    dt = Table.open(paths.history).dt
+    assert dt is not None  # it has just committed ``data_version``
     if HistoryColumns.of_table(dt).same_as(history_columns) or dt.version() != data_version:
         return False
     try:
@@ -259,10 +257,13 @@ def record_history_columns(
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """What one attempt saw: each table opened once, so the whole attempt sees one version."""
+    """What one attempt saw: each of its four tables opened once, so the whole attempt sees
+    one version of each and commits against it."""
 
-    changelog: DeltaTable
-    history: DeltaTable | None
+    changelog: Table
+    history: Table
+    delete_only_keys: Table
+    retracted_keys: Table
     applied: int | None  # change-log version the history table reflects
     # The history table predates a state column, or follows another history_columns
     # setting: recompute every key.
@@ -270,16 +271,25 @@ class _Snapshot:
 
     @classmethod
     def open(cls, paths: TablePaths, history_columns: HistoryColumns) -> _Snapshot | None:
-        if not delta.exists(paths.changelog):
+        log = Table.open(paths.changelog)
+        if not log.exists:
             return None
-        log = delta.open_table(paths.changelog)
-        history = delta.open_table(paths.history) if delta.exists(paths.history) else None
-        applied = history.transaction_version(APP_ID) if history is not None else None
-        rebuild = history is not None and (
-            not set(STATE_COLUMNS) <= set(delta.table_arrow_schema(history).names)
-            or not HistoryColumns.of_table(history).same_as(history_columns)
+        history = Table.open(paths.history)
+        rebuild = history.dt is not None and (
+            not set(STATE_COLUMNS) <= set(history.arrow_schema.names)
+            or not HistoryColumns.of_table(history.dt).same_as(history_columns)
         )
-        return cls(log, history, None if rebuild else applied, rebuild)
+        applied = None if rebuild else history.watermark(APP_ID)
+        side, retracted = Table.open(paths.delete_only_keys), Table.open(paths.retracted_keys)
+        return cls(log, history, side, retracted, applied, rebuild)
+
+    @property
+    def delete_only_keys_stale(self) -> bool:
+        """The delete-only side table missed the history table's last commit (a crash came
+        between the two), or is missing while the history table has applied events."""
+        if not self.delete_only_keys.exists:
+            return self.applied is not None
+        return self.delete_only_keys.watermark(APP_ID) != self.applied
 
 
 @dataclass(frozen=True)
@@ -296,13 +306,8 @@ class _Attempt:
     pending: list[delta.DataFile]
     retracted: DataFrame | None  # keys an un-apply took events from (``_pending_retractions``)
     retracted_rows: int | None
-    dt: DeltaTable
-    hist_arrow: pa.Schema
-    hist_schema: StructType
+    history: Table  # the history table this attempt writes (created if new)
     data_columns: list[str]
-    files: list[delta.DataFile]
-    log_schema: StructType
-    log_files: list[delta.DataFile]
     # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``), and it
     # runs ``interpreted``.
     small: bool
@@ -310,7 +315,15 @@ class _Attempt:
 
     @property
     def columns(self) -> list[str]:
-        return [f.name for f in self.hist_schema.fields]
+        return self.history.arrow_schema.names
+
+    @property
+    def files(self) -> list[delta.DataFile]:
+        return self.history.files
+
+    @property
+    def log(self) -> Table:
+        return self.snap.changelog
 
     @property
     def current_files(self) -> list[delta.DataFile]:
@@ -333,7 +346,7 @@ class _Attempt:
     def read_history(
         self, files: Sequence[delta.DataFile], where: Column | None = None
     ) -> DataFrame:
-        return _read_history(self.spark, self.paths.history, self.hist_schema, files, where)
+        return _read_history(self.spark, self.history, files, where)
 
 
 @dataclass(frozen=True)
@@ -414,9 +427,10 @@ def _apply_once(
         change = _changes(compared, old, a.pk, gathered.version_rows, old_rows)
         rewritten = _rewritten(a, change)
         lap("merge_write")
-        adds = _write(a, gathered, compared, rewritten)
-        lap("merge_commit")
-        version = _commit(a, touched, split.affected, adds, rewritten, list_keys)
+        with a.history.committing() as commit:
+            adds = _write(a, commit, gathered, compared, rewritten)
+            lap("merge_commit")
+            version = _commit(a, commit, touched, split.affected, rewritten, list_keys)
         lap("merge_side_tables")
         _store_side_tables(a, touched, split, compared, last_events, change, gathered)
     return MergeResult(
@@ -446,7 +460,7 @@ def _rewritten(a: _Attempt, change: _Changes) -> list[delta.DataFile]:
     unknown = change.rewritten - {f.path for f in rewritten}
     if unknown:
         raise RuntimeError(
-            f"{a.paths.history}: rows came from files the table's snapshot does not list "
+            f"{a.history}: rows came from files the table's snapshot does not list "
             f"({sorted(unknown)[:3]}); nothing was written"
         )
     return rewritten
@@ -465,24 +479,21 @@ def _open_attempt(
     snap = _Snapshot.open(paths, history_columns)
     if snap is None:
         return MergeResult(history_version=delta.version_or_none(paths.history))
-    while widen_to_changelog(spark, paths, snap.changelog):  # types only widen: it ends
+    while widen_to_changelog(spark, snap):  # types only widen: it ends
         snap = _Snapshot.open(paths, history_columns)
         assert snap is not None
-    log_version = snap.changelog.version()
-    pending = changelog.files_since(paths.changelog, snap.changelog, snap.applied)
-    retracted, retracted_rows = _pending_retractions(spark, paths, snap.applied, log_version)
+    log_version = snap.changelog.version
+    assert log_version is not None
+    pending = changelog.files_since(snap.changelog, snap.applied)
+    retracted, retracted_rows = _pending_retractions(spark, snap, log_version)
     if not pending and retracted is None:
-        if snap.history is not None and _delete_only_keys_stale(paths, snap.applied):
+        if snap.history.exists and snap.delete_only_keys_stale:
             # A crash came between the last history commit and its side-table commit.
-            unversioned, _ = _read_delete_only_keys(spark, paths, pk, snap)
+            unversioned, _ = _read_delete_only_keys(spark, pk, snap)
             assert snap.applied is not None
-            _store_delete_only_keys(paths, unversioned, snap.applied)
-        return MergeResult(
-            history_version=snap.history.version() if snap.history is not None else None,
-            changelog_version=log_version,
-        )
-    log_schema = delta.table_arrow_schema(snap.changelog)
-    schema = history_schema(pk, changelog.key_and_data_of(log_schema))
+            _store_delete_only_keys(snap.delete_only_keys, unversioned, snap.applied)
+        return MergeResult(history_version=snap.history.version, changelog_version=log_version)
+    schema = history_schema(pk, changelog.key_and_data_of(snap.changelog.arrow_schema))
     data_columns = [f.name for f in schema if f.name not in pk and f.name not in SYSTEM_COLUMNS]
     unknown = history_columns.unknown(data_columns)
     if unknown:
@@ -491,10 +502,7 @@ def _open_attempt(
             f"{unknown}, which the table does not have (its data columns: "
             f"{', '.join(data_columns)}). Nothing was merged: fix the config and run again."
         )
-    dt = delta.ensure_table(
-        paths.history, schema, description="cdc_platform history-mode table", table=snap.history
-    )
-    hist_arrow = delta.table_arrow_schema(dt)
+    history = snap.history.ensure(schema, "cdc_platform history-mode table")
     return _Attempt(
         spark=spark,
         paths=paths,
@@ -505,13 +513,8 @@ def _open_attempt(
         pending=pending,
         retracted=retracted,
         retracted_rows=retracted_rows,
-        dt=dt,
-        hist_arrow=hist_arrow,
-        hist_schema=changelog.spark_schema(hist_arrow),
+        history=history,
         data_columns=data_columns,
-        files=delta.snapshot_files(dt),
-        log_schema=changelog.spark_schema(log_schema),
-        log_files=delta.snapshot_files(snap.changelog),
         small=_small(spark, joins.add(joins.records(pending), retracted_rows)),
         stack=stack,
     )
@@ -532,9 +535,7 @@ def _touch(a: _Attempt) -> _Touched:
     from pyspark.sql import functions as F
 
     pk = a.pk
-    events = dedupe_events(
-        changelog.read_files(a.spark, a.paths.changelog, a.log_schema, a.pending), pk
-    )
+    events = dedupe_events(a.log.read(a.spark, a.pending), pk)
     if not a.small:  # read and sorted once for the keys, their last events and the fold
         events = a.keep(events)
     ms = F.date_trunc("millisecond", col(TS))
@@ -569,8 +570,8 @@ def _touch(a: _Attempt) -> _Touched:
         current = a.read_history(a.current_files).join(
             joins.build_side(keys.select(*cols(pk)), touched_rows), pk, "left_semi"
         )
-    side_stale = _delete_only_keys_stale(a.paths, a.snap.applied)
-    unversioned, unversioned_rows = _read_delete_only_keys(a.spark, a.paths, pk, a.snap)
+    side_stale = a.snap.delete_only_keys_stale
+    unversioned, unversioned_rows = _read_delete_only_keys(a.spark, pk, a.snap)
     return _Touched(
         events=events,
         keys=keys,
@@ -756,6 +757,7 @@ def _fold(a: _Attempt, s: _Split, g: _Gathered, synced_at: datetime) -> tuple[Da
 
 def _write(
     a: _Attempt,
+    commit: Commit,
     g: _Gathered,
     compared: DataFrame,
     rewritten: list[delta.DataFile],
@@ -776,39 +778,32 @@ def _write(
     fresh = compared.filter(col(_OLD_FILE).isNull() | col(_OLD_FILE).isin(names))
     expected = sum(f.num_records or 0 for f in (*rewritten, *a.pending))
     return write_segments(
-        carried.unionByName(fresh.select(*cols(a.columns))), a.paths.history, a.pk, expected
+        carried.unionByName(fresh.select(*cols(a.columns))), commit, a.pk, expected
     )
 
 
 def _commit(
     a: _Attempt,
+    commit: Commit,
     t: _Touched,
     keys_affected: int,
-    adds: list[AddAction],
     rewritten: list[delta.DataFile],
     list_keys: bool,
 ) -> int:
     """Removes, adds and the change-log version now reflected, in one strict commit: a crash
-    or a lost race leaves the table as it was (the written files are discarded)."""
-    try:
-        fault_point("before_history_commit")
-        return delta.commit(
-            a.dt,
-            adds,
-            delta.removes_for(rewritten),
-            a.hist_arrow,
-            app_transaction=(APP_ID, a.log_version),
-            metadata={
-                "cdc_platform.keys_affected": keys_affected,
-                "cdc_platform.changelog_version": a.log_version,
-                # A rebuild may change other keys' rows: no list.
-                **touched_keys_metadata(t.values if list_keys and not a.snap.rebuild else None),
-            },
-            strict=True,
-        )
-    except BaseException:
-        delta.discard(a.paths.history, adds)
-        raise
+    or a lost race leaves the table as it was (``Table.committing`` discards the files)."""
+    fault_point("before_history_commit")
+    return commit.commit(
+        delta.removes_for(rewritten),
+        app_transaction=(APP_ID, a.log_version),
+        metadata={
+            "cdc_platform.keys_affected": keys_affected,
+            "cdc_platform.changelog_version": a.log_version,
+            # A rebuild may change other keys' rows: no list.
+            **touched_keys_metadata(t.values if list_keys and not a.snap.rebuild else None),
+        },
+        strict=True,
+    )
 
 
 def _store_side_tables(
@@ -833,11 +828,10 @@ def _store_side_tables(
     )
     kept_unversioned = joins.restrict(t.unversioned, s.keys, pk, s.affected, t.values, "left_anti")
     changed = bool(s.delete_only_touched or s.affected > change.keys)
-    rewrite = (
-        changed or t.side_stale or a.snap.rebuild or not delta.exists(a.paths.delete_only_keys)
-    )
+    side = a.snap.delete_only_keys
+    rewrite = changed or t.side_stale or a.snap.rebuild or not side.exists
     _store_delete_only_keys(
-        a.paths,
+        side,
         kept_unversioned.unionByName(now_unversioned) if rewrite else None,
         a.log_version,
     )
@@ -913,9 +907,9 @@ def _slow_events(
     # Key statistics skip files holding no slow key (compacted files are key-sorted), time
     # statistics those logged entirely before every checkpoint.
     log_read = [
-        f for f in _files_maybe_holding(a.log_files, pk, slow_values) if _may_reach(f, TS, since)
+        f for f in _files_maybe_holding(a.log.files, pk, slow_values) if _may_reach(f, TS, since)
     ]
-    log = changelog.read_files(a.spark, a.paths.changelog, a.log_schema, log_read)
+    log = a.log.read(a.spark, log_read)
     if slow_values is not None:  # held: the events of other keys never reach the join
         log = log.filter(joins.in_keys(pk, slow_values))
     logged = (
@@ -1027,8 +1021,7 @@ def _cached(df: DataFrame, small: bool = False) -> Iterator[DataFrame]:
 
 def _read_history(
     spark: SparkSession,
-    table_path: Where,
-    schema: StructType,
+    history: Table,
     files: Sequence[delta.DataFile],
     where: Column | None = None,
 ) -> DataFrame:
@@ -1037,11 +1030,10 @@ def _read_history(
     from pyspark.sql import functions as F
 
     if not files:
-        return spark.createDataFrame([], schema).withColumn(_FILE, F.lit(None).cast("string"))
-    rows = delta.read_files(spark.read.schema(schema), table_path, files)
-    if where is not None:
-        rows = rows.filter(where)
-    return rows.withColumn(_FILE, table_relative(F.input_file_name(), Location.of(table_path)))
+        empty = spark.createDataFrame([], history.spark_schema)
+        return empty.withColumn(_FILE, F.lit(None).cast("string"))
+    rows = history.read(spark, files, where=where)
+    return rows.withColumn(_FILE, table_relative(F.input_file_name(), history.location))
 
 
 def table_relative(file_url: Column, table: Location) -> Column:
@@ -1249,7 +1241,7 @@ def _changes(
 
 def write_segments(
     out: DataFrame,
-    table_path: Where,
+    into: Commit,
     pk: list[str],
     expected_rows: int,
     data_change: bool = True,
@@ -1275,9 +1267,8 @@ def write_segments(
         if n > 1
         else shaped.coalesce(1)
     )
-    return delta.write_files(
+    return into.write(
         shaped.sortWithinPartitions(*cols([*pk, START])),
-        table_path,
         partition_by=_SEGMENT,
         data_change=data_change,
     )
@@ -1293,7 +1284,7 @@ def _delete_only_schema(log_schema: StructType, pk: list[str]) -> StructType:
 
 
 def _read_delete_only_keys(
-    spark: SparkSession, paths: TablePaths, pk: list[str], snap: _Snapshot
+    spark: SparkSession, pk: list[str], snap: _Snapshot
 ) -> tuple[DataFrame, int | None]:
     """The delete-only keys as of the history table's watermark, and a bound on their rows
     (from Delta statistics; None if unknown).
@@ -1304,127 +1295,84 @@ def _read_delete_only_keys(
     """
     from pyspark.sql import functions as F
 
-    log_arrow = delta.table_arrow_schema(snap.changelog)
-    log_schema = changelog.spark_schema(log_arrow)
-    keys_schema = _delete_only_schema(log_schema, pk)
-    history_applied = snap.applied
-    side = paths.delete_only_keys
-    if not _delete_only_keys_stale(paths, history_applied):
-        files = delta.snapshot_files(delta.open_table(side)) if delta.exists(side) else []
-        if not files:
-            return spark.createDataFrame([], keys_schema), 0
-        read = delta.read_files(spark.read.schema(keys_schema), side, files)
-        return read, joins.records(files)
+    log_arrow = snap.changelog.arrow_schema
+    keys_schema = _delete_only_schema(snap.changelog.spark_schema, pk)
+    side = snap.delete_only_keys
+    if not snap.delete_only_keys_stale:
+        return side.read(spark, schema=keys_schema), joins.records(side.files)
     # Stale, or missing while the history table has applied events: recompute.
-    logged = delta.open_table(paths.changelog, version=history_applied)
+    assert snap.applied is not None and snap.history.exists
+    logged = snap.changelog.at(snap.applied)
     # That version's files have that version's types (a widening since rewrote the log): read
     # them so, then cast the key up as the widening did.
-    old_schema = delta.table_arrow_schema(logged)
     events = delta.arrow_cast(
-        changelog.read_files(
-            spark, paths.changelog, changelog.spark_schema(old_schema), delta.snapshot_files(logged)
-        ).select(*cols([*pk, TS])),
+        logged.read(spark).select(*cols([*pk, TS])),
         pa.schema([log_arrow.field(c) for c in [*pk, TS]]),
     )
-    assert snap.history is not None
-    history_files = delta.snapshot_files(snap.history)
-    versioned = _read_history(
-        spark,
-        paths.history,
-        changelog.spark_schema(delta.table_arrow_schema(snap.history)),
-        history_files,
-    ).select(*cols(pk))
+    versioned = snap.history.read(spark).select(*cols(pk))
     unversioned = (
         events.groupBy(*cols(pk))
         .agg(F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT))
-        .join(joins.build_side(versioned, joins.records(history_files)), pk, "left_anti")
+        .join(joins.build_side(versioned, joins.records(snap.history.files)), pk, "left_anti")
     )
-    return unversioned, joins.records(delta.snapshot_files(logged))
-
-
-def _delete_only_keys_stale(paths: TablePaths, history_applied: int | None) -> bool:
-    side = paths.delete_only_keys
-    if not delta.exists(side):
-        return history_applied is not None
-    return delta.open_table(side).transaction_version(APP_ID) != history_applied
+    return unversioned, joins.records(logged.files)
 
 
 def stamp_delete_only_keys(paths: TablePaths, log_version: int, previous: int | None) -> None:
     """Move the side table's watermark from ``previous`` to ``log_version`` without changing
     its rows (a commit with no files). A side table not at ``previous`` is stale (a crash came
     between two commits): it is left alone, so that the next run recomputes it."""
-    if not delta.exists(paths.delete_only_keys):
+    side = Table.open(paths.delete_only_keys)
+    if not side.exists:
         return  # then it is recomputed on the next run, as after a crash
-    dt = delta.open_table(paths.delete_only_keys)
-    if dt.transaction_version(APP_ID) != previous:
+    if side.watermark(APP_ID) != previous:
         return
-    delta.commit(dt, [], [], delta.table_arrow_schema(dt), app_transaction=(APP_ID, log_version))
+    with side.committing() as stamp:
+        stamp.commit(app_transaction=(APP_ID, log_version))
 
 
-def _store_delete_only_keys(paths: TablePaths, keys: DataFrame | None, log_version: int) -> None:
+def _store_delete_only_keys(side: Table, keys: DataFrame | None, log_version: int) -> None:
     """Stamp the side table with the history table's watermark, replacing its rows if given.
 
     ``None`` means unchanged: only the watermark moves (a commit with no files).
     """
-    side = paths.delete_only_keys
-    if keys is None:
-        dt = delta.open_table(side)
-        delta.commit(
-            dt, [], [], delta.table_arrow_schema(dt), app_transaction=(APP_ID, log_version)
+    if keys is not None:
+        side = side.ensure(
+            delta.arrow_schema_of(keys), "cdc_platform keys whose events are all deletes"
         )
-        return
-    dt = delta.ensure_table(
-        side,
-        delta.arrow_schema_of(keys),
-        description="cdc_platform keys whose events are all deletes",
-    )
-    old = delta.snapshot_files(dt)
-    adds = delta.write_files(keys.coalesce(1), side)
-    try:
-        delta.commit(
-            dt,
-            adds,
-            delta.removes_for(old),
-            delta.table_arrow_schema(dt),
-            app_transaction=(APP_ID, log_version),
-        )
-    except BaseException:
-        delta.discard(side, adds)
-        raise
+    with side.committing() as store:
+        removes = []
+        if keys is not None:
+            store.write(keys.coalesce(1))
+            removes = delta.removes_for(side.files)
+        store.commit(removes, app_transaction=(APP_ID, log_version))
 
 
 # -- keys whose events an un-apply removed -------------------------------------------------------
 
 
 def _pending_retractions(
-    spark: SparkSession, paths: TablePaths, applied: int | None, log_version: int
+    spark: SparkSession, snap: _Snapshot, log_version: int
 ) -> tuple[DataFrame | None, int | None]:
     """Retracted keys the history table has not caught up with: the removal followed change-log
     version ``v`` (committed as ``v + 1``, strictly), and the table reflects ``v`` or earlier.
     Rows with ``v`` at the log's current version belong to a removal that never committed.
     With a bound on their rows (Delta statistics of the files read; None if unknown).
     """
-    side = paths.retracted_keys
-    if not delta.exists(side):
-        return None, 0
-    dt = delta.open_table(side)
-    low = -1 if applied is None else applied
+    side = snap.retracted_keys
+    low = -1 if snap.applied is None else snap.applied
     # Each file holds the keys of one removal: one AFTER_LOG_VERSION value, in its statistics.
     files = [
         f
-        for f in delta.snapshot_files(dt)
+        for f in side.files
         if f.max_values.get(AFTER_LOG_VERSION, low) >= low
         and f.min_values.get(AFTER_LOG_VERSION, -1) < log_version
     ]
     if not files:
         return None, 0
-    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
     after = col(AFTER_LOG_VERSION)
-    return (
-        delta.read_files(spark.read.schema(schema), side, files)
-        .filter((after >= low) & (after < log_version))
-        .drop(AFTER_LOG_VERSION)
-    ), joins.records(files)
+    pending = side.read(spark, files, where=(after >= low) & (after < log_version))
+    return pending.drop(AFTER_LOG_VERSION), joins.records(files)
 
 
 def record_retracted_keys(
@@ -1435,19 +1383,15 @@ def record_retracted_keys(
     caught up with (the table reflects a version past theirs) are dropped in the same commit."""
     from pyspark.sql import functions as F
 
-    side = paths.retracted_keys
     rows = keys.distinct().withColumn(AFTER_LOG_VERSION, F.lit(after_log_version).cast("long"))
-    dt = delta.ensure_table(
-        side, delta.arrow_schema_of(rows), description="cdc_platform keys an un-apply recomputes"
+    side = Table.open(paths.retracted_keys).ensure(
+        delta.arrow_schema_of(rows), "cdc_platform keys an un-apply recomputes"
     )
     done = [
         f
-        for f in delta.snapshot_files(dt)
+        for f in side.files
         if applied is not None and f.max_values.get(AFTER_LOG_VERSION, applied) < applied
     ]
-    adds = delta.write_files(rows.coalesce(1), side)
-    try:
-        delta.commit(dt, adds, delta.removes_for(done), delta.table_arrow_schema(dt))
-    except BaseException:
-        delta.discard(side, adds)
-        raise
+    with side.committing() as record:
+        record.write(rows.coalesce(1))
+        record.commit(delta.removes_for(done))

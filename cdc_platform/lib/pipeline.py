@@ -40,6 +40,7 @@ from cdc_platform.lib.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.safe_open import CHANGED
 from cdc_platform.lib.spark import ADAPTIVE, conf_restored
 from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ def _apply_hours(
     reports += inspect_files(spark, reader, [p for p in all_paths if p not in not_read])
     readable = [r for r in reports if r.ok]
     fields, clashes = unify_schema(
-        changelog.key_and_data_fields(paths.changelog), readable, table.may_widen
+        changelog.key_and_data_fields(Table.open(paths.changelog)), readable, table.may_widen
     )
     good = [r for r in readable if r.path not in clashes]
 

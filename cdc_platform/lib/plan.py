@@ -32,6 +32,7 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -120,41 +121,26 @@ def _late_events(
     """Late events among those the planned run logged: (events, keys, oldest, reach)."""
     from pyspark.sql import functions as F
 
-    if not delta.exists(shadow.changelog) or not delta.exists(real.history):
+    planned, history = Table.open(shadow.changelog), Table.open(real.history)
+    if not planned.exists or not history.exists:
         return 0, 0, None, None
-    before = (
-        {f.path for f in delta.snapshot_files(delta.open_table(real.changelog, log_before))}
-        if log_before is not None
-        else set()
-    )
-    new_files = [
-        f for f in delta.snapshot_files(delta.open_table(shadow.changelog)) if f.path not in before
-    ]
+    before = Table.open(real.changelog, log_before).files if log_before is not None else []
+    seen = {f.path for f in before}
+    new_files = [f for f in planned.files if f.path not in seen]
     if not new_files:
         return 0, 0, None, None
     pk = list(primary_key)
-    events = delta.read_files(spark.read, shadow.changelog, new_files).select(
+    events = planned.read(spark, new_files).select(
         *cols(pk), F.date_trunc("millisecond", col(TS)).alias("_cdc_tmp_ms")
     )
-    history = delta.open_table(real.history)
-    files = delta.snapshot_files(history)
-    if not files or CURRENT not in delta.table_arrow_schema(history).names:
+    if not history.files or CURRENT not in history.arrow_schema.names:
         return 0, 0, None, None
-    last = (
-        delta.read_files(spark.read, real.history, files)
-        .filter(col(CURRENT))
-        .select(*cols(pk), col(LAST_EVENT_AT))
-    )
+    last = history.read(spark, where=col(CURRENT)).select(*cols(pk), col(LAST_EVENT_AT))
     # A key whose every event is a delete has no version; the merge keeps its last event in
     # the delete-only side table, and an event at or before it is just as late.
-    if delta.exists(real.delete_only_keys):
-        side = delta.snapshot_files(delta.open_table(real.delete_only_keys))
-        if side:
-            last = last.unionByName(
-                delta.read_files(spark.read, real.delete_only_keys, side).select(
-                    *cols(pk), col(LAST_EVENT_AT)
-                )
-            )
+    side = Table.open(real.delete_only_keys)
+    if side.files:
+        last = last.unionByName(side.read(spark).select(*cols(pk), col(LAST_EVENT_AT)))
     late = events.join(last, pk).filter(col("_cdc_tmp_ms") <= col(LAST_EVENT_AT))
     gap = col(LAST_EVENT_AT).cast("double") - col("_cdc_tmp_ms").cast("double")
     row = late.agg(

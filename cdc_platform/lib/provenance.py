@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from cdc_platform.lib import changelog, delta
 from cdc_platform.lib.columns import (
     ACTIVE,
     END,
@@ -39,6 +38,7 @@ from cdc_platform.lib.columns import (
     internal,
 )
 from cdc_platform.lib.history import HistoryColumns
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -69,18 +69,11 @@ def version_sources(
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
-    if not delta.exists(paths.history) or not delta.exists(paths.changelog):
+    history, log = Table.open(paths.history), Table.open(paths.changelog)
+    if not history.exists or not log.exists:
         raise NoHistoryError(f"no history table at {paths.history} yet: materialize it first")
-    dt = delta.open_table(paths.history)
-    files = delta.snapshot_files(dt)
-    history_schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    versions = (
-        delta.read_files(spark.read.schema(history_schema), paths.history, files)
-        if files
-        else spark.createDataFrame([], history_schema)
-    ).select(*cols([*pk, START, END, ACTIVE]))
-    events = changelog.read(spark, paths.changelog)
-    assert events is not None  # the change log exists (checked above)
+    versions = history.read(spark).select(*cols([*pk, START, END, ACTIVE]))
+    events = log.read(spark)
     if keys is not None:
         versions = versions.join(keys.select(*cols(pk)), pk, "left_semi")
         events = events.join(keys.select(*cols(pk)), pk, "left_semi")
@@ -90,7 +83,8 @@ def version_sources(
         F.date_trunc("millisecond", col(TS)).alias(START),
         F.struct(*cols(fields)).alias(EVENTS),
     )
-    if HistoryColumns.of_table(dt).tracks_everything:
+    assert history.dt is not None  # it exists (checked above)
+    if HistoryColumns.of_table(history.dt).tracks_everything:
         grouped = by_ms.groupBy(*cols([*pk, START])).agg(
             F.array_sort(F.collect_list(col(EVENTS))).alias(EVENTS)  # structs sort by seq first
         )

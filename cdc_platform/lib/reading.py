@@ -53,6 +53,14 @@ from cdc_platform.lib.csv_format import read_csv_events
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import printable_path
 from cdc_platform.lib.safe_open import CHANGED, FileId, check_unchanged, open_beneath, path_ids
+from cdc_platform.lib.schema import (
+    NATIVE_READ_OPTIONS,
+    WIDENINGS,
+    is_list,
+    normalize_type,
+    unsupported_type,
+    widest,
+)
 from cdc_platform.lib.storage import read_parquet
 from cdc_platform.lib.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
@@ -68,14 +76,11 @@ __all__ = [
     "NativeReadChangedError",
     "event_schema",
     "inspect_files",
-    "normalize_type",
     "read_events",
     "row_reason",
     "unify_schema",
-    "unsupported_type",
     "validate_native",
     "validate_rows",
-    "widest",
 ]
 
 INT64_MAX = 2**63 - 1
@@ -106,119 +111,6 @@ class FileReport:
         return self.error is None
 
 
-# -- types ----------------------------------------------------------------------------------------
-
-
-def normalize_type(t: pa.DataType) -> pa.DataType:
-    """One Arrow type per logical type, so files written by different tools agree.
-
-    Per Arrow type (every type Parquet can carry):
-
-    * bool; int8..int64 and uint8..uint32 -> int64; uint64 -> int64, a value above 2^63-1
-      sets the file aside ("out of range"), it never wraps;
-    * float16/32/64 -> float64; decimal32/64/128/256 of precision <= 38 -> decimal128;
-    * string, large_string, string_view -> string; binary, large, fixed, view -> binary;
-    * date32/64 -> date32; time32/64 -> string (Delta has no time type);
-    * timestamp of any unit, with or without zone -> timestamp[us, UTC] (naive means UTC,
-      nanoseconds are truncated to microseconds);
-    * list, large_list, fixed_size_list, list_view -> list of the normalized element type;
-      struct -> struct of normalized fields; dictionary -> its value type; null stays null
-      (no evidence of a type yet).
-
-    ``unsupported_type`` names the types that are set aside instead.
-    """
-    if pa.types.is_dictionary(t):
-        return normalize_type(t.value_type)
-    if pa.types.is_integer(t):
-        return pa.int64()
-    if pa.types.is_floating(t):
-        return pa.float64()
-    if pa.types.is_decimal(t):
-        return pa.decimal128(t.precision, t.scale) if t.precision <= 38 else t
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return pa.string()
-    if (
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_binary_view(t)
-    ):
-        return pa.binary()
-    if pa.types.is_timestamp(t):
-        return TS_TYPE
-    if pa.types.is_date(t):
-        return pa.date32()
-    if pa.types.is_time(t):
-        return pa.string()
-    if _is_list(t):
-        return pa.list_(normalize_type(t.value_type))
-    if pa.types.is_struct(t):
-        return pa.struct([pa.field(f.name, normalize_type(f.type)) for f in t])
-    return t
-
-
-def unsupported_type(t: pa.DataType) -> str | None:
-    """Why a column of Arrow type ``t`` cannot be kept (the file is set aside), or None.
-
-    Decisions: a **map** (anywhere, also inside a list or struct) is rejected: Spark can
-    neither compare nor order maps, and the fold must compare images to find no-op updates (a
-    canonical form would change the column's type in the table). **duration** and **interval**
-    have no Delta type; **decimal** beyond 38 digits has no Spark or Delta type; a struct with
-    no field or with field names equal but for case cannot be stored in Delta.
-    """
-    if pa.types.is_dictionary(t):
-        return unsupported_type(t.value_type)
-    if pa.types.is_map(t):
-        return "map columns are not supported (Spark cannot compare maps)"
-    if pa.types.is_duration(t):
-        return "duration columns are not supported (Delta has no duration type)"
-    if pa.types.is_interval(t):
-        return "interval columns are not supported (Delta has no interval type)"
-    if pa.types.is_decimal(t) and t.precision > 38:
-        return f"decimal precision {t.precision} is above the 38 digits Spark and Delta support"
-    if _is_list(t):
-        return unsupported_type(t.value_type)
-    if pa.types.is_struct(t):
-        if t.num_fields == 0:
-            return "a struct without fields cannot be stored"
-        names = [f.name.lower() for f in t]
-        if len(set(names)) != len(names):
-            return "a struct with field names equal but for case cannot be stored"
-        for f in t:
-            why = unsupported_type(f.type)
-            if why:
-                return why
-        return None
-    simple = (
-        pa.types.is_null(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_string_view(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_binary_view(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_date(t)
-        or pa.types.is_time(t)
-    )
-    return None if simple else f"type {t} is not supported"
-
-
-def _is_list(t: pa.DataType) -> bool:
-    return (
-        pa.types.is_list(t)
-        or pa.types.is_large_list(t)
-        or pa.types.is_fixed_size_list(t)
-        or pa.types.is_list_view(t)
-        or pa.types.is_large_list_view(t)
-    )
-
-
 # Codecs Spark's own Parquet reader has built in (brotli, LZO and Hadoop's old LZ4 need jars).
 _NATIVE_CODECS = frozenset({"UNCOMPRESSED", "SNAPPY", "GZIP", "ZSTD", "LZ4_RAW"})
 # Spark's hidden per-file column (file path, row index); a data column of that name hides it.
@@ -235,7 +127,7 @@ def _native_type(t: pa.DataType, top_level: bool = True) -> bool:
         return True
     if pa.types.is_timestamp(t):
         return t.unit == "us"
-    if _is_list(t):
+    if is_list(t):
         # A list of strings is checked for UTF-8 natively; text deeper down only in Python.
         inner = t.value_type
         if _is_string_like(inner) or pa.types.is_binary(inner):
@@ -250,7 +142,7 @@ def _has_text(t: pa.DataType) -> bool:
     """Whether a type holds strings anywhere (checked for UTF-8 by the Python inspection)."""
     if _is_string_like(t):
         return True
-    if _is_list(t):
+    if is_list(t):
         return _has_text(t.value_type)
     if pa.types.is_struct(t):
         return any(_has_text(f.type) for f in t)
@@ -931,7 +823,6 @@ class NativeGuard:
 
 # Dates and timestamps are read as written: files from other writers than Spark 2 carry no
 # Julian-calendar values to rebase.
-NATIVE_READ_OPTIONS = {"datetimeRebaseMode": "CORRECTED", "int96RebaseMode": "CORRECTED"}
 _FILE = "_cdc_tmp_file"
 _ROW = "_cdc_tmp_row"
 _ROWS = "_cdc_tmp_rows"
@@ -956,7 +847,7 @@ def _value_checked(t: pa.DataType) -> bool:
         pa.types.is_timestamp(t)
         or pa.types.is_date(t)
         or _is_string_like(t)
-        or (_is_list(t) and _is_string_like(t.value_type))
+        or (is_list(t) and _is_string_like(t.value_type))
     )
 
 
@@ -1078,46 +969,6 @@ def _per_file(spark: SparkSession, paths: list[str], fn: Callable[[str], T]) -> 
     rows = df.mapInArrow(run, "path string, result binary").collect()
     by_path = {r["path"]: pickle.loads(r["result"]) for r in rows}
     return [by_path[p] for p in paths]
-
-
-WIDENINGS = (
-    "a column widens from a decimal to one with more digits, from date to timestamp, "
-    "and from any number, boolean, date or timestamp to string"
-)
-
-
-def widest(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
-    """The type both normalized types widen to, or None when neither widens to the other.
-
-    A column only widens, never narrows, so no value is lost (AlterTable changes types but
-    never drops data): integers and floats are int64 and float64 already (``normalize_type``);
-    a decimal takes the larger scale and the larger number of integer digits (at most 38
-    digits); a date becomes a timestamp (midnight UTC); any number, boolean, date or timestamp
-    becomes a string. Widening is symmetric, so the order files are read in does not matter.
-    """
-    if a == b:
-        return a
-    if pa.types.is_decimal(a) and pa.types.is_decimal(b):
-        scale = max(a.scale, b.scale)
-        digits = max(a.precision - a.scale, b.precision - b.scale) + scale
-        return pa.decimal128(digits, scale) if digits <= 38 else None
-    if {a, b} == {pa.date32(), TS_TYPE}:
-        return TS_TYPE
-    for one, other in ((a, b), (b, a)):
-        if pa.types.is_string(one) and _widens_to_string(other):
-            return pa.string()
-    return None
-
-
-def _widens_to_string(t: pa.DataType) -> bool:
-    return (
-        pa.types.is_boolean(t)
-        or pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_date(t)
-        or pa.types.is_timestamp(t)
-    )
 
 
 def unify_schema(

@@ -69,13 +69,14 @@ from cdc_platform.lib.reading import (
 )
 from cdc_platform.lib.revocation import GONE, remove_events
 from cdc_platform.lib.safe_open import FileId
+from cdc_platform.lib.schema import spark_schema
 from cdc_platform.lib.source_roots import SourceRootError, snapshot_folder
 from cdc_platform.lib.storage import Where
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
@@ -235,7 +236,7 @@ def resync(
     pk = list(table.primary_key)
     paths = TablePaths.of(warehouse_root, table.name)
     insert_seq, delete_seq = resync_seqs(at)
-    logged_fields = changelog.key_and_data_fields(paths.changelog)
+    logged_fields = changelog.key_and_data_fields(Table.open(paths.changelog))
     known = logged_fields.names if logged_fields is not None else ()
     reader = SnapshotReader(table, landing_root, keyring, at, insert_seq, folder, known)
     reader.expect(listed)
@@ -260,7 +261,7 @@ def resync(
     own_sources = [source_name(at), *(reader.relative(p) for p in with_rows)]
     revoked_files.remove(paths.revoked_files, own_sources)
     snapshot_keys = events.select(*cols(pk), col(TS)) if events is not None else None
-    shape = changelog.spark_schema(event_schema(fields))
+    shape = spark_schema(event_schema(fields))
     replaced: list[int] = []  # keys whose history a committed removal took (any attempt)
 
     def attempt() -> tuple[int, int]:
@@ -280,7 +281,7 @@ def resync(
                 replaced_keys = (
                     snapshot_keys.join(first, pk).filter(col(TS) < col(START)).select(*cols(pk))
                 )
-        version = log.version() if log is not None else None
+        version = log.version if log is not None else None
         if log is not None:
             keys_replaced, version = _remove_history_of(spark, paths, pk, replaced_keys, log)
             replaced.append(keys_replaced)
@@ -339,14 +340,8 @@ def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path) -
 
 def _history(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
     """Every version of the history table (None before it exists)."""
-    if not delta.exists(paths.history):
-        return None
-    dt = delta.open_table(paths.history)
-    files = delta.snapshot_files(dt)
-    if not files:
-        return None
-    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    return delta.read_files(spark.read.schema(schema), paths.history, files)
+    history = Table.open(paths.history)
+    return history.read(spark) if history.files else None
 
 
 def _remove_history_of(
@@ -354,32 +349,33 @@ def _remove_history_of(
     paths: TablePaths,
     pk: Sequence[str],
     keys: DataFrame | None,
-    log: DeltaTable,
+    log: Table,
 ) -> tuple[int, int]:
     """Take every event of ``keys`` out of the change-log snapshot ``log`` (the merge then
     drops their versions), committing strictly on it (``CommitFailedError`` if the log moved:
     the caller decides again). Returns (keys, the change log's version now)."""
     from pyspark.sql import functions as F
 
+    decided = log.version
+    assert decided is not None  # the caller read this snapshot of an existing log
     if keys is None:
-        return 0, log.version()
+        return 0, decided
     gone = keys.distinct().withColumn(GONE, F.lit(True)).cache()
     try:
         if gone.isEmpty():
-            return 0, log.version()
+            return 0, decided
 
         def mark(events: DataFrame) -> DataFrame:
             return events.join(gone, list(pk), "left").select(
                 *cols(events.columns), F.coalesce(col(GONE), F.lit(False)).alias(GONE)
             )
 
-        decided = log.version()  # the commit below moves ``log`` on to its own version
         _, keys_removed, rewritten = remove_events(
             spark,
             paths,
             pk,
             log,
-            delta.snapshot_files(log),
+            log.files,
             mark,
             "cdc_platform.resync_replaced",
             forget=True,

@@ -44,12 +44,11 @@ from cdc_platform.lib.landing import is_data_file
 from cdc_platform.lib.merge import APP_ID, MergeResult, apply_pending, record_retracted_keys
 from cdc_platform.lib.merge import table_relative as _table_relative
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, to_ms
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.storage import Where
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
 
 # The column ``remove_events``' callers set on each change-log event: true if it goes.
@@ -176,15 +175,10 @@ def _landing_files(landing_root: Path, table: str) -> set[str]:
 
 def _logged_files(spark: SparkSession, paths: TablePaths) -> set[str]:
     """Every landing file with an event in the change log."""
-    if not delta.exists(paths.changelog):
+    log = Table.open(paths.changelog)
+    if not log.files:
         return set()
-    dt = delta.open_table(paths.changelog)
-    files = delta.snapshot_files(dt)
-    if not files:
-        return set()
-    events = changelog.read_files(
-        spark, paths.changelog, changelog.spark_schema(delta.table_arrow_schema(dt)), files
-    )
+    events = log.read(spark)
     return {r[0] for r in events.select(SOURCE_FILE).distinct().collect() if r[0] is not None}
 
 
@@ -240,16 +234,16 @@ def _remove_events(
     revoked then loses its strict commit and re-reads the list, instead of logging them."""
     from pyspark.sql import functions as F
 
-    if not names or not delta.exists(paths.changelog):
+    log = Table.open(paths.changelog)
+    if not names or not log.exists:
         return 0, 0, 0
-    dt = delta.open_table(paths.changelog)
-    files = [f for f in delta.snapshot_files(dt) if revoked_files.may_hold(f, names)]
+    files = [f for f in log.files if revoked_files.may_hold(f, names)]
     gone = F.coalesce(col(SOURCE_FILE).isin(sorted(names)), F.lit(False))
     return remove_events(
         spark,
         paths,
         primary_key,
-        dt,
+        log,
         files,
         lambda events: events.withColumn(GONE, gone),
         "cdc_platform.unapplied_events",
@@ -261,7 +255,7 @@ def remove_events(
     spark: SparkSession,
     paths: TablePaths,
     primary_key: Sequence[str],
-    dt: DeltaTable,
+    log: Table,
     files: Sequence[delta.DataFile],
     mark: Callable[[DataFrame], DataFrame],
     metadata_key: str,
@@ -269,7 +263,7 @@ def remove_events(
     forget: bool = False,
 ) -> tuple[int, int, int]:
     """Take the events ``mark`` flags (its boolean column ``GONE``) out of ``files`` of the
-    change-log snapshot ``dt``: record their keys as retracted, then rewrite the files holding
+    change-log snapshot ``log``: record their keys as retracted, then rewrite the files holding
     them in one strict commit. Returns (events removed, keys, files rewritten); with ``fence``
     an empty commit is made even when nothing is removed (see ``_remove_events``). With
     ``forget`` the events are recorded as forgotten first: no append logs them again (an
@@ -281,15 +275,14 @@ def remove_events(
     from pyspark.sql import functions as F
 
     pk = list(primary_key)
-    version = dt.version()
-    arrow_schema = delta.table_arrow_schema(dt)
+    version = log.version
+    assert version is not None  # the caller read this snapshot of an existing log
     if not files:
-        return _fenced(dt, arrow_schema, fence, metadata_key)
+        return _fenced(log, fence, metadata_key)
     file_col = "_cdc_tmp_log_file"
-    log_schema = changelog.spark_schema(arrow_schema)
     events = mark(
-        changelog.read_files(spark, paths.changelog, log_schema, files).withColumn(
-            file_col, _table_relative(F.input_file_name(), Location.of(paths.changelog))
+        log.read(spark, files).withColumn(
+            file_col, _table_relative(F.input_file_name(), log.location)
         )
     )
     row = (
@@ -303,11 +296,10 @@ def remove_events(
     )
     removed = int(row["n"])
     if not removed:
-        return _fenced(dt, arrow_schema, fence, metadata_key)
+        return _fenced(log, fence, metadata_key)
     holding = set(row["files"])
     rewritten = [f for f in files if f.path in holding]
-    history = delta.open_table(paths.history) if delta.exists(paths.history) else None
-    applied = history.transaction_version(APP_ID) if history is not None else None
+    applied = Table.open(paths.history).watermark(APP_ID)
     # Tied to this commit (``changelog.removal_committed``): if it loses its race, the retry
     # decides again and may keep some of these events, which must not stay forgotten.
     removal = uuid.uuid4().hex if forget else None
@@ -316,38 +308,30 @@ def remove_events(
     # Tied to the version too: a removal that never committed only costs a recomputation.
     record_retracted_keys(paths, events.filter(col(GONE)).select(*cols(pk)), version, applied)
     kept_rows = sum(f.num_records or 0 for f in rewritten) - removed
-    kept = (
-        mark(changelog.read_files(spark, paths.changelog, log_schema, rewritten))
-        .filter(~col(GONE))
-        .drop(GONE)
-    )
-    adds = delta.write_files(kept.coalesce(delta.file_count_for(kept_rows)), paths.changelog)
+    kept = mark(log.read(spark, rewritten)).filter(~col(GONE)).drop(GONE)
     try:
-        delta.commit(
-            dt,
-            adds,
-            delta.removes_for(rewritten),
-            arrow_schema,
-            metadata={
-                metadata_key: removed,
-                **({changelog.REMOVAL_KEY: removal} if removal else {}),
-            },
-            strict=True,
-        )
-    except BaseException as exc:
-        delta.discard(paths.changelog, adds)
-        if removal is not None and isinstance(exc, CommitFailedError):  # surely not committed
+        with log.committing() as rewrite:
+            rewrite.write(kept.coalesce(delta.file_count_for(kept_rows)))
+            rewrite.commit(
+                delta.removes_for(rewritten),
+                metadata={
+                    metadata_key: removed,
+                    **({changelog.REMOVAL_KEY: removal} if removal else {}),
+                },
+                strict=True,
+            )
+    except CommitFailedError:
+        if removal is not None:  # surely not committed
             changelog.unforget(paths.forgotten_events, removal)
         raise
     return removed, int(row["keys"]), len(rewritten)
 
 
-def _fenced(
-    dt: DeltaTable, schema: pa.Schema, fence: bool, metadata_key: str
-) -> tuple[int, int, int]:
+def _fenced(log: Table, fence: bool, metadata_key: str) -> tuple[int, int, int]:
     """Nothing to remove: commit an empty version if asked to fence off racing appends."""
     if fence:
-        delta.commit(dt, [], [], schema, metadata={metadata_key: 0}, strict=True)
+        with log.committing() as empty:
+            empty.commit(metadata={metadata_key: 0}, strict=True)
     return 0, 0, 0
 
 

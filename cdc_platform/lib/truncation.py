@@ -48,10 +48,10 @@ from cdc_platform.lib.merge import MergeResult, apply_pending, caught_up, is_clo
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.revocation import GONE, remove_events
 from cdc_platform.lib.storage import Where
+from cdc_platform.lib.table import Table
 from cdc_platform.lib.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from deltalake import DeltaTable
     from pyspark.sql import DataFrame, SparkSession
 
 SOURCE_PREFIX = "truncate:before="
@@ -109,7 +109,7 @@ def truncate(
         )
     paths = TablePaths.of(warehouse_root, table.name)
     pk = list(table.primary_key)
-    if not delta.exists(paths.changelog):
+    if not Table.open(paths.changelog).exists:
         return TruncateResult(before, soft, 0, 0, 0, MergeResult(), table_existed=False)
     if soft:
         # A re-run after its events were un-applied logs them again (the user asks for it).
@@ -125,7 +125,7 @@ def truncate(
                 if latest is None
                 else latest.filter(col(ACTIVE) & (col(SYNCED) < timestamp_lit(before)))
             )
-            fence = changelog.Fence(log.version() if log is not None else None)
+            fence = changelog.Fence(log.version if log is not None else None)
             return _log_deletes(spark, paths, pk, closing, before, now, fence)
 
         (keys, logged), _ = delta.with_commit_retries(attempt, f"soft truncate of {paths.history}")
@@ -140,15 +140,11 @@ def truncate(
 def _latest_rows(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
     """Each key's latest version (live or deleted), read from the live and deleted files only;
     None when the table has no history yet."""
-    if not delta.exists(paths.history):
-        return None
-    dt = delta.open_table(paths.history)
-    files = [f for f in delta.snapshot_files(dt) if not is_closed_file(f)]
+    history = Table.open(paths.history)
+    files = [f for f in history.files if not is_closed_file(f)]
     if not files:
         return None
-    schema = changelog.spark_schema(delta.table_arrow_schema(dt))
-    rows = delta.read_files(spark.read.schema(schema), paths.history, files)
-    return rows.filter(col(CURRENT))
+    return history.read(spark, files, where=col(CURRENT))
 
 
 def _log_deletes(
@@ -175,7 +171,7 @@ def _log_deletes(
         TS: timestamp_lit(before),
         SOURCE_FILE: F.lit(source_name(before)),
     }
-    log_schema = changelog.spark_schema(delta.table_arrow_schema(delta.open_table(paths.changelog)))
+    log_schema = Table.open(paths.changelog).spark_schema
     events = rows.select(
         *[
             (col(f.name) if f.name in pk else given.get(f.name, F.lit(None)))
@@ -218,13 +214,11 @@ def _remove_keys(
     key_cols = cols(list(pk))
     cut = timestamp_lit(before)
 
-    def keys_going(log: DeltaTable, latest: DataFrame | None) -> DataFrame:
+    def keys_going(log: Table, latest: DataFrame | None) -> DataFrame:
         """The keys that go, decided once over every change-log file: a key's events may lie in
         files that are not all rewritten, so a flag computed again over the rewritten ones
         would see part of them (and drop an event it neither counts nor forgets)."""
-        schema = changelog.spark_schema(delta.table_arrow_schema(log))
-        events = changelog.read_files(spark, paths.changelog, schema, delta.snapshot_files(log))
-        last = events.groupBy(*key_cols).agg(F.max(col(INGESTED_AT)).alias(_LOGGED))
+        last = log.read(spark).groupBy(*key_cols).agg(F.max(col(INGESTED_AT)).alias(_LOGGED))
         # A key with no version: its events were all logged before T (null: an old log).
         unversioned_gone = F.coalesce(col(_LOGGED) < cut, F.lit(True))
         if latest is None:
@@ -238,9 +232,9 @@ def _remove_keys(
         return flagged.filter(col(GONE))
 
     def attempt() -> tuple[int, int, int]:
-        dt = caught_up(spark, paths, pk, now, history_columns)
-        assert dt is not None  # the caller checked that the change log exists
-        going = keys_going(dt, _latest_rows(spark, paths)).cache()
+        log = caught_up(spark, paths, pk, now, history_columns)
+        assert log is not None  # the caller checked that the change log exists
+        going = keys_going(log, _latest_rows(spark, paths)).cache()
         try:
 
             def mark(events: DataFrame) -> DataFrame:
@@ -252,8 +246,8 @@ def _remove_keys(
                 spark,
                 paths,
                 pk,
-                dt,
-                delta.snapshot_files(dt),
+                log,
+                log.files,
                 mark,
                 "cdc_platform.truncated_events",
                 forget=True,
