@@ -44,12 +44,11 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.defs.sensors import TABLE_TAG, build_landing_sensor
 from cdc_platform.defs.source_alerts import build_source_alert_sensor
-from cdc_platform.lib import applied_files, current_table, invariants
+from cdc_platform.lib import current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.discovery import with_discovered_tables
-from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key, hours_between
+from cdc_platform.lib.landing import hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
-from cdc_platform.lib.safe_open import CHANGED
 from cdc_platform.lib.warehouse import TablePaths, current_table_name
 
 if TYPE_CHECKING:  # what define_asset_job returns (not exported by name)
@@ -118,14 +117,8 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
         context.log.info(
             f"{table.name}: applying {len(hours)} hour folder(s) {context.partition_key_range}"
         )
-        # Listed before reading: every file listed here is read (or was deleted meanwhile), so
-        # the ledger never claims a file that was not read; one landing later is picked up by
-        # the sensor as usual.
-        listed = [
-            applied_files.AppliedFile(hour_to_partition_key(h), f)
-            for h in hours
-            for f in files_in_hour(platform.landing_root, table.name, h)
-        ]
+        # Records the files it applied too (``lib.applied_files``): a file that lands later
+        # is picked up by the sensor as usual.
         result = materialize(
             spark.session(platform.warehouse_root),
             table,
@@ -133,28 +126,12 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
             platform.warehouse_root,
             hours,
             keyring.load() if table.encryption != "none" else None,
+            run_id=context.run.run_id,
         )
         for q in result.quarantined:
             context.log.warning(f"{table.name}: set aside {q.file}: {q.reason}")
         for f in result.revoked:
             context.log.warning(f"{table.name}: not read, un-applied (readmit_files): {f}")
-        # A file that changed while it was read was not read: left out of the ledger, its hour
-        # stays pending and the landing sensor asks for it again (a chmod or a rewrite that
-        # keeps size and mtime does not change the sensor's fingerprint).
-        changed = {q.file for q in result.quarantined if q.reason == CHANGED}
-        listed = [
-            a
-            for a in listed
-            if applied_files.identity(platform.landing_root, a.file)[0] not in changed
-        ]
-        applied_files.record(
-            applied_files.ledger_path(platform.warehouse_root, table.name),
-            platform.landing_root,
-            [hour_to_partition_key(h) for h in hours],
-            listed,
-            context.run.run_id,
-            result.synced_at,
-        )
         return dg.MaterializeResult(metadata=materialization_metadata(result))
 
     check_specs = [

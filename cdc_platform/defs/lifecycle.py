@@ -15,20 +15,12 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import (
-    TableRunConfig,
-    check_and_report,
-    refused,
-    table_named,
-    table_pool_slot,
-)
+from cdc_platform.defs.operations import TableRunConfig, operator_run
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.lib import delta
 from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.resync import ResyncError, resync
 from cdc_platform.lib.truncation import truncate
-from cdc_platform.lib.warehouse import TablePaths
 
 TRUNCATE_JOB = "truncate_table"
 ADOPT_JOB = "adopt_table"
@@ -92,32 +84,22 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     def truncate_op(
         context: dg.OpExecutionContext, config: TruncateConfig, spark: SparkResource
     ) -> None:
-        table = table_named(platform, config.table)
         # Refused before waiting for the slot; None: the millisecond after the catch-up merge
         # (what it writes is truncated too).
         before = parse_before(config.before, datetime.now(UTC)) if config.before else None
-        with table_pool_slot(context, table):
-            started = datetime.now(UTC)
-            paths = TablePaths.of(platform.warehouse_root, table.name)
-            version_before = delta.version_or_none(paths.history)
-            with refused(ValueError):
-                r = truncate(
-                    spark.session(platform.warehouse_root),
-                    table,
-                    platform.warehouse_root,
-                    before,
-                    config.soft,
-                    started,
-                )
-            kind = "soft" if r.soft else "hard"
-            if not r.table_existed:
-                context.log.info(f"{table.name}: no table yet, nothing to truncate")
-                return
-            done = "closed" if r.soft else "removed"
-            context.log.info(
-                f"{table.name}: {kind} truncate before {r.before.isoformat()}: {r.keys} key(s) "
-                f"{done}, history version {r.merge.history_version}"
+        with operator_run(context, platform, config, spark) as run:
+            r = truncate(
+                run.session,
+                run.table,
+                platform.warehouse_root,
+                before,
+                config.soft,
+                datetime.now(UTC),
             )
+            if not r.table_existed:
+                context.log.info(f"{run.table.name}: no table yet, nothing to truncate")
+                return
+            kind, done = ("soft", "closed") if r.soft else ("hard", "removed")
             meta = {
                 "operation": TRUNCATE_JOB,
                 "before": r.before.isoformat(),
@@ -130,8 +112,12 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                 "files_added": r.merge.files_added,
                 "delta_version": r.merge.history_version,
             }
-            hour = r.before.replace(minute=0, second=0, microsecond=0)
-            check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+            run.done(
+                f"{kind} truncate before {r.before.isoformat()}: {r.keys} key(s) {done}, "
+                f"history version {r.merge.history_version}",
+                (r.before.replace(minute=0, second=0, microsecond=0),),
+                meta,
+            )
 
     @dg.job(
         name=TRUNCATE_JOB,
@@ -143,24 +129,17 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
 
     @dg.op(name="adopt")
     def adopt_op(context: dg.OpExecutionContext, config: AdoptConfig, spark: SparkResource) -> None:
-        table = table_named(platform, config.table)
-        with table_pool_slot(context, table):
-            paths = TablePaths.of(platform.warehouse_root, table.name)
-            version_before = delta.version_or_none(paths.history)
-            with refused(AdoptionError, ValueError):
-                r = adopt(
-                    spark.session(platform.warehouse_root),
-                    table,
-                    platform.warehouse_root,
-                    config.source,
-                    config.format,
-                    adoption_roots=platform.adoption_roots,
-                    landing_root=platform.landing_root,
-                )
-            context.log.info(
-                f"{table.name}: adopted {r.live_rows} live and {r.deleted_rows} soft-deleted row(s) "
-                f"from {r.source} at {r.adopted_at.isoformat()}; {r.events_new} event(s) new, "
-                f"history version {r.merge.history_version}"
+        with operator_run(
+            context, platform, config, spark, refuse=(AdoptionError, ValueError)
+        ) as run:
+            r = adopt(
+                run.session,
+                run.table,
+                platform.warehouse_root,
+                config.source,
+                config.format,
+                adoption_roots=platform.adoption_roots,
+                landing_root=platform.landing_root,
             )
             meta = {
                 "operation": ADOPT_JOB,
@@ -174,8 +153,13 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                 "versions_opened": r.merge.versions_opened,
                 "delta_version": r.merge.history_version,
             }
-            hour = r.adopted_at.replace(minute=0, second=0, microsecond=0)
-            check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+            run.done(
+                f"adopted {r.live_rows} live and {r.deleted_rows} soft-deleted row(s) from "
+                f"{r.source} at {r.adopted_at.isoformat()}; {r.events_new} event(s) new, "
+                f"history version {r.merge.history_version}",
+                (r.adopted_at.replace(minute=0, second=0, microsecond=0),),
+                meta,
+            )
 
     @dg.job(
         name=ADOPT_JOB,
@@ -192,29 +176,20 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         spark: SparkResource,
         keyring: KeyringResource,
     ) -> None:
-        table = table_named(platform, config.table)
         given_at = parse_before(config.at, datetime.now(UTC), "at") if config.at else None
-        with table_pool_slot(context, table):
+        refuse = (ResyncError, ValueError)
+        with operator_run(context, platform, config, spark, keyring, refuse) as run:
             started = datetime.now(UTC)
-            at = given_at or started  # default: when the run holds the table
-            paths = TablePaths.of(platform.warehouse_root, table.name)
-            version_before = delta.version_or_none(paths.history)
-            with refused(ResyncError, ValueError):
-                r = resync(
-                    spark.session(platform.warehouse_root),
-                    table,
-                    platform.landing_root,
-                    platform.warehouse_root,
-                    config.snapshot,  # as typed: checked against snapshot_roots, never resolved here
-                    at,
-                    keyring.load() if table.encryption != "none" else None,
-                    started,
-                    snapshot_roots=platform.snapshot_roots,
-                )
-            context.log.info(
-                f"{table.name}: re-synced {r.rows} row(s) from {r.files} file(s) at "
-                f"{r.at.isoformat()}: {r.keys_closed} key(s) closed, {r.keys_replaced} replaced, "
-                f"history version {r.merge.history_version}"
+            r = resync(
+                run.session,
+                run.table,
+                platform.landing_root,
+                platform.warehouse_root,
+                config.snapshot,  # as typed: checked against snapshot_roots, never resolved here
+                given_at or started,  # default: when the run holds the table
+                run.keyring(),
+                started,
+                snapshot_roots=platform.snapshot_roots,
             )
             meta = {
                 "operation": RESYNC_JOB,
@@ -229,8 +204,13 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                 "versions_closed": r.merge.versions_closed,
                 "delta_version": r.merge.history_version,
             }
-            hour = r.at.replace(minute=0, second=0, microsecond=0)
-            check_and_report(context, spark, platform, table, version_before, (hour,), meta)
+            run.done(
+                f"re-synced {r.rows} row(s) from {r.files} file(s) at {r.at.isoformat()}: "
+                f"{r.keys_closed} key(s) closed, {r.keys_replaced} replaced, history version "
+                f"{r.merge.history_version}",
+                (r.at.replace(minute=0, second=0, microsecond=0),),
+                meta,
+            )
 
     @dg.job(
         name=RESYNC_JOB,

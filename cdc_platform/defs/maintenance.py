@@ -18,12 +18,7 @@ import dagster as dg
 from dagster._core.storage.tags import SCHEDULE_NAME_TAG
 from pydantic import Field
 
-from cdc_platform.defs.operations import (
-    TableRunConfig,
-    table_named,
-    table_pool_slot,
-    tag_run_with_table,
-)
+from cdc_platform.defs.operations import TableRunConfig, operator_run
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
@@ -34,7 +29,6 @@ from cdc_platform.lib.schedule_spread import (
     window_cron,
     window_started,
 )
-from cdc_platform.lib.warehouse import TablePaths
 
 MAINTENANCE_JOB = "table_maintenance"
 # The run queue starts higher priorities first (Dagster's tag): ingestion runs carry none (0),
@@ -70,12 +64,10 @@ def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
     def compact_and_vacuum(
         context: dg.OpExecutionContext, config: MaintenanceConfig, spark: SparkResource
     ) -> None:
-        table = table_named(platform, config.table)
-        tag_run_with_table(context, table)
-        with table_pool_slot(context, table):
-            paths = TablePaths.of(platform.warehouse_root, table.name)
+        with operator_run(context, platform, config, spark, refuse=()) as run:
+            table, paths = run.table, run.paths
             metadata: dict[str, int | None] = {}
-            for c in compact(spark.session(platform.warehouse_root), paths, table.primary_key):
+            for c in compact(run.session, paths, table.primary_key):
                 context.log.info(
                     f"{table.name} {c.table}: {c.files_before} -> {c.files_after} files "
                     f"({c.files_rewritten} rewritten), "

@@ -25,18 +25,23 @@ import difflib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.resources import SparkResource
+from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
-from cdc_platform.lib import invariants
+from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import hour_to_partition_key
 from cdc_platform.lib.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 # How long an operator job waits for its table's pool slot (a backfill may hold it a while),
 # and how often it says so in the run's log.
@@ -51,6 +56,60 @@ class TableRunConfig(dg.Config):
     """The run config every operator job starts with: the table it works on."""
 
     table: str = Field(description="The table, as named in the config.")
+
+
+@dataclass(frozen=True)
+class OperatorRun:
+    """What an operator job's op works with once it holds its table (``operator_run``): the
+    table, its session, roots and keyring, and the history version before it wrote."""
+
+    context: dg.OpExecutionContext
+    platform: PlatformConfig
+    table: TableConfig
+    spark: SparkResource
+    keyring_resource: KeyringResource | None
+    version_before: int | None
+
+    @property
+    def session(self) -> "SparkSession":
+        return self.spark.session(self.platform.warehouse_root)
+
+    @property
+    def paths(self) -> TablePaths:
+        return TablePaths.of(self.platform.warehouse_root, self.table.name)
+
+    def keyring(self) -> Keyring | None:
+        """The decryption keys, loaded only for an encrypted table."""
+        if self.table.encryption == "none" or self.keyring_resource is None:
+            return None
+        return self.keyring_resource.load()
+
+    def done(self, summary: str, hours: tuple[datetime, ...], meta: dict[str, Any]) -> None:
+        """Log what the run did, report it on ``hours`` and check the keys it recomputed
+        (``check_and_report``)."""
+        self.context.log.info(f"{self.table.name}: {summary}")
+        check_and_report(
+            self.context, self.spark, self.platform, self.table, self.version_before, hours, meta
+        )
+
+
+@contextmanager
+def operator_run(
+    context: dg.OpExecutionContext,
+    platform: PlatformConfig,
+    config: "TableRunConfig",
+    spark: SparkResource,
+    keyring: KeyringResource | None = None,
+    refuse: tuple[type[Exception], ...] = (ValueError,),
+) -> Iterator[OperatorRun]:
+    """The skeleton every operator job shares: find the table the run names, hold its pool
+    slot, note the history version before the work (the checks after it cover what changed
+    since), and turn the library's refusals (``refuse``) into a failure without a traceback."""
+    table = table_named(platform, config.table)
+    tag_run_with_table(context, table)
+    with table_pool_slot(context, table), refused(*refuse):
+        before = delta.version_or_none(TablePaths.of(platform.warehouse_root, table.name).history)
+        yield OperatorRun(context, platform, table, spark, keyring, before)
 
 
 def pool_name(table: TableConfig) -> str:

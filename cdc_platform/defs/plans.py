@@ -12,12 +12,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import (
-    TableRunConfig,
-    table_named,
-    table_pool_slot,
-    tag_run_with_table,
-)
+from cdc_platform.defs.operations import TableRunConfig, operator_run
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.landing import hours_between, partition_key_to_hour
@@ -66,8 +61,6 @@ def build_plan_job(platform: PlatformConfig) -> dg.JobDefinition:
         spark: SparkResource,
         keyring: KeyringResource,
     ) -> None:
-        table = table_named(platform, config.table)
-        tag_run_with_table(context, table)
         try:
             first = partition_key_to_hour(config.first_partition)
             last = partition_key_to_hour(config.last_partition or config.first_partition)
@@ -78,14 +71,15 @@ def build_plan_job(platform: PlatformConfig) -> dg.JobDefinition:
         hours = list(hours_between(first, last))
         # In the table's pool: nothing writes the table, or VACUUMs the files the plan's
         # shadow links to, while the plan reads it.
-        with table_pool_slot(context, table):
+        with operator_run(context, platform, config, spark, keyring, refuse=()) as run:
+            table = run.table
             result = plan(
-                spark.session(platform.warehouse_root),
+                run.session,
                 table,
                 platform.landing_root,
                 platform.warehouse_root,
                 hours,
-                keyring.load() if table.encryption != "none" else None,
+                run.keyring(),
             )
         metadata = plan_metadata(result)
         context.log.info(

@@ -13,15 +13,8 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import (
-    TableRunConfig,
-    check_and_report,
-    refused,
-    table_named,
-    table_pool_slot,
-)
+from cdc_platform.defs.operations import TableRunConfig, operator_run
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.lib import delta
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.revocation import (
     NoMatchingFileError,
@@ -29,7 +22,6 @@ from cdc_platform.lib.revocation import (
     readmit,
     unapply,
 )
-from cdc_platform.lib.warehouse import TablePaths
 
 UNAPPLY_JOB = "unapply_files"
 READMIT_JOB = "readmit_files"
@@ -52,25 +44,17 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     def unapply_op(
         context: dg.OpExecutionContext, config: UnapplyConfig, spark: SparkResource
     ) -> None:
-        table = table_named(platform, config.table)
-        with table_pool_slot(context, table):
-            paths = TablePaths.of(platform.warehouse_root, table.name)
-            before = delta.version_or_none(paths.history)
-            with refused(NoMatchingFileError, ValueError):
-                r = unapply(
-                    spark.session(platform.warehouse_root),
-                    table,
-                    platform.landing_root,
-                    platform.warehouse_root,
-                    config.files,
-                    config.reason,
-                    context.run.run_id,
-                    datetime.now(UTC),
-                )
-            context.log.info(
-                f"{table.name}: revoked {len(r.files)} file(s) ({len(r.newly_revoked)} newly), "
-                f"removed {r.events_removed} event(s) of {r.keys_retracted} key(s), "
-                f"history version {r.merge.history_version}"
+        refuse = (NoMatchingFileError, ValueError)
+        with operator_run(context, platform, config, spark, refuse=refuse) as run:
+            r = unapply(
+                run.session,
+                run.table,
+                platform.landing_root,
+                platform.warehouse_root,
+                config.files,
+                config.reason,
+                context.run.run_id,
+                datetime.now(UTC),
             )
             meta = {
                 "operation": "unapply_files",
@@ -86,7 +70,13 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                 "files_added": r.merge.files_added,
                 "delta_version": r.merge.history_version,
             }
-            check_and_report(context, spark, platform, table, before, r.hours, meta)
+            run.done(
+                f"revoked {len(r.files)} file(s) ({len(r.newly_revoked)} newly), removed "
+                f"{r.events_removed} event(s) of {r.keys_retracted} key(s), history version "
+                f"{r.merge.history_version}",
+                r.hours,
+                meta,
+            )
 
     @dg.op(name="readmit")
     def readmit_op(
@@ -95,32 +85,30 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         spark: SparkResource,
         keyring: KeyringResource,
     ) -> None:
-        table = table_named(platform, config.table)
-        with table_pool_slot(context, table):
-            paths = TablePaths.of(platform.warehouse_root, table.name)
-            before = delta.version_or_none(paths.history)
-            with refused(NoMatchingFileError, NotReadmittableError):
-                r = readmit(
-                    spark.session(platform.warehouse_root),
-                    table,
-                    platform.landing_root,
-                    platform.warehouse_root,
-                    config.files,
-                    keyring.load() if table.encryption != "none" else None,
-                )
-            o = r.outcome
-            context.log.info(
-                f"{table.name}: re-admitted {len(r.files)} file(s); "
-                f"{o.events_new if o else 0} event(s) logged again over {len(r.hours)} hour(s)"
+        refuse = (NoMatchingFileError, NotReadmittableError)
+        with operator_run(context, platform, config, spark, keyring, refuse) as run:
+            r = readmit(
+                run.session,
+                run.table,
+                platform.landing_root,
+                platform.warehouse_root,
+                config.files,
+                run.keyring(),
             )
+            o = r.outcome
             meta: dict[str, Any] = {
                 "operation": "readmit_files",
                 "files": dg.MetadataValue.json(list(r.files)),
                 "events_new": o.events_new if o else 0,
                 "keys_affected": o.merge.keys_affected if o else 0,
-                "delta_version": o.merge.history_version if o else before,
+                "delta_version": o.merge.history_version if o else run.version_before,
             }
-            check_and_report(context, spark, platform, table, before, r.hours, meta)
+            run.done(
+                f"re-admitted {len(r.files)} file(s); {o.events_new if o else 0} event(s) "
+                f"logged again over {len(r.hours)} hour(s)",
+                r.hours,
+                meta,
+            )
 
     @dg.job(
         name=UNAPPLY_JOB,

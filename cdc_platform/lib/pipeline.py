@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cdc_platform.lib import changelog, delta, quarantine, revoked_files
+from cdc_platform.lib import applied_files, changelog, delta, quarantine, revoked_files
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.keyring import Keyring
 from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key
@@ -93,8 +93,11 @@ def materialize(
     hours: Sequence[datetime],
     keyring: Keyring | None = None,
     synced_at: datetime | None = None,
+    run_id: str | None = None,
 ) -> MaterializationOutcome:
-    """Apply every file of ``hours`` to the table: change log first, then the history table.
+    """Apply every file of ``hours`` to the table: change log first, then the history table;
+    then, given the ``run_id``, record the files applied (``lib.applied_files``: what the
+    landing sensor compares the landing zone with).
 
     Raises LandingRootMissingError if ``landing_root`` does not exist; a missing table or hour
     folder inside it is just an hour with no files.
@@ -105,8 +108,11 @@ def materialize(
             f" (or mount the landing volume); table {table.name!r} was not materialized"
         )
     paths = TablePaths.of(warehouse_root, table.name)
+    run = _Run(spark, table, Path(landing_root), warehouse_root, hours, keyring, synced_at)
     with RunCost(spark, committed_tables(paths)) as cost, conf_restored(spark, ADAPTIVE):
-        outcome = _apply_hours(spark, table, landing_root, paths, hours, keyring, synced_at)
+        outcome, listing = _apply_hours(run)
+    if run_id is not None:
+        _record_applied(run, listing, outcome, run_id)
     read = {
         "landing": outcome.landing_bytes_read,
         "changelog": outcome.merge.changelog_bytes_read,
@@ -128,109 +134,94 @@ def plan_whole_if_small(spark: SparkSession, landing_bytes: int) -> None:
         spark.conf.set(ADAPTIVE, "false")
 
 
-def _apply_hours(
-    spark: SparkSession,
-    table: TableConfig,
-    landing_root: Path,
-    paths: TablePaths,
-    hours: Sequence[datetime],
-    keyring: Keyring | None,
-    synced_at: datetime | None,
-) -> MaterializationOutcome:
-    """``materialize`` in stages, each marked for the run's cost (``run_cost.lap``)."""
+@dataclass(frozen=True)
+class _Run:
+    """One materialization's inputs, said once: every stage below takes it."""
+
+    spark: SparkSession
+    table: TableConfig
+    landing_root: Path
+    warehouse_root: Where
+    hours: Sequence[datetime]
+    keyring: Keyring | None
+    synced_at: datetime | None
+
+    @property
+    def paths(self) -> TablePaths:
+        return TablePaths.of(self.warehouse_root, self.table.name)
+
+    @property
+    def partitions(self) -> list[str]:
+        return [hour_to_partition_key(h) for h in self.hours]
+
+    def revoked(self) -> set[str]:
+        """The landing files un-applied so far (asked again before each commit)."""
+        return revoked_files.revoked_names(self.paths.revoked_files)
+
+
+@dataclass
+class _Listing:
+    """The hours' files as listed once: what is read, what is not, and why."""
+
+    listed: list[applied_files.AppliedFile]  # every file, for the applied-files ledger
+    partition_of: dict[str, str]  # each file to read (or set aside unopened): its partition
+    size_of: dict[str, int]
+    not_read: dict[str, str]  # symlinks, files in sub-folders: never opened, and why
+    skipped: list[str]  # un-applied by a user: not read
+
+    @property
+    def paths(self) -> list[str]:
+        return sorted(self.partition_of)
+
+
+def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
+    """``materialize`` in stages, each marked for the run's cost (``run_cost.lap``): list,
+    inspect (pass 1), append to the change log (pass 2), record the quarantine, merge."""
     lap("list_files")
     # A table another engine gave a feature the platform cannot keep stops the run here.
-    delta.check_tables(paths.changelog, paths.history)
+    delta.check_tables(run.paths.changelog, run.paths.history)
     started = time.monotonic()
-    synced_at = to_ms(synced_at or datetime.now(UTC))
-    reader = LandingReader(table, landing_root, keyring)
-
-    def revoked_now() -> set[str]:
-        return revoked_files.revoked_names(paths.revoked_files)
-
-    revoked = revoked_now()
-    skipped: list[str] = []
-    partition_of: dict[str, str] = {}
-    size_of: dict[str, int] = {}
-    not_read: dict[str, str] = {}  # symlinks, files in sub-folders: never opened
-    for hour in hours:
-        for f in files_in_hour(landing_root, table.name, hour):
-            if reader.relative(f.path) in revoked:
-                skipped.append(reader.relative(f.path))
-                continue
-            partition_of[f.path] = hour_to_partition_key(hour)
-            size_of[f.path] = f.size
-            if f.set_aside is not None:
-                not_read[f.path] = f.set_aside
-            else:
-                reader.expect({f.path: f.file_id})  # read only if still this very file
-    all_paths = sorted(partition_of)
-    plan_whole_if_small(spark, sum(size_of.values()))
+    synced_at = to_ms(run.synced_at or datetime.now(UTC))
+    reader = LandingReader(run.table, run.landing_root, run.keyring)
+    listing = _list(run, reader)
+    plan_whole_if_small(run.spark, sum(listing.size_of.values()))
 
     lap("inspect")
-    reports = [FileReport(p, 0, None, reason) for p, reason in sorted(not_read.items())]
-    reports += inspect_files(spark, reader, [p for p in all_paths if p not in not_read])
-    readable = [r for r in reports if r.ok]
-    fields, clashes = unify_schema(
-        changelog.key_and_data_fields(Table.open(paths.changelog)), readable, table.may_widen
-    )
-    good = [r for r in readable if r.path not in clashes]
+    fields, good, set_aside = _inspect(run, reader, listing, synced_at)
 
-    set_aside = [
-        quarantine.QuarantinedFile(
-            file=reader.relative(r.path),
-            partition=partition_of[r.path],
-            reason=r.error or clashes[r.path],
-            row=r.error_row,
-            bad_rows=r.bad_rows,
-            detected_at=synced_at,
-        )
-        for r in reports
-        if not r.ok or r.path in clashes
-    ]
-
-    new_events = 0
-    native: dict[str, str] = {}
+    new_events, native, events_read = 0, {}, 0
     with_rows = [r for r in good if r.num_rows]
     if with_rows:
         lap("changelog_append")
-        append = _Append(spark, table, reader, paths, fields, synced_at, revoked_now)
+        append = _Append(run.spark, run.table, reader, run.paths, fields, synced_at, run.revoked)
         appended, native, changed = append.run(with_rows)
         new_events = appended.new_events if appended is not None else 0
-        with_rows = [r for r in with_rows if r.path not in changed]
+        events_read = sum(r.num_rows for r in with_rows if r.path not in changed)
         set_aside += [
-            quarantine.QuarantinedFile(
-                file=reader.relative(p),
-                partition=partition_of[p],
-                reason=CHANGED,
-                row=None,
-                bad_rows=0,
-                detected_at=synced_at,
-            )
+            _set_aside(reader.relative(p), listing.partition_of[p], CHANGED, synced_at)
             for p in sorted(changed)
         ]
-    events_read = sum(r.num_rows for r in with_rows)
     lap("quarantine")
     quarantine.record(
-        paths.quarantine,
-        [reader.relative(p) for p in all_paths],
+        run.paths.quarantine,
+        [reader.relative(p) for p in listing.paths],
         set_aside,
-        partitions=[hour_to_partition_key(h) for h in hours],
+        partitions=run.partitions,
     )
     fault_point("after_changelog_commit")
 
     lap("merge_open")
-    version_before = delta.version_or_none(paths.history)
+    version_before = delta.version_or_none(run.paths.history)
     merge = apply_pending(
-        spark,
-        paths,
-        table.primary_key,
+        run.spark,
+        run.paths,
+        run.table.primary_key,
         synced_at,
-        table.history_columns,
-        list_keys=table.encryption == "none",  # an encrypted table's keys are decrypted data
+        run.table.history_columns,
+        list_keys=run.table.encryption == "none",  # an encrypted table's keys are decrypted data
     )
-    return MaterializationOutcome(
-        files_read=len(all_paths),
+    outcome = MaterializationOutcome(
+        files_read=len(listing.paths),
         events_read=events_read,
         events_new=new_events,
         quarantined=tuple(set_aside),
@@ -239,8 +230,87 @@ def _apply_hours(
         synced_at=synced_at,
         history_version_before=version_before,
         read_natively=tuple(sorted(reader.relative(p) for p in native)),
-        revoked=tuple(sorted(skipped)),
-        landing_bytes_read=sum(size_of[p] for p in all_paths if p not in not_read),
+        revoked=tuple(sorted(listing.skipped)),
+        landing_bytes_read=sum(s for p, s in listing.size_of.items() if p not in listing.not_read),
+    )
+    return outcome, listing
+
+
+def _list(run: _Run, reader: LandingReader) -> _Listing:
+    """Every file of the hours, listed once: the reader is told which file each name is (it
+    reads nothing else there), un-applied files are skipped, unreadable entries set aside."""
+    revoked = run.revoked()
+    listing = _Listing([], {}, {}, {}, [])
+    for hour in run.hours:
+        partition = hour_to_partition_key(hour)
+        for f in files_in_hour(run.landing_root, run.table.name, hour):
+            listing.listed.append(applied_files.AppliedFile(partition, f))
+            if reader.relative(f.path) in revoked:
+                listing.skipped.append(reader.relative(f.path))
+                continue
+            listing.partition_of[f.path] = partition
+            listing.size_of[f.path] = f.size
+            if f.set_aside is not None:
+                listing.not_read[f.path] = f.set_aside
+            else:
+                reader.expect({f.path: f.file_id})  # read only if still this very file
+    return listing
+
+
+def _inspect(
+    run: _Run, reader: LandingReader, listing: _Listing, synced_at: datetime
+) -> tuple[list[pa.Field], list[FileReport], list[quarantine.QuarantinedFile]]:
+    """Pass 1 over every file: the columns the change log will have, the files to append, and
+    those set aside (unreadable, bad rows, a type that cannot widen: rule 4, quarantine)."""
+    reports = [FileReport(p, 0, None, why) for p, why in sorted(listing.not_read.items())]
+    to_open = [p for p in listing.paths if p not in listing.not_read]
+    reports += inspect_files(run.spark, reader, to_open)
+    readable = [r for r in reports if r.ok]
+    logged = changelog.key_and_data_fields(Table.open(run.paths.changelog))
+    fields, clashes = unify_schema(logged, readable, run.table.may_widen)
+    good = [r for r in readable if r.path not in clashes]
+    set_aside = [
+        replace(
+            _set_aside(
+                reader.relative(r.path),
+                listing.partition_of[r.path],
+                r.error or clashes[r.path],
+                synced_at,
+            ),
+            row=r.error_row,
+            bad_rows=r.bad_rows,
+        )
+        for r in reports
+        if not r.ok or r.path in clashes
+    ]
+    return fields, good, set_aside
+
+
+def _set_aside(file: str, partition: str, reason: str, at: datetime) -> quarantine.QuarantinedFile:
+    return quarantine.QuarantinedFile(
+        file=file, partition=partition, reason=reason, row=None, bad_rows=0, detected_at=at
+    )
+
+
+def _record_applied(
+    run: _Run, listing: _Listing, outcome: MaterializationOutcome, run_id: str
+) -> None:
+    """The applied-files ledger for the run's partitions: every file listed before reading
+    (each was read, set aside or un-applied), but a file that changed while it was read: its
+    hour stays pending, so the landing sensor asks for it again."""
+    changed = {q.file for q in outcome.quarantined if q.reason == CHANGED}
+    kept = [
+        a
+        for a in listing.listed
+        if applied_files.identity(run.landing_root, a.file)[0] not in changed
+    ]
+    applied_files.record(
+        applied_files.ledger_path(run.warehouse_root, run.table.name),
+        run.landing_root,
+        run.partitions,
+        kept,
+        run_id,
+        outcome.synced_at,
     )
 
 
