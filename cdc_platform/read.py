@@ -30,7 +30,7 @@ date alone means midnight). Anything else raises ``TypeError``; an unparsable st
 ``ValueError``.
 
 **Files read.** Reads use one Delta snapshot and skip files by their Delta statistics. Every
-history file holds one segment (live, deleted or closed; ``lib/merge.py``) and its statistics
+history file holds one segment (live, deleted or closed; ``lib/merge/``) and its statistics
 carry exact bounds of ``_fivetran_active``, ``_fivetran_start`` and ``_fivetran_end``, so
 ``current`` reads only the live files (never a closed or deleted one), and ``as_of`` only files
 whose span of starts and ends can contain ``ts``. A file without statistics is always read.

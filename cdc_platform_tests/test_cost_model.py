@@ -313,7 +313,7 @@ def test_maintenance_job_compacts_without_changing_a_row(spark, lake):
 def test_key_statistics_rule_files_out_only_when_they_can():
     """Slow keys read only files whose key range may hold them; without usable bounds
     (none, or of another type than the key) a file is always read."""
-    from cdc_platform.lib.merge import _files_maybe_holding
+    from cdc_platform.lib.merge.gather import _files_maybe_holding
 
     def f(name: str, lo: Any, hi: Any) -> delta.DataFile:
         bounds = ({"id": lo}, {"id": hi}) if lo is not None else ({}, {})

@@ -1,4 +1,4 @@
-"""Adversarial scenarios for the segmented merge (lib/merge.py): fast path, slow path, the
+"""Adversarial scenarios for the segmented merge (lib/merge/): fast path, slow path, the
 delete-only side table, compaction and crashes, each compared with ``reference_history``."""
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def append(
             table_schema,
         )
         # A big append (a backfill) is split by commit time, so that a late key, refolded from
-        # its recent past (``merge._slow_events``), skips the files of earlier times.
+        # its recent past (``merge.gather``), skips the files of earlier times.
         n = delta.file_count_for(expected_rows, LOG_ROWS_PER_FILE)
         shaped = new.repartitionByRange(n, col(TS), *cols(pk)) if n > 1 else new.coalesce(1)
         with log.committing() as append:
