@@ -32,6 +32,7 @@ from cdc_platform.defs.launcher import process_alive
 from cdc_platform.lib import invariants, merge
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.merge import COMMIT_ATTEMPTS
+from cdc_platform.lib.merge import write as merge_write
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.storage import Location
 from cdc_platform.lib.warehouse import TablePaths
@@ -174,7 +175,7 @@ def test_a_lost_commit_race_is_recomputed_and_retried(
             started.append(name)  # before the call: the rival passes this point too
             rival.append(materialize(spark, TABLE, root / "landing", root / "warehouse", [H2]))
 
-    monkeypatch.setattr(merge, "fault_point", rival_commits_first)
+    monkeypatch.setattr(merge_write, "fault_point", rival_commits_first)
     result = materialize(spark, TABLE, root / "landing", root / "warehouse", [H1])
     assert rival[0].merge.attempts == 1
     assert result.merge.attempts == 2
@@ -201,7 +202,7 @@ def test_retries_are_bounded_and_leave_the_table_intact(
             lost.append(name)
             raise CommitFailedError("simulated: a concurrent commit won")
 
-    monkeypatch.setattr(merge, "fault_point", always_lose)
+    monkeypatch.setattr(merge_write, "fault_point", always_lose)
     with pytest.raises(RuntimeError, match=f"lost {COMMIT_ATTEMPTS} races in a row"):
         materialize(spark, TABLE, root / "landing", root / "warehouse", [H1, H2])
     assert len(lost) == COMMIT_ATTEMPTS
@@ -210,7 +211,7 @@ def test_retries_are_bounded_and_leave_the_table_intact(
     assert_no_uncommitted_files(history)
 
     # The events were logged before the merge gave up: the next run applies them.
-    monkeypatch.setattr(merge, "fault_point", real_fault_point)
+    monkeypatch.setattr(merge_write, "fault_point", real_fault_point)
     again = materialize(spark, TABLE, root / "landing", root / "warehouse", [H1, H2])
     assert again.events_new == 0 and again.merge.keys_affected == 3
     assert_same_table(root, lakes["reference"])

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from cdc_platform.lib import merge
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.maintenance import compact
+from cdc_platform.lib.merge import write as merge_write
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
@@ -65,7 +65,7 @@ def _crash_before_side_table(monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("killed between the history commit and the side-table commit")
 
-    monkeypatch.setattr(merge, "_store_delete_only_keys", crash)
+    monkeypatch.setattr(merge_write, "store_delete_only_keys", crash)
 
 
 def test_crash_before_side_table_then_late_insert(t, monkeypatch):

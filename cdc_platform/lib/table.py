@@ -35,8 +35,8 @@ class Table:
 
     ``dt`` is None before the table's first commit. The handle does not follow later commits:
     ``reopened()`` gives the latest snapshot when a caller needs it. (A commit made through it
-    moves ``dt`` on, as delta-rs does; ``version``, ``files`` and ``arrow_schema`` keep
-    describing the snapshot read.)"""
+    moves ``dt``, and so ``watermark()``, on, as delta-rs does; ``version``, ``files`` and
+    ``arrow_schema`` keep describing the snapshot read.)"""
 
     location: Location
     dt: DeltaTable | None
@@ -47,7 +47,7 @@ class Table:
         """The latest snapshot (or ``version``'s); checked for features the platform cannot
         keep (``delta.check_features``)."""
         loc = Location.of(where)
-        if version is None and not delta.exists(loc):
+        if not delta.exists(loc):
             return cls(loc, None, None)
         dt = delta.open_table(loc, version)
         return cls(loc, dt, dt.version())
