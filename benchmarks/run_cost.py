@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -159,6 +159,40 @@ def print_stages(runs: list[CostReport]) -> None:
     log(f"{'total':<22} {median([r.seconds for r in runs]):>9.3f} {jobs:>11}")
 
 
+class DeltaOpens:
+    """Counts the Delta logs a run reads while it is active: every ``DeltaTable`` opened (a
+    snapshot loaded from its log) and every ``is_deltatable`` check (a listing of the log),
+    whichever module makes them. Exact, unlike seconds: the table handle's figure (issue 33)."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.checked = 0
+
+    def __enter__(self) -> DeltaOpens:
+        from deltalake import DeltaTable
+
+        self._init, self._is = DeltaTable.__init__, DeltaTable.is_deltatable
+        real_init, real_is = self._init, self._is
+
+        def counted_init(table: Any, *args: Any, **kwargs: Any) -> None:
+            self.opened += 1
+            real_init(table, *args, **kwargs)
+
+        def counted_is(*args: Any, **kwargs: Any) -> bool:
+            self.checked += 1
+            return real_is(*args, **kwargs)
+
+        DeltaTable.__init__ = counted_init  # type: ignore[method-assign]
+        DeltaTable.is_deltatable = staticmethod(counted_is)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from deltalake import DeltaTable
+
+        DeltaTable.__init__ = self._init  # type: ignore[method-assign]
+        DeltaTable.is_deltatable = staticmethod(self._is)  # type: ignore[method-assign]
+
+
 def distinct_counts(counts: Iterable[int | None]) -> str:
     """The job counts the runs saw, "a/b" if they differ ("-": not counted)."""
     seen = {-1 if c is None else c for c in counts}
@@ -215,10 +249,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ours: list[CostReport] = []
     refs: list[CostReport] = []
     checks: list[CostReport] = []
+    opens: list[tuple[int, int]] = []
     for attempt in range(args.repeats + 1):
         index = hours + attempt
         before = delta.open_table(history).version()
-        outcome = small_hour(index)
+        with DeltaOpens() as counted:
+            outcome = small_hour(index)
         checked = hourly_checks(spark, paths, before)
         ref = reference_hour(
             spark,
@@ -227,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run / f"reference-{index}",
         )
         if attempt and outcome.cost is not None:  # the first of each warms the session up
+            opens.append((counted.opened, counted.checked))
             ours.append(outcome.cost)
             refs.append(ref)
             checks.append(checked)
@@ -256,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         + "; bytes rewritten "
         + ", ".join(f"{k[16:]} {v:,}" for k, v in figures.items() if k.startswith("bytes_rewrit"))
         + f"; commits {figures['commits/total']}"
+    )
+    log(
+        "Delta logs read per run (DeltaTable opened, is_deltatable checks): "
+        + ", ".join(f"{o}+{c}" for o, c in opens)
     )
     import pyspark
 

@@ -1,6 +1,6 @@
 """What the operator jobs (un-apply, re-admit, truncate, adopt, re-sync, maintenance, merge
-plan) share: finding the table a run names, holding its pool slot while they work on it, and
-reporting what they did.
+plan) share, in one skeleton (``operator_run``): finding the table a run names, holding its
+pool slot while they work on it, and reporting what they did.
 
 **One job for every table.** Each of these jobs names its table in its run config
 (``TableRunConfig``), so the Jobs page lists the same dozen jobs whatever the table count. A
