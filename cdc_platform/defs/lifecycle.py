@@ -15,7 +15,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import TableRunConfig, operator_run
+from cdc_platform.defs.operations import TableRunConfig, operator_run, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import PlatformConfig
@@ -84,8 +84,9 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     def truncate_op(
         context: dg.OpExecutionContext, config: TruncateConfig, spark: SparkResource
     ) -> None:
-        # Refused before waiting for the slot; None: the millisecond after the catch-up merge
-        # (what it writes is truncated too).
+        # Refused before waiting for the slot, after an unknown table; None: the millisecond
+        # after the catch-up merge (what it writes is truncated too).
+        table_named(platform, config.table)
         before = parse_before(config.before, datetime.now(UTC)) if config.before else None
         with operator_run(context, platform, config, spark) as run:
             r = truncate(
@@ -176,6 +177,7 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         spark: SparkResource,
         keyring: KeyringResource,
     ) -> None:
+        table_named(platform, config.table)  # an unknown table is refused first
         given_at = parse_before(config.at, datetime.now(UTC), "at") if config.at else None
         refuse = (ResyncError, ValueError)
         with operator_run(context, platform, config, spark, keyring, refuse) as run:

@@ -12,7 +12,7 @@ from typing import Any
 import dagster as dg
 from pydantic import Field
 
-from cdc_platform.defs.operations import TableRunConfig, operator_run
+from cdc_platform.defs.operations import TableRunConfig, operator_run, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.landing import hours_between, partition_key_to_hour
@@ -61,6 +61,7 @@ def build_plan_job(platform: PlatformConfig) -> dg.JobDefinition:
         spark: SparkResource,
         keyring: KeyringResource,
     ) -> None:
+        table_named(platform, config.table)  # an unknown table is refused first
         try:
             first = partition_key_to_hour(config.first_partition)
             last = partition_key_to_hour(config.last_partition or config.first_partition)
