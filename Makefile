@@ -56,7 +56,7 @@ spark-connect-stop: $(VENV)/.installed
 # Delta's JVM library and the S3 connector, pinned in cdc_platform/jars.lock (checksums checked),
 # into .jars/ (or $CDC_JARS_DIR): fetched once, then used by file, never from the network at run time.
 jars: $(VENV)/.installed
-	$(BIN)/python -m cdc_platform.lib.jars fetch
+	$(BIN)/python -m cdc_platform.lib.spark.jars fetch
 
 java:
 	@command -v java >/dev/null 2>&1 || { [ -n "$$JAVA_HOME" ] && [ -x "$$JAVA_HOME/bin/java" ]; } || { echo "Java not found: install a Java 17 runtime (Debian: apt-get install openjdk-17-jre-headless) and run this again."; exit 1; }

@@ -7,7 +7,7 @@ Then, each in a fresh ``python`` process (a cold JVM, nothing shared):
 
 * **platform**: ``materialize()`` of that hour into an empty warehouse, on the shipped
   defaults (``build_spark_session("local[2]")`` with no settings of its own: the driver's
-  memory is the platform's default, ``lib.spark.default_driver_memory``, unless the shell's
+  memory is the platform's default, ``lib.spark.session.default_driver_memory``, unless the shell's
   ``spark-defaults.conf`` or ``--driver-memory`` says otherwise);
 * **reference**: the plainest Spark a data engineer would write for the same work: one Spark
   SQL query over the hour's files (window functions: one version per key and millisecond,
@@ -60,7 +60,7 @@ from scale import (  # noqa: E402  (benchmarks/ is not a package)
     split_evenly,
 )
 
-from cdc_platform.lib.landing import hour_folder  # noqa: E402
+from cdc_platform.lib.landing.layout import hour_folder  # noqa: E402
 
 MB = 1e6
 GENERATOR_VERSION = 1  # bump when the generated data changes, so cached hours are rebuilt
@@ -154,7 +154,7 @@ def bulk_hour(work: Path, events: int, keys: int, files: int, seed: int) -> Path
 
 
 def session(driver_memory: str | None, app: str) -> Any:
-    from cdc_platform.lib.spark import build_spark_session
+    from cdc_platform.lib.spark.session import build_spark_session
 
     conf = {"spark.driver.memory": driver_memory} if driver_memory else None
     return build_spark_session("local[2]", conf, app)

@@ -37,18 +37,18 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cdc_platform.lib.codecs import decode_file, encode_file_bytes
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.landing import hour_folder
-from cdc_platform.lib.reading import (
+from cdc_platform.lib.landing.codecs import decode_file, encode_file_bytes
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.reading import (
     LandingReader,
     event_schema,
     inspect_files,
     read_events,
     unify_schema,
 )
-from cdc_platform.lib.spark import build_spark_session
+from cdc_platform.lib.spark.session import build_spark_session
 
 T = TypeVar("T")
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cdc_platform.lib import delta
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing import hour_folder
+from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark import build_spark_session
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.spark.session import build_spark_session
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
 TABLE = TableConfig(name="bench", primary_key=("id",), start=START)

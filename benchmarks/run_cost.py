@@ -5,7 +5,7 @@ A history table of about ``--versions`` versions is built once by one range ``ma
 (``scale.py``'s generator and cache: rerunning is free until ``cdc_platform/lib`` changes). In
 one warm local[2] session, after one unmeasured warm-up hour, ``--repeats`` hours of
 ``--hour-events`` events are each applied with ``materialize()``; every run's own cost
-(``lib.run_cost``: the figures the Dagster metadata records) is printed per stage: seconds
+(``lib.spark.run_cost``: the figures the Dagster metadata records) is printed per stage: seconds
 (median over the repeats) and Spark jobs (exact, counted per stage by job group).
 
 Beside it, the **small-hour reference**: the plainest Spark for the same work, in the same warm
@@ -58,12 +58,13 @@ from scale import (  # noqa: E402  (benchmarks/ is not a package)
     write_hour,
 )
 
-from cdc_platform.lib import delta, invariants  # noqa: E402
-from cdc_platform.lib.landing import hour_folder  # noqa: E402
+from cdc_platform.lib.history import invariants  # noqa: E402
+from cdc_platform.lib.landing.layout import hour_folder  # noqa: E402
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize  # noqa: E402
-from cdc_platform.lib.run_cost import CostReport, RunCost  # noqa: E402
-from cdc_platform.lib.spark import build_spark_session  # noqa: E402
-from cdc_platform.lib.warehouse import TablePaths  # noqa: E402
+from cdc_platform.lib.spark.run_cost import CostReport, RunCost  # noqa: E402
+from cdc_platform.lib.spark.session import build_spark_session  # noqa: E402
+from cdc_platform.lib.storage import delta  # noqa: E402
+from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -93,9 +93,9 @@ import pyarrow.parquet as pq
 import cdc_platform
 from cdc_platform.lib.columns import TMAX, unix_micros
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark import (
+from cdc_platform.lib.spark.session import (
     CONNECT_AUTH_ENV,
     DEFAULT_CONNECT_AUTH,
     SparkDeployment,

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing import hour_folder
-from cdc_platform.lib.sensor_cursor import CursorState, PartitionRequest, evaluate
+from cdc_platform.lib.fleet.sensor_cursor import CursorState, PartitionRequest, evaluate
+from cdc_platform.lib.landing.layout import hour_folder
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
 

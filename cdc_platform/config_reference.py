@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cdc_platform.lib import config as cfg
-from cdc_platform.lib.history import HistoryColumns
+from cdc_platform.lib.history.versions import HistoryColumns
 
 PAGE = cfg.REPO_ROOT / "docs" / "configuration.md"
 COMMAND = "python -m cdc_platform.config_reference --write"

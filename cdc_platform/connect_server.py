@@ -5,14 +5,14 @@
     python -m cdc_platform.connect_server stop
 
 ``start`` runs the server class through ``pyspark/sbin/spark-daemon.sh`` (the Connect jar ships in
-``pyspark/jars``) on loopback only, with the settings correctness needs (``lib.spark``: UTC,
+``pyspark/jars``) on loopback only, with the settings correctness needs (``lib.spark.session``: UTC,
 TIMESTAMP_MICROS, no ``_SUCCESS`` files, exact column names), and returns once the server
 accepts connections. Its Python workers run this interpreter with this package importable, so
 ``mapInArrow`` tasks (the landing-file decoders) can import ``cdc_platform``. Then point the
 ``spark`` resource at it: ``CDC_SPARK_REMOTE=sc://127.0.0.1:15002`` and
 ``CDC_SPARK_CONNECT_AUTH=<state-dir>/auth.json``.
 
-Every start writes new secrets to ``<state-dir>/auth.json`` (mode 600, ``lib.spark.ConnectAuth``):
+Every start writes new secrets to ``<state-dir>/auth.json`` (mode 600, ``lib.spark.session.ConnectAuth``):
 the token clients must present, and the proof the server gives them before they send it work.
 The server takes them, and every other setting (the ``--conf`` ones, which may hold an object
 store's keys, and the master's URL), from ``<state-dir>/private/server.properties`` (mode 600, in
@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from cdc_platform.lib.spark import (
+from cdc_platform.lib.spark.session import (
     LOOPBACK_HOSTS,
     ConnectAuth,
     check_java,

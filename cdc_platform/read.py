@@ -25,12 +25,12 @@ live version of every key that exists, which is ``as_of`` TMAX.
 describe how the platform writes the table, not the data.
 
 **Timestamps.** ``ts`` is a ``datetime`` (naive means UTC, as everywhere in the platform) or an
-ISO-8601 string read by the platform's one parser (``lib/timestamps.py``: no zone means UTC, a
+ISO-8601 string read by the platform's one parser (``lib/landing/timestamps.py``: no zone means UTC, a
 date alone means midnight). Anything else raises ``TypeError``; an unparsable string
 ``ValueError``.
 
 **Files read.** Reads use one Delta snapshot and skip files by their Delta statistics. Every
-history file holds one segment (live, deleted or closed; ``lib/merge/``) and its statistics
+history file holds one segment (live, deleted or closed; ``lib/history/merge/``) and its statistics
 carry exact bounds of ``_fivetran_active``, ``_fivetran_start`` and ``_fivetran_end``, so
 ``current`` reads only the live files (never a closed or deleted one), and ``as_of`` only files
 whose span of starts and ends can contain ``ts``. A file without statistics is always read.
@@ -57,16 +57,16 @@ from cdc_platform.lib.columns import (
     is_reserved,
     timestamp_lit,
 )
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.dataset as ds
     from pyspark.sql import DataFrame, SparkSession
 
-    from cdc_platform.lib.delta import DataFile
-    from cdc_platform.lib.table import Table
+    from cdc_platform.lib.storage.delta import DataFile
+    from cdc_platform.lib.storage.table import Table
 
 TableRef = str | os.PathLike[str] | Location | TablePaths
 Engine = Literal["duckdb", "polars"]
@@ -92,7 +92,7 @@ def as_of_instant(ts: datetime | str) -> datetime:
     if isinstance(ts, str):
         import pyarrow as pa
 
-        from cdc_platform.lib.timestamps import CAST_ERRORS, parse_timestamps
+        from cdc_platform.lib.landing.timestamps import CAST_ERRORS, parse_timestamps
 
         try:
             parsed = parse_timestamps(pa.array([ts], pa.string()))[0].as_py()
@@ -122,7 +122,7 @@ class _Snapshot:
 
     @classmethod
     def open(cls, table: TableRef, version: int | None = None) -> _Snapshot:
-        from cdc_platform.lib.table import Table
+        from cdc_platform.lib.storage.table import Table
 
         path = history_path(table)
         history = Table.open(path, version)
@@ -148,7 +148,7 @@ class _Snapshot:
         return [f for f in self.files if may_hold(f, at)]
 
     def paths(self, files: Sequence[DataFile]) -> list[str]:
-        from cdc_platform.lib import delta
+        from cdc_platform.lib.storage import delta
 
         return delta.absolute_paths(self.path, files)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc_platform.lib.spark import build_spark_session, delta_conf
+from cdc_platform.lib.spark.session import build_spark_session, delta_conf
 from cdc_platform_tests.webhook import Webhook, serve_webhook
 
 

@@ -14,8 +14,8 @@ from deltalake import DeltaTable
 
 from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.lib.landing import hour_folder
-from cdc_platform.lib.storage import Where
+from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.storage.stores import Where
 
 CDC_FIELDS = [
     pa.field("cdc_operation_type", pa.string()),

@@ -15,13 +15,14 @@ import pytest
 from deltalake import write_deltalake
 
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib import delta, invariants
-from cdc_platform.lib.adoption import AdoptionError, adopt, adoption_seqs, source_name
 from cdc_platform.lib.columns import TMAX, TMIN
 from cdc_platform.lib.config import TableConfig, load_config
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.operations.adoption import AdoptionError, adopt, adoption_seqs, source_name
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,

@@ -25,16 +25,22 @@ import pytest
 import yaml
 from deltalake import DeltaTable, write_deltalake
 
-from cdc_platform.lib import delta, discovery, invariants
-from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import ConfigError, TableConfig, parse_config
-from cdc_platform.lib.discovery import describe
-from cdc_platform.lib.landing import files_in_hour, hour_folder
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.landing import discovery
+from cdc_platform.lib.landing.discovery import describe
+from cdc_platform.lib.landing.layout import files_in_hour, hour_folder
+from cdc_platform.lib.landing.reading import LandingReader, NativeGuard
+from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.resync import ResyncError, SnapshotReader, resync
+from cdc_platform.lib.operations.source_roots import (
+    SourceRootError,
+    adoption_source,
+    snapshot_folder,
+)
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.reading import LandingReader, NativeGuard
-from cdc_platform.lib.resync import ResyncError, SnapshotReader, resync
-from cdc_platform.lib.source_roots import SourceRootError, adoption_source, snapshot_folder
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
 

@@ -29,10 +29,9 @@ import pytest
 
 from cdc_platform import connect_server
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib import delta
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark import (
+from cdc_platform.lib.spark.session import (
     RUN_TUNABLE,
     ConnectAuth,
     ConnectSetupError,
@@ -42,8 +41,9 @@ from cdc_platform.lib.spark import (
     run_conf,
     spark_conf,
 )
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
 
@@ -458,7 +458,7 @@ def test_no_run_config_reads_the_deployments_environment(hostile_lake, monkeypat
 SECRET_PROBE = """
 import os
 from pathlib import Path
-from cdc_platform.lib.spark import build_spark_session
+from cdc_platform.lib.spark.session import build_spark_session
 secret = os.environ.pop("PROBE_SECRET")
 session = build_spark_session(
     "local[1]", {"spark.hadoop.fs.s3a.secret.key": secret, "spark.ui.retainedJobs": "7"}, "probe"
@@ -513,7 +513,7 @@ def _is_the_real_package(path: Path) -> bool:
 
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
-        return "cdc_platform/lib/spark.py" in names and b"PLANTED" not in z.read(
+        return "cdc_platform/lib/spark/session.py" in names and b"PLANTED" not in z.read(
             "cdc_platform/__init__.py"
         )
 
@@ -524,7 +524,7 @@ def test_the_shipped_package_zip_is_never_one_another_user_planted(tmp_path, mon
     whose mode lets others in or that is a symlink, is never shipped."""
     import tempfile
 
-    from cdc_platform.lib import spark as spark_lib
+    from cdc_platform.lib.spark import session as spark_lib
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -608,7 +608,7 @@ def test_the_connect_servers_settings_never_reach_its_command_line(tmp_path):
 def test_a_properties_file_reads_back_every_key_and_value_as_given(spark):
     """``properties_text`` escapes what Java's ``Properties`` would read otherwise (the JVM's
     own parser reads it back here)."""
-    from cdc_platform.lib.spark import properties_text
+    from cdc_platform.lib.spark.session import properties_text
 
     settings = {
         "spark.a": "plain",

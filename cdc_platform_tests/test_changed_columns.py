@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history import invariants
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, write_parquet_events
 from cdc_platform_tests.reference import changed_columns

@@ -7,7 +7,7 @@ Spark natively) and an encrypted, compressed CSV table (decoded in Python tasks 
 the keyring), go through the Dagster asset and its checks twice: in local mode in this process,
 and through ``dagster asset materialize`` against ``spark://127.0.0.1:<port>``. The executors'
 Python cannot import the project from its checkout or its editable install: they run the code
-the driver ships them (``lib.spark.ship_package``). Afterwards no key appears in anything the
+the driver ships them (``lib.spark.session.ship_package``). Afterwards no key appears in anything the
 cluster wrote to disk: work dirs, daemon logs, the application's event log.
 
 Opt in with ``--run-cluster`` (``make test-cluster``): three extra JVMs on two cores.
@@ -41,11 +41,11 @@ from deltalake import DeltaTable
 
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
-from cdc_platform.lib import invariants
-from cdc_platform.lib.codecs import encode_file_bytes
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
-from cdc_platform.lib.landing import hour_folder
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.landing.codecs import encode_file_bytes
+from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, event, write_parquet_events
 
 pytestmark = pytest.mark.cluster

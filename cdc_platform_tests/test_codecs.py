@@ -15,7 +15,7 @@ import zstandard
 from cryptography.hazmat.primitives import padding
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from cdc_platform.lib.codecs import (
+from cdc_platform.lib.landing.codecs import (
     LandingFileError,
     compress_zstd,
     decode_file,
@@ -23,7 +23,7 @@ from cdc_platform.lib.codecs import (
     encrypt_bytes,
     open_decoded_stream,
 )
-from cdc_platform.lib.keyring import Keyring
+from cdc_platform.lib.landing.keyring import Keyring
 
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(100, 132))

@@ -29,13 +29,13 @@ from deltalake.exceptions import CommitFailedError
 
 from cdc_platform.defs.factory import build_table_definitions, pool_name
 from cdc_platform.defs.launcher import process_alive
-from cdc_platform.lib import invariants, merge
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, PlatformConfig, TableConfig
-from cdc_platform.lib.merge import COMMIT_ATTEMPTS
-from cdc_platform.lib.merge import write as merge_write
+from cdc_platform.lib.history import invariants, merge
+from cdc_platform.lib.history.merge import COMMIT_ATTEMPTS
+from cdc_platform.lib.history.merge import write as merge_write
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cdc_platform.lib.config import ConfigError, load_config, parse_config
-from cdc_platform.lib.spark import JavaMissingError, check_java
+from cdc_platform.lib.spark.session import JavaMissingError, check_java
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from cdc_platform.defs.maintenance import build_maintenance_job
-from cdc_platform.lib import delta
 from cdc_platform.lib.columns import CHANGED, CURRENT, LAST_EVENT_AT
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.merge import APP_ID, is_closed_file, unchanged_before
+from cdc_platform.lib.history.merge import APP_ID, is_closed_file, unchanged_before
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,
@@ -167,7 +167,7 @@ def test_late_events_leave_closed_files_that_ended_before_them_alone(spark, lake
 def test_a_big_change_log_append_is_split_by_time(spark, lake, monkeypatch):
     """A backfill's events go to change-log files of consecutive time ranges (so a late key's
     refold skips the older ones by their statistics), each holding every event once."""
-    from cdc_platform.lib import changelog
+    from cdc_platform.lib.history import changelog
 
     monkeypatch.setattr(changelog, "LOG_ROWS_PER_FILE", KEYS)
     hours = [H0 + timedelta(hours=h) for h in range(4)]
@@ -313,7 +313,7 @@ def test_maintenance_job_compacts_without_changing_a_row(spark, lake):
 def test_key_statistics_rule_files_out_only_when_they_can():
     """Slow keys read only files whose key range may hold them; without usable bounds
     (none, or of another type than the key) a file is always read."""
-    from cdc_platform.lib.merge.gather import _files_maybe_holding
+    from cdc_platform.lib.history.merge.gather import _files_maybe_holding
 
     def f(name: str, lo: Any, hi: Any) -> delta.DataFile:
         bounds = ({"id": lo}, {"id": hi}) if lo is not None else ({}, {})

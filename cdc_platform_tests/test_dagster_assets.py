@@ -18,13 +18,13 @@ from deltalake import DeltaTable
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
-from cdc_platform.lib import invariants
 from cdc_platform.lib.config import REPO_ROOT, load_config
-from cdc_platform.lib.history import TMAX
-from cdc_platform.lib.landing import hour_folder
-from cdc_platform.lib.merge import FAULT_ENV
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.merge import FAULT_ENV
+from cdc_platform.lib.history.versions import TMAX
+from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,
@@ -285,7 +285,7 @@ import sys
 from datetime import UTC, datetime
 from cdc_platform.lib.config import load_config
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark import build_spark_session
+from cdc_platform.lib.spark.session import build_spark_session
 platform = load_config(sys.argv[1])
 spark = build_spark_session("local[1]", {"spark.sql.shuffle.partitions": "1"})
 hour = datetime.fromisoformat(sys.argv[2])

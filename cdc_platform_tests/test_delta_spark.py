@@ -22,15 +22,15 @@ import pytest
 from deltalake import DeltaTable
 
 from cdc_platform import read
-from cdc_platform.lib import current_table, invariants
-from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.delta import UnsupportedTableFeatureError
+from cdc_platform.lib.history import current_table, invariants
+from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.revocation import unapply
+from cdc_platform.lib.operations.truncation import truncate
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.revocation import unapply
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.truncation import truncate
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.delta import UnsupportedTableFeatureError
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
 
@@ -374,7 +374,9 @@ def test_without_delta_spark_column_mapping_is_read_and_deletion_vectors_are_ref
 ):
     """A session without Delta's library (the platform's own) reads column-mapped files by
     their physical names, and refuses deletion vectors rather than bring deleted rows back."""
-    monkeypatch.setattr("cdc_platform.lib.adoption._has_delta_library", lambda _spark: False)
+    monkeypatch.setattr(
+        "cdc_platform.lib.operations.adoption._has_delta_library", lambda _spark: False
+    )
     mapped = lake["root"] / "mapped"
     _make_source(spark, mapped, "'delta.columnMapping.mode' = 'name'", partitioned=True)
     spark.sql(f"ALTER TABLE delta.`{mapped}` RENAME COLUMN name TO label")

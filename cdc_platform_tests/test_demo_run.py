@@ -20,9 +20,10 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from cdc_platform.demo.run import history_summary
-from cdc_platform.lib import invariants, quarantine
 from cdc_platform.lib.config import REPO_ROOT
-from cdc_platform.lib.quarantine import SCHEMA as QUARANTINE_SCHEMA
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.ledgers import quarantine
+from cdc_platform.lib.ledgers.quarantine import SCHEMA as QUARANTINE_SCHEMA
 
 # Any line a library prints to warn: Python warnings (BetaWarning, FutureWarning, ...), log4j's
 # "WARN", the JVM's "WARNING:".

@@ -46,9 +46,9 @@ import yaml
 from cdc_platform import connect_server
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.launcher import LocalRunLauncher, process_alive, worker_pid
-from cdc_platform.lib import invariants
 from cdc_platform.lib.config import REPO_ROOT, load_config
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.test_webserver import free_port, graphql, http_get, wait_for_location

@@ -20,7 +20,6 @@ import yaml
 from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.discovery import NEW_TABLES_SENSOR_NAME, build_new_tables_sensor
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib.codecs import encode_file_bytes
 from cdc_platform.lib.config import (
     ConfigError,
     DiscoverTemplate,
@@ -29,16 +28,17 @@ from cdc_platform.lib.config import (
     load_config,
     parse_config,
 )
-from cdc_platform.lib.csv_format import read_csv_events
-from cdc_platform.lib.discovery import (
+from cdc_platform.lib.history.versions import TMAX
+from cdc_platform.lib.landing.codecs import encode_file_bytes
+from cdc_platform.lib.landing.discovery import (
     describe,
     guess_primary_key,
     unlisted_tables,
     with_discovered_tables,
 )
-from cdc_platform.lib.history import TMAX
-from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.landing.formats.csv import read_csv_events
+from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,

@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.lib import quarantine
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.history import TMAX
-from cdc_platform.lib.landing import hour_folder
+from cdc_platform.lib.history.versions import TMAX
+from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     CDC_FIELDS,
     history_rows,
@@ -275,7 +275,7 @@ def test_plain_normalized_parquet_is_read_natively_and_gives_the_same_events(spa
     by Spark's vectorized reader (no Python decoding); a file needing conversion (int32, ms
     timestamps, naive data timestamps) is decoded in Python; both give the same events as
     decoding everything in Python, and a bad native file is set aside with the same reason."""
-    from cdc_platform.lib.reading import (
+    from cdc_platform.lib.landing.reading import (
         LandingReader,
         event_schema,
         inspect_files,

@@ -30,17 +30,17 @@ from deltalake import DeltaTable
 from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.lib import quarantine
 from cdc_platform.lib.columns import STATE_COLUMNS
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.history import TMAX
-from cdc_platform.lib.invariants import CHECK_NAMES, NO_QUARANTINE
-from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
-from cdc_platform.lib.merge import TOUCHED_KEYS
+from cdc_platform.lib.history.invariants import CHECK_NAMES, NO_QUARANTINE
+from cdc_platform.lib.history.merge import TOUCHED_KEYS
+from cdc_platform.lib.history.versions import TMAX
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import history_rows
 
 MS = timedelta(milliseconds=1)

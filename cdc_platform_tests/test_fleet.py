@@ -24,15 +24,15 @@ from cdc_platform.defs.sensors import (
     TABLE_TAG,
 )
 from cdc_platform.lib.config import ConfigError, PlatformConfig, TableConfig, parse_config
-from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
-from cdc_platform.lib.sensor_cursor import (
+from cdc_platform.lib.fleet.sensor_cursor import (
     REASON_NEW_FOLDER,
     REASON_RETRY,
     PartitionRequest,
     batch,
 )
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import Clock, dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 

@@ -21,13 +21,14 @@ from cryptography.hazmat.primitives import padding
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from deltalake import DeltaTable
 
-from cdc_platform.lib import invariants, quarantine
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.landing import IN_SUBFOLDER, SYMLINK, hour_folder
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.layout import IN_SUBFOLDER, SYMLINK, hour_folder
+from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import LandingRootMissingError, materialize
-from cdc_platform.lib.table import Table
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, write_parquet_events
 
@@ -535,7 +536,8 @@ def test_pending_files_recompute_only_when_the_applied_version_was_cleaned_up(
 ):
     from deltalake import write_deltalake
 
-    from cdc_platform.lib import changelog, delta
+    from cdc_platform.lib.history import changelog
+    from cdc_platform.lib.storage import delta
 
     path = tmp_path / "log"
     data = pa.table({"x": [1]})

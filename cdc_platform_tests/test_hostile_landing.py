@@ -17,10 +17,11 @@ import pytest
 import zstandard
 from deltalake import DeltaTable
 
-from cdc_platform.lib import discovery, quarantine, sensor_cursor
-from cdc_platform.lib.codecs import LandingFileError
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing import (
+from cdc_platform.lib.fleet import sensor_cursor
+from cdc_platform.lib.landing import discovery
+from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.layout import (
     BAD_NAME,
     IN_SUBFOLDER,
     all_hour_folders,
@@ -28,10 +29,11 @@ from cdc_platform.lib.landing import (
     fingerprint,
     hour_folder,
 )
+from cdc_platform.lib.landing.reading import LandingReader, changed_files_named, event_schema
+from cdc_platform.lib.landing.safe_open import CHANGED, FileId
+from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.reading import LandingReader, changed_files_named, event_schema
-from cdc_platform.lib.safe_open import CHANGED, FileId
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, write_parquet_events
 
@@ -110,7 +112,7 @@ def test_a_zstd_bomb_is_refused_having_decoded_at_most_the_limit() -> None:
     sample of a stream decodes about what is read, whatever the file expands to."""
     growth = peak_growth_mib(
         "import io\n"
-        "from cdc_platform.lib.codecs import LandingFileError, decode_file, open_decoded_stream\n"
+        "from cdc_platform.lib.landing.codecs import LandingFileError, decode_file, open_decoded_stream\n"
         "from cdc_platform_tests.test_hostile_landing import zeros_bomb\n"
         "bomb = zeros_bomb(128 << 20)\n"
         "assert len(bomb) < 16 * 1024\n",
@@ -140,7 +142,7 @@ def test_discovery_samples_a_bomb_without_expanding_it(tmp_path: Path) -> None:
             w.write(zeros)
     assert (folder / "part-1.csv.zst").stat().st_size < 4 * MiB
     growth = peak_growth_mib(
-        "from cdc_platform.lib import discovery\n",
+        "from cdc_platform.lib.landing import discovery\n",
         f"found = discovery.describe({str(landing)!r}, 'bombs')\n"
         "assert (found.encoding.compression, found.encoding.format) == ('zstd', 'csv')\n",
     )
@@ -410,7 +412,7 @@ def test_text_that_is_not_utf8_sets_the_file_aside_naming_row_and_column(spark, 
 
 
 def test_file_stats_of_bytes_that_are_no_text_give_no_bounds(tmp_path: Path) -> None:
-    from cdc_platform.lib import delta
+    from cdc_platform.lib.storage import delta
 
     invalid_utf8_file(tmp_path / "f.parquet")
     stats = delta.file_stats(pq.ParquetFile(tmp_path / "f.parquet").metadata)
@@ -421,8 +423,8 @@ def test_odd_folder_shapes_through_the_asset_and_its_ledger(spark, tmp_path) -> 
     """The asset records every listed file in the applied-files ledger: a name that is not
     UTF-8 is recorded escaped (a Delta string holds UTF-8 only), and the run succeeds."""
 
-    from cdc_platform.lib import applied_files
     from cdc_platform.lib.config import load_config
+    from cdc_platform.lib.ledgers import applied_files
 
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
@@ -445,8 +447,10 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
     fingerprint does not see it, so the ledger must not claim the file was read, or its hour
     would never be asked for again (the pending hour is re-requested instead)."""
 
-    from cdc_platform.lib import applied_files, pipeline, sensor_cursor
+    from cdc_platform.lib import pipeline
     from cdc_platform.lib.config import load_config
+    from cdc_platform.lib.fleet import sensor_cursor
+    from cdc_platform.lib.ledgers import applied_files
 
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"

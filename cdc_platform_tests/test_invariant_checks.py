@@ -27,19 +27,19 @@ from cdc_platform.defs.factory import (
     build_definitions,
     build_table_definitions,
 )
-from cdc_platform.lib import invariants
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
-from cdc_platform.lib.history import TMAX
-from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.versions import TMAX
+from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark import (
+from cdc_platform.lib.spark.session import (
     ADAPTIVE,
     BROADCAST_THRESHOLD,
     SHUFFLE_PARTITIONS,
     WHOLE_STAGE_CODEGEN,
 )
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 from cdc_platform_tests.webhook import Webhook
 
@@ -624,8 +624,8 @@ def test_a_bug_in_the_writers_fold_is_caught(spark, tmp_path: Path, monkeypatch)
     check that recomputed the table with the same fold would agree with the bug.)"""
     from pyspark.sql import functions as F
 
-    from cdc_platform.lib import history
-    from cdc_platform.lib.merge import fold
+    from cdc_platform.lib.history import versions as history
+    from cdc_platform.lib.history.merge import fold
 
     real = history.build_versions
 

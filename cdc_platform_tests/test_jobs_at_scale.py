@@ -32,7 +32,7 @@ from cdc_platform.defs.plans import PLAN_JOB, PLAN_OP
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, load_config
-from cdc_platform.lib.schedule_spread import (
+from cdc_platform.lib.fleet.schedule_spread import (
     STEP_MINUTES,
     due_by,
     offset_minutes,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from cdc_platform.lib import delta
-from cdc_platform.lib.ledger import Ledger
+from cdc_platform.lib.ledgers.ledger import Ledger
+from cdc_platform.lib.storage import delta
 
 SCHEMA = pa.schema([pa.field("file", pa.string()), pa.field("n", pa.int64())])
 

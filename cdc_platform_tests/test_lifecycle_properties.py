@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdc_platform.lib import invariants
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.operations.resync import resync, resync_seqs
+from cdc_platform.lib.operations.truncation import truncate, truncate_seq
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.resync import resync, resync_seqs
-from cdc_platform.lib.truncation import truncate, truncate_seq
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import UNMODIFIED, reference_history, truncate_to_ms

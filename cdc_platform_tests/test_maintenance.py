@@ -14,10 +14,10 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from deltalake.transaction import AddAction
 
-from cdc_platform.lib import delta
-from cdc_platform.lib.maintenance import vacuum
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.operations.maintenance import vacuum
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 OLD = 1_000_000_000  # 2001: older than any retention
 

@@ -1,6 +1,6 @@
 """A bulk hour works on the shipped defaults (issue 22, target 9): the local driver's memory is
 sized from the machine unless the deployment says, and no join side that grows with keys is
-broadcast on Spark's estimate (``lib.joins``), with the merge's results unchanged either way."""
+broadcast on Spark's estimate (``lib.history.joins``), with the merge's results unchanged either way."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from cdc_platform.lib import joins
-from cdc_platform.lib.spark import (
+from cdc_platform.lib.history import joins
+from cdc_platform.lib.spark.session import (
     DRIVER_MEMORY_MAX_MB,
     DRIVER_MEMORY_MIN_MB,
     DRIVER_MEMORY_SHARE,

@@ -1,4 +1,4 @@
-"""Adversarial scenarios for the segmented merge (lib/merge/): fast path, slow path, the
+"""Adversarial scenarios for the segmented merge (lib/history/merge/): fast path, slow path, the
 delete-only side table, compaction and crashes, each compared with ``reference_history``."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.maintenance import compact
-from cdc_platform.lib.merge import write as merge_write
+from cdc_platform.lib.history.merge import write as merge_write
+from cdc_platform.lib.operations.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import reference_history

@@ -36,18 +36,21 @@ from deltalake.exceptions import CommitFailedError
 
 from cdc_platform.defs.factory import build_definitions
 from cdc_platform.defs.resources import SparkResource
-from cdc_platform.lib import applied_files, changelog, delta, maintenance, merge, quarantine
 from cdc_platform.lib.config import ConfigError, PlatformConfig, load_config
-from cdc_platform.lib.landing import LandingFile
-from cdc_platform.lib.spark import spark_conf
-from cdc_platform.lib.storage import (
+from cdc_platform.lib.history import changelog, merge
+from cdc_platform.lib.landing.layout import LandingFile
+from cdc_platform.lib.ledgers import applied_files, quarantine
+from cdc_platform.lib.operations import maintenance
+from cdc_platform.lib.spark.session import spark_conf
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import (
     EnvRef,
     Location,
     StorageOptionError,
     hadoop_conf,
 )
-from cdc_platform.lib.table import Table
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
 
@@ -179,7 +182,7 @@ def _write(s3: pafs.S3FileSystem, table: Location, folder: str, rows: list[dict]
     return delta.adds_for_written(table, f"{delta.DATA_DIR}/{folder}")
 
 
-# -- the commit path of lib/delta.py ---------------------------------------------------------------
+# -- the commit path of lib/storage/delta.py ---------------------------------------------------------------
 
 
 def test_a_writers_files_are_collected_and_committed_atomically(platform, s3):

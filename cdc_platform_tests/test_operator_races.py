@@ -16,14 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from cdc_platform import read
-from cdc_platform.lib import delta
-from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.landing.timestamps import CLOCK_SKEW
+from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.resync import ResyncError, resync
+from cdc_platform.lib.operations.truncation import truncate
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.resync import ResyncError, resync
-from cdc_platform.lib.timestamps import CLOCK_SKEW
-from cdc_platform.lib.truncation import truncate
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
 
@@ -148,7 +148,7 @@ def test_a_resync_never_removes_an_event_logged_after_it_decided(spark, lake, mo
     older than the snapshot row: a's history is then no longer replaced. The re-sync's removal
     must fail on the moved change log and decide again; removing every event of a from the
     latest log (as the retry did) lost the late event for good (forgotten)."""
-    from cdc_platform.lib import resync as resync_module
+    from cdc_platform.lib.operations import resync as resync_module
 
     landing, warehouse = lake["landing"], lake["warehouse"]
     cdc = [ev("INSERT", 1, D2, "a", counter=10), ev("UPDATE", 2, D3, "a", counter=30)]
@@ -199,8 +199,8 @@ def test_events_a_lost_hard_truncate_attempt_forgot_come_back_when_re_admitted(
     run updates key 1 (written after T now), so the commit fails and the retry keeps key 1.
     Its events must not stay forgotten: un-applying their file and re-admitting it gives the
     same change log back (they were filtered out as forgotten, lost)."""
-    from cdc_platform.lib import changelog
-    from cdc_platform.lib.revocation import readmit, unapply
+    from cdc_platform.lib.history import changelog
+    from cdc_platform.lib.operations.revocation import readmit, unapply
 
     landing, warehouse = lake["landing"], lake["warehouse"]
     hour0 = [ev("INSERT", 1, H0 + MS, 1, status="new"), ev("INSERT", 2, H0 + 2 * MS, 2)]
@@ -304,9 +304,10 @@ def test_globs_never_match_an_operations_events_and_re_admitting_them_is_refused
     """``files: ["*"]`` took back the adoption's, re-sync's and truncate's events too, which no
     re-admit logs again. Now only an exact name matches them; re-admitting one is refused with
     what to run instead, and running that operation again logs its events again."""
-    from cdc_platform.lib import adoption, revoked_files, truncation
-    from cdc_platform.lib import resync as resync_module
-    from cdc_platform.lib.revocation import (
+    from cdc_platform.lib.ledgers import revoked_files
+    from cdc_platform.lib.operations import adoption, truncation
+    from cdc_platform.lib.operations import resync as resync_module
+    from cdc_platform.lib.operations.revocation import (
         ADOPT_PREFIX,
         RESYNC_PREFIX,
         TRUNCATE_PREFIX,
@@ -377,10 +378,10 @@ def test_a_current_table_never_overwrites_a_discovered_table_of_its_name(spark, 
     folder and says why."""
     from dataclasses import replace
 
-    from cdc_platform.lib import current_table
     from cdc_platform.lib.config import ConfigError, DiscoverTemplate, PlatformConfig
-    from cdc_platform.lib.discovery import with_discovered_tables
-    from cdc_platform.lib.storage import Location
+    from cdc_platform.lib.history import current_table
+    from cdc_platform.lib.landing.discovery import with_discovered_tables
+    from cdc_platform.lib.storage.stores import Location
 
     landing, warehouse = lake["landing"], lake["warehouse"]
     for name in ("orders", "orders_current"):
@@ -438,7 +439,7 @@ def test_forgotten_rows_count_only_once_their_removal_committed(tmp_path):
     rows that never count (and rows written before this rule count, as they did)."""
     from deltalake import CommitProperties, DeltaTable, write_deltalake
 
-    from cdc_platform.lib import changelog
+    from cdc_platform.lib.history import changelog
 
     log = tmp_path / "changelog"
     write_deltalake(str(log), pa.table({"id": [1]}))  # version 0

@@ -10,10 +10,10 @@ import dagster as dg
 
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.lib.config import load_config
-from cdc_platform.lib.landing import hour_folder
+from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.operations.plan import plan
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.plan import plan
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 

@@ -23,13 +23,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from cdc_platform.lib import invariants
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.history import HistoryColumns
-from cdc_platform.lib.landing import hour_folder
-from cdc_platform.lib.maintenance import compact
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.versions import HistoryColumns
+from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.operations.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 from cdc_platform_tests.reference import UNMODIFIED, changed_columns, reference_history
 from cdc_platform_tests.strategies import assign_to_files, cdc_event_batches

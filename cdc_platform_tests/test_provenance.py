@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history.provenance import EVENTS, NoHistoryError, version_sources
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.provenance import EVENTS, NoHistoryError, version_sources
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
 

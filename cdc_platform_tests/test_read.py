@@ -28,12 +28,14 @@ from cdc_platform.defs.factory import (
     build_definitions,
     build_table_definitions,
 )
-from cdc_platform.lib import current_table, delta, maintenance
 from cdc_platform.lib.columns import ACTIVE, END, START, STATE_COLUMNS, TMAX
 from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
+from cdc_platform.lib.history import current_table
+from cdc_platform.lib.operations import maintenance
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.storage import Location
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 

@@ -11,7 +11,7 @@ import pytest
 
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.reading import LandingReader, unify_schema
+from cdc_platform.lib.landing.reading import LandingReader, unify_schema
 
 TABLE = TableConfig(name="x", primary_key=("id",), start=datetime(2024, 1, 1, tzinfo=UTC))
 EXPECTED = datetime(2024, 1, 1, 5, 0, 0, 123000, tzinfo=UTC)

@@ -13,13 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig, load_config
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.operations.resync import ResyncError, resync, resync_seqs, source_name
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.resync import ResyncError, resync, resync_seqs, source_name
-from cdc_platform.lib.storage import Where
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Where
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,

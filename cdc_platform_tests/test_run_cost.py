@@ -12,10 +12,10 @@ import dagster as dg
 import pytest
 
 from cdc_platform.defs.factory import build_table_definitions, materialization_metadata
-from cdc_platform.lib import run_cost
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.spark import run_cost
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 
@@ -171,8 +171,8 @@ def test_a_small_run_plans_whole_and_restores_the_sessions_setting(spark):
     """Adaptive execution is off for a run below ``SMALL_RUN_BYTES`` (each of its shuffle
     stages would be a Spark job of its own) and the session's own setting comes back after."""
     from cdc_platform.lib.pipeline import SMALL_RUN_BYTES, plan_whole_if_small
-    from cdc_platform.lib.spark import ADAPTIVE as key
-    from cdc_platform.lib.spark import conf_restored
+    from cdc_platform.lib.spark.session import ADAPTIVE as key
+    from cdc_platform.lib.spark.session import conf_restored
 
     before = spark.conf.get(key)
     try:

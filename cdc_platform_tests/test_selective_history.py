@@ -14,14 +14,15 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 
 from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse_config
-from cdc_platform.lib.history import TMAX, HistoryColumns
-from cdc_platform.lib.landing import hour_folder
-from cdc_platform.lib.merge import HistoryColumnsError, record_history_columns
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.merge import HistoryColumnsError, record_history_columns
+from cdc_platform.lib.history.provenance import EVENTS, version_sources
+from cdc_platform.lib.history.versions import TMAX, HistoryColumns
+from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.provenance import EVENTS, version_sources
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,

@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
-from cdc_platform.lib.landing import partition_key_to_hour as hour_of
-from cdc_platform.lib.sensor_cursor import (
+from cdc_platform.lib.fleet.sensor_cursor import (
     MAX_BACKOFF_SECONDS,
     MAX_RANGE_HOURS,
     REASON_INITIAL,
@@ -31,6 +29,8 @@ from cdc_platform.lib.sensor_cursor import (
     evaluate,
     reconcile,
 )
+from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.layout import partition_key_to_hour as hour_of
 
 H = timedelta(hours=1)
 START = datetime(2024, 1, 1, tzinfo=UTC)
@@ -364,8 +364,8 @@ def test_500_hourly_ticks_keep_the_cursor_bounded_and_request_each_change_once(
 
 def ledger_rows(root: Path, hour: datetime) -> dict[str, set[tuple[str, int, int]]]:
     """What the applied-files ledger records once a run read the hour's files."""
-    from cdc_platform.lib import applied_files
-    from cdc_platform.lib.landing import files_in_hour
+    from cdc_platform.lib.landing.layout import files_in_hour
+    from cdc_platform.lib.ledgers import applied_files
 
     files = files_in_hour(root, "orders", hour)
     return {k(hour): {applied_files.identity(root, f) for f in files}}

@@ -21,16 +21,16 @@ from cdc_platform.defs.sensors import (
     TABLE_TAG,
     build_landing_sensor,
 )
-from cdc_platform.lib import quarantine
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.landing import hour_folder, hour_to_partition_key
-from cdc_platform.lib.sensor_cursor import (
+from cdc_platform.lib.fleet.sensor_cursor import (
     REASON_INITIAL,
     REASON_NEW_FILES,
     REASON_NEW_FOLDER,
     CursorState,
 )
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.ledgers import quarantine
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import Clock, dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 

@@ -28,10 +28,10 @@ import pytest
 from deltalake import DeltaTable
 
 from cdc_platform import connect_server
-from cdc_platform.lib import invariants
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history import invariants
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event, write_parquet_events
 
 pytestmark = pytest.mark.connect
@@ -285,7 +285,7 @@ def test_pipeline_over_spark_connect_equals_local_mode(
 
 def _scenario(url: str, auth: str, root: str, out: str) -> None:
     """The scenario over Spark Connect, in its own process (``python -m`` this module)."""
-    from cdc_platform.lib.spark import ConnectAuth, build_connect_session
+    from cdc_platform.lib.spark.session import ConnectAuth, build_connect_session
 
     session = build_connect_session(
         url, app_name="cdc_platform_connect_test", auth=ConnectAuth.load(Path(auth))
@@ -302,7 +302,7 @@ def _probe(url: str, auth_path: str, mode: str) -> None:
     the token but another proof secret: what a server that is not the platform's would fail."""
     from pyspark.sql import SparkSession
 
-    from cdc_platform.lib.spark import ConnectAuth, ConnectSetupError, build_connect_session
+    from cdc_platform.lib.spark.session import ConnectAuth, ConnectSetupError, build_connect_session
 
     auth = ConnectAuth.load(Path(auth_path))
     if mode == "no-token":

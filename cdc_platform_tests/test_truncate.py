@@ -11,14 +11,15 @@ import dagster as dg
 import pytest
 
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib import changelog, delta, invariants
 from cdc_platform.lib.config import TableConfig, load_config
+from cdc_platform.lib.history import changelog, invariants
+from cdc_platform.lib.operations.revocation import unapply
+from cdc_platform.lib.operations.truncation import source_name, truncate, truncate_seq
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.revocation import unapply
-from cdc_platform.lib.storage import Location, Where
-from cdc_platform.lib.table import Table
-from cdc_platform.lib.truncation import source_name, truncate, truncate_seq
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location, Where
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,
@@ -316,7 +317,7 @@ def test_a_hard_truncate_never_removes_an_event_logged_while_it_ran(
 ):
     """Another run logs (and merges) a new key while the truncate decides: the truncate's
     strict commit loses, it starts again, and the new key, written after T, stays."""
-    from cdc_platform.lib import truncation
+    from cdc_platform.lib.operations import truncation
 
     landing, warehouse = lake["landing"], lake["warehouse"]
     paths = build(built, landing, warehouse)

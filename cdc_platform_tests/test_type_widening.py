@@ -12,12 +12,13 @@ from decimal import Decimal
 import pyarrow as pa
 import pytest
 
-from cdc_platform.lib import current_table, delta, invariants
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history import current_table, invariants
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.schema import widest
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.schema import widest
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
 
@@ -202,7 +203,7 @@ def test_an_append_narrower_than_the_change_log_is_cast_up(spark, lake):
     lands in the widened table."""
     import pyarrow.parquet as pq
 
-    from cdc_platform.lib import changelog
+    from cdc_platform.lib.history import changelog
 
     landing, warehouse = lake["landing"], lake["warehouse"]
     paths = TablePaths.of(warehouse, TABLE.name)

@@ -12,19 +12,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib import changelog, delta, invariants, revoked_files
 from cdc_platform.lib.columns import CHANGED, STATE_COLUMNS
 from cdc_platform.lib.config import TableConfig, load_config
-from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.revocation import (
+from cdc_platform.lib.history import changelog, invariants
+from cdc_platform.lib.ledgers import revoked_files
+from cdc_platform.lib.operations.revocation import (
     NoMatchingFileError,
     _remove_events,
     hour_of,
     readmit,
     unapply,
 )
-from cdc_platform.lib.storage import Where
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Where
+from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     history_rows,

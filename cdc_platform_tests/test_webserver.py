@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cdc_platform.lib import invariants
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT
+from cdc_platform.lib.history import invariants
 
 STARTUP_SECONDS = 120
 TABLES = {"customers": "customer_id", "orders": "order_id"}

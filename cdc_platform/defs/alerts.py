@@ -1,7 +1,7 @@
 """Alerting in Dagster: a webhook resource and two sensors, one for check state changes, one
 for failed runs.
 
-The payloads come from :mod:`cdc_platform.lib.alerts`. With no webhook configured, alerts are
+The payloads come from :mod:`cdc_platform.lib.fleet.alerts`. With no webhook configured, alerts are
 logged and dropped, so a laptop or CI setup needs no secret. Bind the resource under the key
 ``alert_webhook`` (see :func:`alert_webhook_from_env`).
 
@@ -28,14 +28,14 @@ from typing import Any
 import dagster as dg
 
 from cdc_platform.defs.sensors import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG, TABLE_TAG
-from cdc_platform.lib import invariants
-from cdc_platform.lib.alerts import (
+from cdc_platform.lib.fleet.alerts import (
     MAX_DETAIL_CHARS,
     AlertDeliveryError,
     build_alert,
     post_alert,
     redact_url,
 )
+from cdc_platform.lib.history import invariants
 
 ALERT_WEBHOOK_ENV_VAR = "CDC_ALERT_WEBHOOK_URL"
 UI_BASE_URL_ENV_VAR = "CDC_UI_BASE_URL"

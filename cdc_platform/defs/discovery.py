@@ -1,6 +1,6 @@
 """The ``cdc_new_tables`` sensor: report table folders in the landing zone the config does not list.
 
-Each tick lists the landing root's table folders (``lib.discovery``, a directory listing). A
+Each tick lists the landing root's table folders (``lib.landing.discovery``, a directory listing). A
 folder seen for the first time is reported once: a warning in the tick's log (the UI shows it
 under the sensor's ticks) with its columns and the ``tables:`` entry to paste, and a
 ``new_table`` alert through the ``alert_webhook`` resource. An alert that cannot be delivered
@@ -24,9 +24,9 @@ from typing import Any
 import dagster as dg
 
 from cdc_platform.defs.alerts import AlertWebhookResource, deliver
-from cdc_platform.lib.alerts import new_table_alert
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.discovery import DiscoveredTable, describe, unlisted_tables
+from cdc_platform.lib.fleet.alerts import new_table_alert
+from cdc_platform.lib.landing.discovery import DiscoveredTable, describe, unlisted_tables
 
 NEW_TABLES_SENSOR_NAME = "cdc_new_tables"
 

@@ -9,7 +9,7 @@ downstream of the history asset holding its active rows (SCD1), which the
 ``cdc_current_tables`` automation sensor refreshes after each history materialization.
 
 With a ``discover:`` template in the config, every unlisted plain-Parquet table folder of the
-landing zone gets the same definitions (``lib.discovery``, read when the code location loads);
+landing zone gets the same definitions (``lib.landing.discovery``, read when the code location loads);
 the ``cdc_new_tables`` sensor reports every unlisted folder (``defs.discovery``).
 """
 
@@ -44,12 +44,12 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.defs.sensors import TABLE_TAG, build_landing_sensor
 from cdc_platform.defs.source_alerts import build_source_alert_sensor
-from cdc_platform.lib import current_table, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.discovery import with_discovered_tables
-from cdc_platform.lib.landing import hours_between
+from cdc_platform.lib.history import current_table, invariants
+from cdc_platform.lib.landing.discovery import with_discovered_tables
+from cdc_platform.lib.landing.layout import hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
-from cdc_platform.lib.warehouse import TablePaths, current_table_name
+from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
 
 if TYPE_CHECKING:  # what define_asset_job returns (not exported by name)
     from dagster._core.definitions.unresolved_asset_job_definition import (
@@ -117,7 +117,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
         context.log.info(
             f"{table.name}: applying {len(hours)} hour folder(s) {context.partition_key_range}"
         )
-        # Records the files it applied too (``lib.applied_files``): a file that lands later
+        # Records the files it applied too (``lib.ledgers.applied_files``): a file that lands later
         # is picked up by the sensor as usual.
         result = materialize(
             spark.session(platform.warehouse_root),

@@ -5,7 +5,7 @@ Why: with a sensor per table, the daemon's own cost per tick (about 0.1 CPU-seco
 500 tables is most of a core while nothing lands, and each table-hour pays a run's fixed cost (a
 process, imports, a Spark session) for a few seconds of merging. Here one tick looks at every
 table with the same per-table logic (``defs.sensors.tick_table``), and the hours it requests
-become runs of up to ``tables_per_run`` tables (``lib.sensor_cursor.batch``): each table is its
+become runs of up to ``tables_per_run`` tables (``lib.fleet.sensor_cursor.batch``): each table is its
 own step and its own commit, so a failing table fails its step and no other.
 
 **State.** A table's cursor (``CursorState``) is kept in the instance's key-value store
@@ -21,7 +21,7 @@ on. A landing root that cannot be listed fails the tick, as it fails a per-table
 
 **Durability.** The tables' cursors are written before Dagster launches the runs they asked
 for. If the tick dies in between, those hours stay pending in the cursors and are requested
-again after their backoff (``lib.sensor_cursor.reconcile``): late, never lost.
+again after their backoff (``lib.fleet.sensor_cursor.reconcile``): late, never lost.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from cdc_platform.defs.sensors import (
     utcnow,
 )
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.sensor_cursor import BatchRequest, CursorState, batch
-from cdc_platform.lib.storage import Where
+from cdc_platform.lib.fleet.sensor_cursor import BatchRequest, CursorState, batch
+from cdc_platform.lib.storage.stores import Where
 
 FLEET_SENSOR = "cdc_landing"
 TABLES_TAG = "cdc_platform/tables"  # how many tables a run applies (the UI's run list shows it)

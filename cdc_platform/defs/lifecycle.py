@@ -4,8 +4,8 @@ from a snapshot).
 
 ``truncate_table`` names the table, ``before`` (an ISO-8601 time; when left out, everything
 written up to the run, its catch-up merge included) and ``soft``; ``adopt_table`` the table and
-the source to adopt; ``resync_table`` the table, the snapshot folder and ``at``. The work is ``lib.truncation``'s, ``lib.adoption``'s
-and ``lib.resync``'s; each run is reported and checked as ``defs.operations`` does for every
+the source to adopt; ``resync_table`` the table, the snapshot folder and ``at``. The work is ``lib.operations.truncation``'s, ``lib.operations.adoption``'s
+and ``lib.operations.resync``'s; each run is reported and checked as ``defs.operations`` does for every
 operator job, on the hour partition of the operation's time.
 """
 
@@ -17,10 +17,10 @@ from pydantic import Field
 
 from cdc_platform.defs.operations import TableRunConfig, operator_run, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.lib.adoption import AdoptionError, adopt
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.resync import ResyncError, resync
-from cdc_platform.lib.truncation import truncate
+from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.resync import ResyncError, resync
+from cdc_platform.lib.operations.truncation import truncate
 
 TRUNCATE_JOB = "truncate_table"
 ADOPT_JOB = "adopt_table"

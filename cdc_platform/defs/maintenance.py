@@ -22,13 +22,13 @@ from cdc_platform.defs.operations import TableRunConfig, operator_run
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.maintenance import DEFAULT_RETENTION_HOURS, compact, vacuum
-from cdc_platform.lib.schedule_spread import (
+from cdc_platform.lib.fleet.schedule_spread import (
     due_by,
     spread_daily_cron,
     window_cron,
     window_started,
 )
+from cdc_platform.lib.operations.maintenance import DEFAULT_RETENTION_HOURS, compact, vacuum
 
 MAINTENANCE_JOB = "table_maintenance"
 # The run queue starts higher priorities first (Dagster's tag): ingestion runs carry none (0),
@@ -106,7 +106,7 @@ def build_maintenance_schedules(
     platform: PlatformConfig, job: dg.JobDefinition
 ) -> list[dg.ScheduleDefinition]:
     """One schedule per table on the config's ``maintenance_schedule``, moved by a per-table
-    offset within ``schedule_window_minutes`` (``lib.schedule_spread``): each launches ``job``
+    offset within ``schedule_window_minutes`` (``lib.fleet.schedule_spread``): each launches ``job``
     for its table (tagged with it, below ingestion's priority in the run queue), and can be
     stopped on its own. A fleet: one schedule for all of them (``_fleet_schedule``)."""
     if platform.landing_sensor == "fleet":

@@ -34,11 +34,12 @@ from pydantic import Field
 
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
-from cdc_platform.lib import delta, invariants
 from cdc_platform.lib.config import PlatformConfig, TableConfig
-from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.landing import hour_to_partition_key
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.layout import hour_to_partition_key
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -2,7 +2,7 @@
 
 Launched from the UI (Jobs → ``merge_plan`` → Launchpad) with the table and the first and last
 partition to plan; it waits for the table's pool slot like the operator jobs
-(``defs.operations``). Nothing is committed: the plan (``lib.plan``) runs the real pipeline on a
+(``defs.operations``). Nothing is committed: the plan (``lib.operations.plan``) runs the real pipeline on a
 temporary shadow of the table. Its figures are logged as an observation of the table's asset,
 next to its materializations, so the plan and the real run that follows compare side by side.
 """
@@ -15,8 +15,8 @@ from pydantic import Field
 from cdc_platform.defs.operations import TableRunConfig, operator_run, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.landing import hours_between, partition_key_to_hour
-from cdc_platform.lib.plan import MergePlan, plan
+from cdc_platform.lib.landing.layout import hours_between, partition_key_to_hour
+from cdc_platform.lib.operations.plan import MergePlan, plan
 
 PLAN_JOB = "merge_plan"
 PLAN_OP = "plan_merge"

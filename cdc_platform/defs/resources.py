@@ -2,7 +2,7 @@
 
 Both are lazy: defining them (and importing this module) starts no JVM and reads no key.
 Neither lets a run's config choose where Spark runs, its jars, its security settings or which
-keyring is read: those are the deployment's (its environment, ``lib.spark.SparkDeployment``);
+keyring is read: those are the deployment's (its environment, ``lib.spark.session.SparkDeployment``);
 the Launchpad user is not trusted with keys (docs/SECURITY.md).
 """
 
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.spark import (
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.spark.session import (
     RUN_TUNABLE,
     SparkDeployment,
     connect_session_usable,
     run_conf,
 )
-from cdc_platform.lib.storage import Location, Where
+from cdc_platform.lib.storage.stores import Location, Where
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -43,7 +43,7 @@ class SparkResource(dg.ConfigurableResource):
     Spark Connect at ``$CDC_SPARK_REMOTE`` (a run then starts no JVM of its own), else the
     cluster at ``$CDC_SPARK_MASTER`` with its shared secret in ``$CDC_SPARK_AUTH_SECRET``, else
     ``local[2]``; other cluster settings go in the deployment's ``spark-defaults.conf``. A run
-    may only tune ``spark_config`` (``lib.spark.RUN_TUNABLE``). The platform always adds what
+    may only tune ``spark_config`` (``lib.spark.session.RUN_TUNABLE``). The platform always adds what
     correctness and security need. A session that was already running when the resource was
     first used (a notebook, a test suite) is reused and never stopped by it.
     """
@@ -142,7 +142,7 @@ def _env_references(value: Any, where: str) -> list[str]:
 
 
 def _is_connect(session: Any) -> bool:
-    from cdc_platform.lib.spark import is_connect
+    from cdc_platform.lib.spark.session import is_connect
 
     return is_connect(session)
 

@@ -2,7 +2,7 @@
 putting it back, from the Launchpad.
 
 Each run names the table, the files (paths or globs relative to the landing root or to the
-table's folder) and, to un-apply, a reason. The work is ``lib.revocation``'s; here it is
+table's folder) and, to un-apply, a reason. The work is ``lib.operations.revocation``'s; here it is
 reported and checked as ``defs.operations`` does for every operator job, on the hour
 partitions the files are in.
 """
@@ -16,7 +16,7 @@ from pydantic import Field
 from cdc_platform.defs.operations import TableRunConfig, operator_run
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.revocation import (
+from cdc_platform.lib.operations.revocation import (
     NoMatchingFileError,
     NotReadmittableError,
     readmit,

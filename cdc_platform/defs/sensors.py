@@ -1,6 +1,6 @@
 """Landing sensors: turn new or changed hour folders into (range) runs of a table's asset.
 
-The decision logic lives in :mod:`cdc_platform.lib.sensor_cursor`; this module only adapts it to
+The decision logic lives in :mod:`cdc_platform.lib.fleet.sensor_cursor`; this module only adapts it to
 Dagster: it loads/stores the cursor and expresses each :class:`PartitionRequest` as a
 ``RunRequest``. A single hour uses ``partition_key``; several consecutive hours become ONE run
 over a partition key range, expressed with Dagster's range tags
@@ -22,10 +22,8 @@ from typing import Any
 
 import dagster as dg
 
-from cdc_platform.lib import applied_files
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing import hour_to_partition_key, hours_between, partition_key_to_hour
-from cdc_platform.lib.sensor_cursor import (
+from cdc_platform.lib.fleet.sensor_cursor import (
     CursorState,
     HourRange,
     PartitionRequest,
@@ -37,7 +35,13 @@ from cdc_platform.lib.sensor_cursor import (
     reconcile,
     seed_state,
 )
-from cdc_platform.lib.storage import Where
+from cdc_platform.lib.landing.layout import (
+    hour_to_partition_key,
+    hours_between,
+    partition_key_to_hour,
+)
+from cdc_platform.lib.ledgers import applied_files
+from cdc_platform.lib.storage.stores import Where
 
 # Dagster's own tag names (dagster._core.storage.tags); spelled out to avoid a private import.
 PARTITION_TAG = "dagster/partition"
@@ -97,7 +101,7 @@ def tick_table(
 ) -> TableTick:
     """What either landing sensor does for one table: a missing ``state`` (a first tick, a
     reset cursor) is seeded from the files the table's materializations already read
-    (``lib.applied_files``): only folders holding a file never read are requested. Then the
+    (``lib.ledgers.applied_files``): only folders holding a file never read are requested. Then the
     new or changed folders, and the pending hours whose backoff ran out (no hour left behind).
     ``in_flight``: table name -> the partitions its queued or running runs will apply."""
     fresh = state is None

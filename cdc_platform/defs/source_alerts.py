@@ -36,8 +36,8 @@ from cdc_platform.defs.alerts import (
     metadata_int,
 )
 from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
-from cdc_platform.lib.alerts import source_alert, source_digest
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.fleet.alerts import source_alert, source_digest
 
 SOURCE_ALERT_SENSOR_NAME = "cdc_source_alerts"
 # A sensor is alerted once this many of its latest ticks in a row failed (one is a blip).

@@ -17,9 +17,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from cdc_platform.lib.codecs import encode_file_bytes
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing import hour_folder
+from cdc_platform.lib.landing.codecs import encode_file_bytes
+from cdc_platform.lib.landing.layout import hour_folder
 
 CDC = ("cdc_operation_type", "cdc_change_seq", "cdc_commit_timestamp")
 

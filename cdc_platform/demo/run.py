@@ -19,11 +19,11 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
-from cdc_platform.lib import delta
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
-from cdc_platform.lib.landing import all_hour_folders, hour_to_partition_key
-from cdc_platform.lib.storage import Where
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.landing.layout import all_hour_folders, hour_to_partition_key
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Where
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 HOURS = 12
 

@@ -5,13 +5,13 @@ at the repo root). Parsing is strict: an unknown key, a missing primary key or a
 an error naming the table and the field, so a typo never silently changes behaviour.
 
 ``warehouse_root`` may be an object store (``s3://bucket/prefix``, ``gs://``, ``abfss://``) with
-``warehouse_storage_options`` for delta-rs (``lib.storage``); a secret among them must be an
+``warehouse_storage_options`` for delta-rs (``lib.storage.stores``); a secret among them must be an
 environment reference, ``{env: NAME}``, so it is never in the file. ``landing_root`` is a local or
 mounted folder: the sensors and readers list and open landing files on a file system.
 
 An optional ``discover:`` template (``{primary_key: [...], start: ...}``) gives every table
 folder of the landing zone that ``tables:`` does not list an asset of its own (see
-``lib.discovery``); with it, ``tables:`` may be empty or absent.
+``lib.landing.discovery``); with it, ``tables:`` may be empty or absent.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import yaml
 
-from cdc_platform.lib.codecs import DEFAULT_MAX_BYTES
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
-from cdc_platform.lib.history import TRACK_ALL, HistoryColumns
-from cdc_platform.lib.source_roots import checked_root, overlaps
-from cdc_platform.lib.storage import OBJECT_STORE_SCHEMES, EnvRef, Location, OptionValue
-from cdc_platform.lib.warehouse import current_table_name
+from cdc_platform.lib.history.versions import TRACK_ALL, HistoryColumns
+from cdc_platform.lib.landing.codecs import DEFAULT_MAX_BYTES
+from cdc_platform.lib.operations.source_roots import checked_root, overlaps
+from cdc_platform.lib.storage.stores import OBJECT_STORE_SCHEMES, EnvRef, Location, OptionValue
+from cdc_platform.lib.storage.warehouse import current_table_name
 
 CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
 DEFAULT_GROUP = "cdc_history"
@@ -103,7 +103,7 @@ class TableConfig:
     # expectation; discovered tables get ``DEFAULT_DELIVERY_HOURS``).
     expected_delivery_hours: int | None = None
     # Landing sensor: an hour requested and not yet applied is requested again after this long,
-    # doubling with each retry up to an hour (``lib.sensor_cursor.reconcile``).
+    # doubling with each retry up to an hour (``lib.fleet.sensor_cursor.reconcile``).
     retry_backoff_seconds: int = 300
     # An hour landed and still not applied after this many minutes is alerted, once
     # (``defs.source_alerts``; the retries go on meanwhile).
@@ -152,14 +152,14 @@ class PlatformConfig:
     check_schedule: str = "0 3 * * *"
     maintenance_schedule: str = "30 4 * * *"
     # A table's daily maintenance starts within this many minutes after maintenance_schedule,
-    # at a place derived from its name (``lib.schedule_spread``).
+    # at a place derived from its name (``lib.fleet.schedule_spread``).
     schedule_window_minutes: int = 120
     source: Path | None = None
-    # Unlisted table folders get assets from this template (``lib.discovery``); None: they are
+    # Unlisted table folders get assets from this template (``lib.landing.discovery``); None: they are
     # only reported by the ``cdc_new_tables`` sensor.
     discover: DiscoverTemplate | None = None
     # The folders a re-sync snapshot, and the folders or object-store prefixes an adoption
-    # source, may be read from (``lib.source_roots``); none: those jobs refuse every run.
+    # source, may be read from (``lib.operations.source_roots``); none: those jobs refuse every run.
     snapshot_roots: tuple[Location, ...] = ()
     adoption_roots: tuple[Location, ...] = ()
     # "per_table": a landing sensor per table, a run per table and hour range. "fleet": one

@@ -7,7 +7,7 @@ Spark job and merged in one commit, not hour by hour.
 Every file the pipeline cannot process is set aside (quarantined, with its reason) while it
 is inspected, before any of it reaches the change log: what the change log holds always folds.
 
-Each run measures itself (``lib.run_cost``): seconds and Spark jobs per stage, bytes read, and
+Each run measures itself (``lib.spark.run_cost``): seconds and Spark jobs per stage, bytes read, and
 the bytes each of its Delta commits added and removed, on the outcome's ``cost``.
 """
 
@@ -20,12 +20,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cdc_platform.lib import applied_files, changelog, delta, quarantine, revoked_files
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.keyring import Keyring
-from cdc_platform.lib.landing import files_in_hour, hour_to_partition_key
-from cdc_platform.lib.merge import MergeResult, apply_pending, fault_point
-from cdc_platform.lib.reading import (
+from cdc_platform.lib.history import changelog
+from cdc_platform.lib.history.merge import MergeResult, apply_pending, fault_point
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.layout import files_in_hour, hour_to_partition_key
+from cdc_platform.lib.landing.reading import (
     FileReport,
     LandingReader,
     NativeGuard,
@@ -36,12 +36,14 @@ from cdc_platform.lib.reading import (
     read_events,
     unify_schema,
 )
-from cdc_platform.lib.run_cost import CostReport, RunCost, lap
-from cdc_platform.lib.safe_open import CHANGED
-from cdc_platform.lib.spark import ADAPTIVE, conf_restored
-from cdc_platform.lib.storage import Location, Where
-from cdc_platform.lib.table import Table
-from cdc_platform.lib.warehouse import TablePaths
+from cdc_platform.lib.landing.safe_open import CHANGED
+from cdc_platform.lib.ledgers import applied_files, quarantine, revoked_files
+from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
+from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location, Where
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -71,7 +73,7 @@ class MaterializationOutcome:
     revoked: tuple[str, ...] = ()
     # Bytes of the landing files opened (inspected, and read if they had rows).
     landing_bytes_read: int = 0
-    # Seconds and Spark jobs per stage, bytes read and rewritten per table (``lib.run_cost``).
+    # Seconds and Spark jobs per stage, bytes read and rewritten per table (``lib.spark.run_cost``).
     cost: CostReport | None = None
 
 
@@ -96,7 +98,7 @@ def materialize(
     run_id: str | None = None,
 ) -> MaterializationOutcome:
     """Apply every file of ``hours`` to the table: change log first, then the history table;
-    then, given the ``run_id``, record the files applied (``lib.applied_files``: what the
+    then, given the ``run_id``, record the files applied (``lib.ledgers.applied_files``: what the
     landing sensor compares the landing zone with).
 
     Raises LandingRootMissingError if ``landing_root`` does not exist; a missing table or hour
@@ -338,7 +340,7 @@ class _Append:
 
         Returns the append (None if every file changed), the files read natively, and the
         files set aside because they are no longer what the listing and pass 1 saw (rewritten
-        in place, replaced): their hour is asked for again (``lib.sensor_cursor.reconcile``).
+        in place, replaced): their hour is asked for again (``lib.fleet.sensor_cursor.reconcile``).
         A read that fails for another reason raises, with nothing committed.
         """
         reader = self.reader

@@ -1,0 +1,159 @@
+"""The merge, stage by stage, retried when another writer commits first: the package's
+entry points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import replace
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from cdc_platform.lib.history import changelog
+from cdc_platform.lib.history.merge.classify import split_keys, touch_keys
+from cdc_platform.lib.history.merge.columns import APP_ID
+from cdc_platform.lib.history.merge.fold import changes_of, fold_versions
+from cdc_platform.lib.history.merge.gather import gather_rows
+from cdc_platform.lib.history.merge.open import open_attempt
+from cdc_platform.lib.history.merge.snapshot import MergeResult
+from cdc_platform.lib.history.merge.write import (
+    commit_history,
+    rewritten_files,
+    store_side_tables,
+    write_files,
+)
+from cdc_platform.lib.history.versions import HISTORY_COLUMNS_PROPERTY, TRACK_ALL, HistoryColumns
+from cdc_platform.lib.spark.run_cost import lap
+from cdc_platform.lib.spark.session import interpreted
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def apply_pending(
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    synced_at: datetime,
+    history_columns: HistoryColumns = TRACK_ALL,
+    list_keys: bool = False,
+) -> MergeResult:
+    """Recompute the keys with pending change-log events; retry if another writer commits first.
+
+    A table built with another ``history_columns`` setting is recomputed whole, once: its
+    versions were cut by other columns. The setting is then recorded on the table.
+    ``list_keys``: a small run names its keys in its commit, for the checks that follow
+    (``TOUCHED_KEYS``; never for an encrypted table: its keys are decrypted data).
+    """
+    result, attempts = delta.with_commit_retries(
+        lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns, list_keys),
+        f"history commit for {paths.history}",
+    )
+    if result.history_version is not None:
+        record_history_columns(paths, history_columns, result.history_version)
+    return replace(result, attempts=attempts)
+
+
+def caught_up(
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    synced_at: datetime,
+    history_columns: HistoryColumns = TRACK_ALL,
+) -> Table | None:
+    """The change log as the history table now reflects it, after merging what was pending:
+    the version an operator job decides on (None: no change log yet). Raises
+    ``CommitFailedError`` when events were logged during the catch-up, so the caller's retry
+    (``delta.with_commit_retries``) catches up and decides again."""
+    from deltalake.exceptions import CommitFailedError
+
+    apply_pending(spark, paths, primary_key, synced_at, history_columns)
+    log = Table.open(paths.changelog)
+    if not log.exists:
+        return None
+    if changelog.files_since(log, Table.open(paths.history).watermark(APP_ID)):
+        raise CommitFailedError(f"{paths.changelog}: events were logged during the catch-up")
+    return log
+
+
+def record_history_columns(
+    paths: TablePaths, history_columns: HistoryColumns, data_version: int
+) -> bool:
+    """Record the setting once the versions follow it: a metadata-only commit right after the
+    data commit ``data_version``, and strict. If any other commit came in between (a run with
+    the old setting may have merged some keys its way), nothing is recorded: the table still
+    says the old setting, so the next run recomputes it whole again. A crash in between has
+    the same effect. Returns whether the setting was recorded now."""
+    from deltalake import CommitProperties
+    from deltalake.exceptions import CommitFailedError
+
+    dt = Table.open(paths.history).dt
+    assert dt is not None  # it has just committed ``data_version``
+    if HistoryColumns.of_table(dt).same_as(history_columns) or dt.version() != data_version:
+        return False
+    try:
+        dt.alter.set_table_properties(
+            {HISTORY_COLUMNS_PROPERTY: history_columns.to_json()},
+            raise_if_not_exists=False,
+            commit_properties=CommitProperties(max_commit_retries=0),
+        )
+    except CommitFailedError:
+        return False
+    return True
+
+
+def _apply_once(
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    synced_at: datetime,
+    history_columns: HistoryColumns,
+    list_keys: bool = False,
+) -> MergeResult:
+    """One attempt of the merge, stage by stage: open, classify, fold and compare, write,
+    commit, side tables (each stage's time and Spark jobs go to the run's cost)."""
+    lap("merge_open")
+    with ExitStack() as stack:
+        a = open_attempt(spark, paths, list(primary_key), history_columns, stack)
+        if isinstance(a, MergeResult):
+            return a
+        if a.small:
+            stack.enter_context(interpreted(spark))
+        lap("merge_classify")
+        touched = touch_keys(a)
+        split = split_keys(a, touched)
+        lap("merge_fold_compare")
+        gathered = gather_rows(a, touched, split)
+        compared, last_events = fold_versions(a, split, gathered, synced_at)
+        old_rows = gathered.old_rows if touched.tiny else None
+        old = gathered.old if gathered.old_rows != 0 else None  # a first load has no old rows
+        change = changes_of(compared, old, a.pk, gathered.version_rows, old_rows)
+        rewritten = rewritten_files(a, change)
+        lap("merge_write")
+        with a.history.committing() as commit:
+            adds = write_files(a, commit, gathered, compared, rewritten)
+            lap("merge_commit")
+            version = commit_history(a, commit, touched, split.affected, rewritten, list_keys)
+        lap("merge_side_tables")
+        store_side_tables(a, touched, split, compared, last_events, change, gathered)
+    return MergeResult(
+        keys_affected=split.affected,
+        fast_keys=split.fast_count,
+        slow_keys=split.slow_count,
+        versions_opened=change.opened,
+        versions_closed=change.closed + change.vanished,
+        rows_written=sum(delta.num_records(x) for x in adds),
+        files_removed=len(rewritten),
+        files_added=len(adds),
+        bytes_removed=sum(f.size for f in rewritten),
+        bytes_added=sum(x.size for x in adds),
+        changelog_bytes_read=sum(f.size for f in (*a.pending, *gathered.log_read)),
+        history_bytes_read=sum(f.size for f in (*a.current_files, *gathered.closed_read))
+        + sum(f.size for f in rewritten),
+        history_version=version,
+        changelog_version=a.log_version,
+    )

@@ -1,0 +1,220 @@
+"""What one merge attempt reads and hands to every stage: each table opened once
+(``Snapshot``), the attempt's fixed facts (``Attempt``) and its result (``MergeResult``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from cdc_platform.lib.columns import (
+    ACTIVE,
+    CHANGED,
+    CURRENT,
+    END,
+    LAST_EVENT_AT,
+    START,
+    STATE_COLUMNS,
+    SYNCED,
+)
+from cdc_platform.lib.history import joins
+from cdc_platform.lib.history.merge.columns import APP_ID, FAULT_ENV, FILE
+from cdc_platform.lib.history.versions import HistoryColumns
+from cdc_platform.lib.spark.session import persisted
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+
+class HistoryColumnsError(ValueError):
+    """The table's selective-history setting names a column the table does not have."""
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    keys_affected: int = 0
+    fast_keys: int = 0
+    slow_keys: int = 0
+    versions_opened: int = 0
+    versions_closed: int = 0
+    rows_written: int = 0
+    files_removed: int = 0
+    files_added: int = 0
+    bytes_removed: int = 0
+    bytes_added: int = 0
+    changelog_bytes_read: int = 0
+    history_bytes_read: int = 0
+    history_version: int | None = None
+    changelog_version: int | None = None
+    attempts: int = 0
+
+
+def fault_point(name: str) -> None:
+    """Crash the process here when ``CDC_PLATFORM_FAULT`` names this point (crash-safety tests)."""
+    if os.environ.get(FAULT_ENV) == name:
+        os.kill(os.getpid(), 9)
+
+
+def history_schema(primary_key: Sequence[str], key_and_data: pa.Schema) -> pa.Schema:
+    ts = pa.timestamp("us", tz="UTC")
+    keys = [key_and_data.field(k) for k in primary_key]
+    data = [f for f in key_and_data if f.name not in primary_key]
+    system = [
+        pa.field(START, ts),
+        pa.field(END, ts),
+        pa.field(ACTIVE, pa.bool_()),
+        pa.field(SYNCED, ts),
+        pa.field(CURRENT, pa.bool_()),
+        pa.field(LAST_EVENT_AT, ts),
+        pa.field(CHANGED, pa.list_(pa.string())),
+    ]
+    return pa.schema([f.with_nullable(True) for f in (*keys, *data, *system)])
+
+
+def is_closed_file(f: delta.DataFile) -> bool:
+    """A file of the closed segment: no row in it is any key's latest version."""
+    return f.max_values.get(CURRENT) is False
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one attempt saw: each of its four tables opened once, so the whole attempt sees
+    one version of each and commits against it."""
+
+    changelog: Table
+    history: Table
+    delete_only_keys: Table
+    retracted_keys: Table
+    applied: int | None  # change-log version the history table reflects
+    # The history table predates a state column, or follows another history_columns
+    # setting: recompute every key.
+    rebuild: bool
+
+    @classmethod
+    def open(cls, paths: TablePaths, history_columns: HistoryColumns) -> Snapshot | None:
+        log = Table.open(paths.changelog)
+        if not log.exists:
+            return None
+        history = Table.open(paths.history)
+        rebuild = history.dt is not None and (
+            not set(STATE_COLUMNS) <= set(history.arrow_schema.names)
+            or not HistoryColumns.of_table(history.dt).same_as(history_columns)
+        )
+        applied = None if rebuild else history.watermark(APP_ID)
+        side, retracted = Table.open(paths.delete_only_keys), Table.open(paths.retracted_keys)
+        return cls(log, history, side, retracted, applied, rebuild)
+
+    @property
+    def delete_only_keys_stale(self) -> bool:
+        """The delete-only side table missed the history table's last commit (a crash came
+        between the two), or is missing while the history table has applied events."""
+        if not self.delete_only_keys.exists:
+            return self.applied is not None
+        return self.delete_only_keys.watermark(APP_ID) != self.applied
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt's fixed facts, handed to every stage: the snapshot it read, the pending
+    change-log files, the history table it writes (created if new) and its files by segment."""
+
+    spark: SparkSession
+    paths: TablePaths
+    pk: list[str]
+    history_columns: HistoryColumns
+    snap: Snapshot
+    log_version: int  # the change-log version this attempt reads up to
+    pending: list[delta.DataFile]
+    retracted: DataFrame | None  # keys an un-apply took events from (``pending_retractions``)
+    retracted_rows: int | None
+    history: Table  # the history table this attempt writes (created if new)
+    data_columns: list[str]
+    # A run of a few keys: what it reuses is kept as local checkpoints (``_cached``), and it
+    # runs ``interpreted``.
+    small: bool
+    stack: ExitStack  # what the attempt keeps (``keep``) is released when it ends
+
+    @property
+    def columns(self) -> list[str]:
+        return self.history.arrow_schema.names
+
+    @property
+    def files(self) -> list[delta.DataFile]:
+        return self.history.files
+
+    @property
+    def log(self) -> Table:
+        return self.snap.changelog
+
+    @property
+    def current_files(self) -> list[delta.DataFile]:
+        return [f for f in self.files if not is_closed_file(f)]
+
+    @property
+    def closed_files(self) -> list[delta.DataFile]:
+        return [f for f in self.files if is_closed_file(f)]
+
+    @property
+    def touched_rows(self) -> int | None:
+        """A bound on the run's key rows, from Delta statistics and the run's own counts
+        (``lib.history.joins``: never Spark's estimate of them)."""
+        return joins.add(joins.records(self.pending), self.retracted_rows)
+
+    def keep(self, df: DataFrame) -> DataFrame:
+        """``df``, computed once for the Spark jobs of this attempt that reuse it."""
+        return self.stack.enter_context(_cached(df, self.small))
+
+    def read_history(
+        self, files: Sequence[delta.DataFile], where: Column | None = None
+    ) -> DataFrame:
+        return _read_history(self.spark, self.history, files, where)
+
+
+@contextmanager
+def _cached(df: DataFrame, small: bool = False) -> Iterator[DataFrame]:
+    """Keep a DataFrame that several Spark jobs reuse in memory (spilling) for the block;
+    a ``small`` one (a small run's: a few keys' rows) as a local checkpoint."""
+    if small:
+        # Its plan is cut too: the plans built on it stay small, and Spark's driver analyses
+        # and optimizes each DataFrame step (two thirds of a small hour's fold was planning).
+        # Computed by the first job that needs it, kept by the executors (MEMORY_AND_DISK)
+        # until the driver no longer references it: ``unpersist`` does not apply.
+        yield df.localCheckpoint(eager=False)
+        return
+    with persisted(df) as kept:
+        yield kept
+
+
+def _read_history(
+    spark: SparkSession,
+    history: Table,
+    files: Sequence[delta.DataFile],
+    where: Column | None = None,
+) -> DataFrame:
+    """Rows of ``files`` (those ``where`` keeps, filtered before the file name is computed:
+    it is worked out per row) with the (table-relative) file each came from, in ``FILE``."""
+    from pyspark.sql import functions as F
+
+    if not files:
+        empty = spark.createDataFrame([], history.spark_schema)
+        return empty.withColumn(FILE, F.lit(None).cast("string"))
+    rows = history.read(spark, files, where=where)
+    return rows.withColumn(FILE, table_relative(F.input_file_name(), history.location))
+
+
+def table_relative(file_url: Column, table: Location) -> Column:
+    """The table-relative path (what the Delta log knows) of a file URL as Spark gives it
+    (``input_file_name()``: ``file:///wh/t/data/x.parquet``, ``s3a://bucket/wh/t/data/...``)."""
+    from pyspark.sql import functions as F
+
+    path = F.url_decode(F.parse_url(file_url, F.lit("PATH")))
+    return path.substr(F.lit(len(table.url_path) + 2), F.length(path))  # after "<prefix>/"

@@ -1,0 +1,494 @@
+"""New tables: table folders in the landing zone that the config does not list.
+
+Pure (no Dagster): :func:`unlisted_tables` lists them, :func:`describe` reads what one of its
+files says about it (columns, encoding, a primary key guess) and writes a ``tables:`` entry to
+paste into the config (:meth:`DiscoveredTable.config_snippet`), and
+:func:`with_discovered_tables` gives every unlisted plain-Parquet table a :class:`TableConfig`
+from the config's ``discover:`` template.
+
+Only cheap reads: a listing of the landing root, a walk of an unlisted table's folders down to
+its first landing file, and of that file its first bytes, its Parquet footer or its CSV header
+and first rows. Encrypted files are never decrypted (no key is loaded here), and a
+ZSTD-compressed Parquet file is not decompressed (its footer is at its end): their columns are
+reported as unknown, and the snippet says so.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from typing import BinaryIO
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import yaml
+
+from cdc_platform.lib.columns import CDC_COLUMNS, OP, SEQ, TS, is_reserved
+from cdc_platform.lib.config import PARTITION_FORMAT, ConfigError, PlatformConfig, TableConfig
+from cdc_platform.lib.landing.codecs import (
+    PARQUET_MAGIC,
+    LandingFileError,
+    looks_like_text,
+    looks_like_zstd,
+    open_decoded_stream,
+)
+from cdc_platform.lib.landing.layout import LandingFile, all_hour_folders, files_in_hour
+from cdc_platform.lib.landing.safe_open import open_beneath
+from cdc_platform.lib.storage.warehouse import current_table_name
+
+__all__ = [
+    "DiscoveredTable",
+    "Encoding",
+    "describe",
+    "first_landing_file",
+    "guess_primary_key",
+    "sniff_encoding",
+    "unlisted_tables",
+    "with_discovered_tables",
+]
+
+# The names a config table may have (lib.config): letters, digits, '_', not a leading digit or '_'.
+_TABLE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_log = logging.getLogger(__name__)
+_PLAIN_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SAMPLE_BYTES = 64 * 1024  # of a CSV file's plaintext: its header and first rows
+_HEAD_BYTES = 4096
+_CDC_CONFIG_TYPES = {OP: "string", SEQ: "long", TS: "timestamp"}
+_ZSTD_SUFFIXES = (".zst", ".zstd")
+_AES_SUFFIXES = (".aes", ".enc")
+Opener = Callable[[], BinaryIO]
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a table's files are encoded, as a ``tables:`` entry declares it."""
+
+    format: str = "parquet"  # parquet | csv
+    compression: str = "none"  # none | zstd
+    encryption: str = "none"  # none | aes-256-cbc
+    # What was inferred from the file name rather than its bytes (encrypted files only).
+    guessed: tuple[str, ...] = ()
+
+    @property
+    def is_plain_parquet(self) -> bool:
+        return (self.format, self.compression, self.encryption) == ("parquet", "none", "none")
+
+
+@dataclass(frozen=True)
+class DiscoveredTable:
+    """An unlisted table folder and what its first landing file says about the table."""
+
+    name: str
+    # (name, type) in file order: Arrow types for Parquet (``int64``, ``timestamp[us, tz=UTC]``),
+    # config types for CSV (``long``, ``string``); empty when the file could not be read.
+    columns: list[tuple[str, str]]
+    primary_key: tuple[str, ...]  # a guess (see ``primary_key_reason``)
+    first_hour: datetime  # the first hour folder holding a landing file
+    sample_file: str  # that folder's first landing file (absolute path)
+    encoding: Encoding = field(default_factory=Encoding)
+    primary_key_reason: str = ""
+    # Why the columns are unknown, or what else about them is a guess.
+    notes: tuple[str, ...] = ()
+
+    @property
+    def start(self) -> str:
+        """``start`` for the config: the first hour holding a file, ``YYYY-MM-DD-HH:00``."""
+        return self.first_hour.strftime(PARTITION_FORMAT)
+
+    @property
+    def data_columns(self) -> list[tuple[str, str]]:
+        """The columns but the three change columns."""
+        return [(c, t) for c, t in self.columns if c not in CDC_COLUMNS]
+
+    def config_snippet(self) -> str:
+        """A ``tables:`` entry for this table (indented to paste under ``tables:``)."""
+        enc = self.encoding
+        lines = [
+            f"# new table folder '{self.name}': first file {_quoted(_relative(self.sample_file))}",
+            f"- name: {_scalar(self.name)}",
+            f"  primary_key: [{', '.join(_scalar(c) for c in self.primary_key)}]"
+            f"  # GUESS: {self.primary_key_reason}; check it",
+            f'  start: "{self.start}"  # the first hour folder holding a file',
+        ]
+        if enc.format != "parquet":
+            lines.append(f"  format: {enc.format}")
+        if enc.compression != "none":
+            lines.append(f"  compression: {enc.compression}")
+        if enc.encryption != "none":
+            lines.append(f"  encryption: {enc.encryption}")
+        if enc.guessed:
+            lines.append(f"  # GUESS from the file name: {', '.join(enc.guessed)}; check it")
+        if enc.format == "csv":
+            declared = self.data_columns
+            if declared:
+                types = ", ".join(f"{_scalar(c)}: {_scalar(t)}" for c, t in declared)
+                lines.append(f"  columns: {{{types}}}")
+                lines += [
+                    "  # GUESS: column types from the first rows (binary cells are base64 and look",
+                    "  # like strings); check them, and set null_string / unmodified_string if used",
+                ]
+            else:
+                lines.append("  columns: {}  # REQUIRED for CSV: declare every column's type")
+        for note in self.notes:
+            lines.append(f"  # {note}")
+        return "\n".join("  " + line for line in lines) + "\n"
+
+
+# -- listing ---------------------------------------------------------------------------------------
+
+
+def unlisted_tables(landing_root: Path, known_names: Iterable[str]) -> list[str]:
+    """Table folders under ``landing_root`` that ``known_names`` does not list, sorted.
+
+    A table folder is a folder (not a symlink: the landing zone's links are never followed)
+    named as a config table may be named, holding at least one ``year=/month=/day=/hour=``
+    folder with a landing file. Hidden (``.``) and ``_`` folders, files and folders with no
+    landing file are not. Names compare case-insensitively, as the config's do.
+    """
+    known = {n.lower() for n in known_names}
+    try:
+        entries = sorted(os.scandir(landing_root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        if not _TABLE_NAME_RE.match(entry.name) or entry.name.lower() in known:
+            continue
+        if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            landed = first_landing_file(landing_root, entry.name) is not None
+        except OSError:  # unreadable (permissions): not a table folder this platform can read
+            landed = False
+        if landed:
+            found.append(entry.name)
+    return found
+
+
+def first_landing_file(landing_root: Path, table: str) -> tuple[datetime, str] | None:
+    """(hour, absolute path) of the first landing file of the table's earliest hour with one."""
+    first = _first_file(landing_root, table)
+    return (first[0], first[1].path) if first is not None else None
+
+
+def _first_file(landing_root: Path, table: str) -> tuple[datetime, LandingFile, int] | None:
+    """(hour, listing, files skipped) of the first landing file of the earliest hour with one.
+    A file whose name has a control character (a newline, say) is skipped and counted: its
+    name would go into the snippet, the log and the alert."""
+    skipped = 0
+    for hour, _folder in all_hour_folders(landing_root, table):
+        readable = [f for f in files_in_hour(landing_root, table, hour) if f.set_aside is None]
+        named = [f for f in readable if os.path.basename(f.path).isprintable()]
+        skipped += len(readable) - len(named)
+        if named:
+            return hour, named[0], skipped
+    return None
+
+
+# -- describing ------------------------------------------------------------------------------------
+
+
+def sniff_encoding(path: str | Path, opener: Opener | None = None) -> Encoding:
+    """The encoding of one landing file, from its first bytes (and, if encrypted, its name).
+
+    Parquet starts ``PAR1``, a ZSTD frame with its magic number, CSV is UTF-8 text; anything
+    else is taken as AES-256-CBC ciphertext, whose compression and format only the file name
+    can tell (``part-1.csv.zst.aes``, as Fivetran names its batch files). ``opener`` opens the
+    file (``describe``'s: checked against the listing, no symlink followed).
+    """
+    with _open(path, opener) as fh:
+        head = fh.read(_HEAD_BYTES)
+    if not head or head[:4] == PARQUET_MAGIC:  # empty: reading it says what is wrong
+        return Encoding("parquet")
+    if looks_like_zstd(head):
+        try:
+            with open_decoded_stream(_open(path, opener), "zstd", "none", []) as stream:
+                plain = stream.read(len(PARQUET_MAGIC))
+        except LandingFileError:  # a corrupt frame: only the name can tell the format
+            fmt = "csv" if ".csv" in _suffixes(path) else "parquet"
+            return Encoding(fmt, "zstd", guessed=(f"format {fmt} (the ZSTD data did not decode)",))
+        return Encoding("parquet" if plain == PARQUET_MAGIC else "csv", "zstd")
+    if head and looks_like_text(head):
+        return Encoding("csv")
+    suffixes = _suffixes(path)
+    fmt = "csv" if ".csv" in suffixes else "parquet"
+    compression = "zstd" if any(s in suffixes for s in _ZSTD_SUFFIXES) else "none"
+    guessed = [f"format {fmt}", f"compression {compression}"]
+    if not any(s in suffixes for s in _AES_SUFFIXES):
+        guessed.append("encryption (neither Parquet, ZSTD nor text)")
+    return Encoding(fmt, compression, "aes-256-cbc", tuple(guessed))
+
+
+def _suffixes(path: str | Path) -> list[str]:
+    return [s.lower() for s in Path(path).suffixes]
+
+
+def describe(landing_root: Path, name: str) -> DiscoveredTable:
+    """What the table's first landing file says: encoding, columns, a primary key guess.
+
+    Raises FileNotFoundError when the table has no landing file (any more). A file that cannot
+    be read is described with unknown columns and a note saying why, never an exception.
+    """
+    first = _first_file(landing_root, name)
+    if first is None:
+        raise FileNotFoundError(f"{Path(landing_root) / name}: no landing file in an hour folder")
+    hour, listed, skipped = first
+    path = listed.path
+
+    def opener() -> BinaryIO:
+        # Through the checked descriptor: a file swapped for a symlink since the listing is
+        # refused, never read (its first line would go into the alert).
+        return open_beneath(str(landing_root), path, listed.file_id)
+
+    notes: list[str] = []
+    if skipped:
+        notes.append(
+            f"{skipped} earlier file(s) not read: a control character in the name (rename them)"
+        )
+    columns: list[tuple[str, str]] = []
+    try:
+        encoding = sniff_encoding(path, opener)
+    except Exception as exc:  # unreadable: report it, never fail the sensor
+        encoding = Encoding()
+        notes.append(f"columns unknown: the file could not be read ({type(exc).__name__})")
+    else:
+        try:
+            columns, note = _read_columns(path, encoding, opener)
+        except Exception as exc:  # any unreadable file: report it, never fail the sensor
+            note = f"columns unknown: the file could not be read ({_one_line(exc)})"
+        if note:
+            notes.append(note)
+    unprintable = [i for i, (c, _) in enumerate(columns) if not c.isprintable()]
+    if unprintable:
+        notes.append(
+            f"column(s) #{', #'.join(str(i + 1) for i in unprintable)} not listed: a control"
+            " character in the name (rename them at the source)"
+        )
+        columns = [c for i, c in enumerate(columns) if i not in unprintable]
+    pk, reason = guess_primary_key(name, [c for c, _ in columns])
+    return DiscoveredTable(
+        name=name,
+        columns=columns,
+        primary_key=(pk,),
+        first_hour=hour,
+        sample_file=path,
+        encoding=encoding,
+        primary_key_reason=reason,
+        notes=tuple(notes),
+    )
+
+
+def _read_columns(
+    path: str, encoding: Encoding, opener: Opener | None = None
+) -> tuple[list[tuple[str, str]], str | None]:
+    """(columns, a note on what is unknown or guessed)."""
+    if encoding.encryption != "none":
+        return [], "columns unknown: the files are encrypted (AES-256-CBC); not decrypted here"
+    if encoding.format == "parquet" and encoding.compression != "none":
+        return [], "columns unknown: ZSTD-compressed Parquet (its footer is at the end of the file)"
+    if encoding.format == "parquet":
+        with _open(path, opener) as fh:
+            schema = pq.read_schema(fh)
+        return [(f.name, str(f.type)) for f in schema], None
+    with open_decoded_stream(_open(path, opener), encoding.compression, "none", []) as stream:
+        sample = stream.read(_SAMPLE_BYTES)
+        complete = not stream.read(1)
+    return _csv_columns(sample, complete)
+
+
+def _csv_columns(sample: bytes, complete: bool) -> tuple[list[tuple[str, str]], str | None]:
+    """The header's columns with types inferred from the rows in ``sample`` (change columns
+    get their fixed types)."""
+    sample = sample.removeprefix(b"\xef\xbb\xbf")
+    if not complete:  # drop the last, cut row
+        cut = max(sample.rfind(b"\n"), sample.rfind(b"\r"))
+        sample = sample[: cut + 1] if cut > 0 else sample
+    parse = pacsv.ParseOptions(double_quote=True, escape_char=False, newlines_in_values=True)
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(sample),
+            parse_options=parse,
+            convert_options=pacsv.ConvertOptions(strings_can_be_null=True),
+        )
+        names, types = table.column_names, [_config_type(t) for t in table.schema.types]
+        note = None
+    except (pa.ArrowInvalid, ValueError):
+        # a row cut inside a quoted value, say: the header alone, every column a string
+        line = sample.splitlines()[0] if sample.strip() else b""
+        header = next(csv.reader([line.decode("utf-8", "replace")]), [])
+        names, types = header, ["string"] * len(header)
+        note = "CSV column types unknown (rows not parsed): every type is 'string'"
+    columns = [(n, _CDC_CONFIG_TYPES.get(n, t)) for n, t in zip(names, types, strict=True)]
+    missing = [c for c in CDC_COLUMNS if c not in names]
+    if missing:
+        extra = f"the header lacks the change column(s) {missing}: files would be set aside"
+        note = f"{note}; {extra}" if note else extra
+    return columns, note
+
+
+def _config_type(t: pa.DataType) -> str:
+    """The config (Spark SQL) type name for a type pyarrow inferred from CSV cells."""
+    if pa.types.is_integer(t):
+        return "long"
+    if pa.types.is_floating(t):
+        return "double"
+    if pa.types.is_boolean(t):
+        return "boolean"
+    if pa.types.is_timestamp(t):
+        return "timestamp"
+    if pa.types.is_date(t):
+        return "date"
+    if isinstance(t, pa.Decimal128Type | pa.Decimal256Type):
+        return f"decimal({t.precision},{t.scale})"
+    return "string"  # strings, all-null columns, times
+
+
+def guess_primary_key(table: str, columns: list[str]) -> tuple[str, str]:
+    """(column, why): ``id``, ``<table>_id``, ``<singular>_id``, else the first data column."""
+    candidates = [
+        c for c in columns if not c.lower().startswith("cdc_") and not is_reserved(c) and c
+    ]
+    if not columns:
+        return "id", "a placeholder, the columns are unknown"
+    if not candidates:
+        return "id", "a placeholder, the file has no data column"
+    by_lower = {c.lower(): c for c in reversed(candidates)}
+    for wanted in ("id", f"{table}_id", f"{_singular(table)}_id"):
+        if wanted.lower() in by_lower:
+            return by_lower[wanted.lower()], f"the column '{by_lower[wanted.lower()]}'"
+    return candidates[0], "no id column, so the first column"
+
+
+def _singular(name: str) -> str:
+    lower = name.lower()
+    if lower.endswith("ies") and len(name) > 3:
+        return name[:-3] + "y"
+    if lower.endswith(("sses", "xes", "ches", "shes")):
+        return name[:-2]
+    if lower.endswith("s") and not lower.endswith("ss"):
+        return name[:-1]
+    return name
+
+
+# -- the discover: template -------------------------------------------------------------------------
+
+
+def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
+    """The config plus, when it has a ``discover:`` template, a table for every unlisted table
+    folder whose files are plain Parquet (primary key and start from the template, everything
+    else the default).
+
+    A folder whose first file is CSV, compressed or encrypted is not added: the default
+    (Parquet) would set every file aside. Nor is one whose name is taken (case-insensitively)
+    by a table, or is a name the platform writes (a ``<table>_current``): that one is skipped
+    with a warning saying why (``derived_name_reason``), and the config is refused
+    (ConfigError naming both) when a table of that name was already discovered and written.
+    The ``cdc_new_tables`` sensor reports them all.
+    """
+    template = platform.discover
+    if template is None:
+        return platform
+    taken = {t.name.lower() for t in platform.tables}
+    derived = {current_table_name(t.name).lower(): t for t in platform.tables if t.current_table}
+    added: list[TableConfig] = []
+    for name in unlisted_tables(platform.landing_root, [t.name for t in platform.tables]):
+        if name.lower() in taken:
+            continue
+        owner = derived.get(name.lower())
+        if owner is not None:
+            _refuse_if_written(platform, name, owner)
+            _log.warning(derived_name_reason(name, owner))
+            continue
+        first = _first_file(platform.landing_root, name)
+        try:
+            plain = (
+                first is not None
+                and sniff_encoding(
+                    first[1].path,
+                    partial(
+                        open_beneath, str(platform.landing_root), first[1].path, first[1].file_id
+                    ),
+                ).is_plain_parquet
+            )
+        except (OSError, LandingFileError):  # unreadable or changing now: not added yet
+            plain = False
+        if not plain:
+            continue
+        taken.add(name.lower())
+        added.append(
+            TableConfig(
+                name=name,
+                primary_key=template.primary_key,
+                start=template.start,
+                expected_delivery_hours=template.expected_delivery_hours,
+            )
+        )
+    if not added:
+        return platform
+    return replace(platform, tables=(*platform.tables, *added))
+
+
+def derived_name_reason(folder: str, owner: TableConfig) -> str:
+    """Why a landing folder is not discovered: the platform writes a table of that name."""
+    return (
+        f"landing folder {folder!r} is not discovered: table {owner.name!r} has "
+        f"current_table: true, and its current table is {current_table_name(owner.name)!r} "
+        "(a discovered table of that name would share its warehouse folder); rename the folder "
+        "or list it under another name"
+    )
+
+
+def _refuse_if_written(platform: PlatformConfig, folder: str, owner: TableConfig) -> None:
+    """A table of that name was already discovered and written (its change log is in the
+    warehouse): refuse the config, since the current table would overwrite that history."""
+    from cdc_platform.lib.storage import delta
+    from cdc_platform.lib.storage.warehouse import TablePaths
+
+    written = TablePaths.of(platform.warehouse_root, folder)
+    if delta.exists(written.changelog):
+        raise ConfigError(
+            f"table {owner.name!r}, field 'current_table': its current table "
+            f"{current_table_name(owner.name)!r} is the discovered table {folder!r}, whose "
+            f"history is in {written.history}; turn current_table off, or move that table "
+            "and its landing folder away first"
+        )
+
+
+# -- formatting ------------------------------------------------------------------------------------
+
+
+def _scalar(name: str) -> str:
+    """A name as a YAML scalar: plain when it reads back as itself, else JSON-quoted (valid
+    YAML: every control character, line break and non-ASCII character escaped, so a name
+    never breaks out of its line of the snippet)."""
+    if _PLAIN_NAME_RE.match(name) and yaml.safe_load(name) == name:
+        return name
+    return _quoted(name)
+
+
+def _quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=True)
+
+
+def _open(path: str | Path, opener: Opener | None) -> BinaryIO:
+    return opener() if opener is not None else open(path, "rb")
+
+
+def _relative(path: str) -> str:
+    """``<table>/year=.../hour=HH/<file>``: the last six parts of a landing file's path."""
+    return "/".join(Path(path).parts[-6:])
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:199] + "…"

@@ -1,0 +1,1 @@
+"""Ledgers: small Delta tables of facts about landing files (applied, un-applied, set aside)."""

@@ -1,0 +1,105 @@
+"""Which landing files each hourly partition was last materialized from.
+
+One row per file read, replaced partition by partition on every materialization:
+``<warehouse_root>/_cdc/<table>/applied_files``. The landing sensor reads it when its cursor is
+empty (first start, or a reset from the UI) so that it starts from what is already applied
+instead of requesting every folder again.
+
+Why not the change log's ``_cdc_source_file``: a file whose events were all duplicates of events
+logged before (a re-delivery), or that holds no rows, is read but never appears there, and a
+file name says nothing about a file rewritten in place. This ledger holds every file read with
+the size and mtime the sensor fingerprints, so "applied" means exactly "this content was read".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow as pa
+
+from cdc_platform.lib.landing.layout import LandingFile, printable_path
+from cdc_platform.lib.ledgers.ledger import Ledger
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location, Where
+from cdc_platform.lib.storage.warehouse import TablePaths
+
+SCHEMA = pa.schema(
+    [
+        pa.field("partition", pa.string()),
+        pa.field("file", pa.string()),  # relative to the landing root, like _cdc_source_file
+        pa.field("size", pa.int64()),
+        pa.field("mtime_ns", pa.int64()),
+        pa.field("run_id", pa.string()),
+        pa.field("applied_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+FileIdentity = tuple[str, int, int]  # (landing-relative path, size, mtime_ns)
+
+
+@dataclass(frozen=True)
+class AppliedFile:
+    partition: str
+    file: LandingFile
+
+
+def ledger_path(warehouse_root: Where, table: str) -> Location:
+    return TablePaths.of(warehouse_root, table).changelog.parent / "applied_files"
+
+
+def identity(landing_root: Path, f: LandingFile) -> FileIdentity:
+    """A file as the ledger records it: a name that is not UTF-8 with ``\\x`` escapes (a Delta
+    string holds UTF-8 only), as the quarantine names it."""
+    return (printable_path(os.path.relpath(f.path, landing_root)), f.size, f.mtime_ns)
+
+
+def record(
+    path: Where,
+    landing_root: Path,
+    partitions: Sequence[str],
+    files: Iterable[AppliedFile],
+    run_id: str,
+    applied_at: datetime,
+) -> None:
+    """Replace the rows of ``partitions`` with ``files`` in one commit."""
+    rows = [
+        {
+            "partition": a.partition,
+            "file": identity(landing_root, a.file)[0],
+            "size": a.file.size,
+            "mtime_ns": a.file.mtime_ns,
+            "run_id": run_id,
+            "applied_at": applied_at,
+        }
+        for a in files
+    ]
+    where = delta.in_predicate("partition", sorted(set(partitions))) if partitions else None
+    Ledger(path, SCHEMA).replace(rows, where)
+
+
+def applied_by_partition(path: Where, partitions: Iterable[str]) -> dict[str, set[FileIdentity]]:
+    """The (file, size, mtime_ns) recorded for each of ``partitions`` (one read of the ledger)."""
+    wanted = set(partitions)
+    tbl = Ledger(path, SCHEMA).read(columns=["partition", "file", "size", "mtime_ns"])
+    out: dict[str, set[FileIdentity]] = {}
+    for row in tbl.to_pylist():
+        if row["partition"] in wanted:
+            out.setdefault(row["partition"], set()).add((row["file"], row["size"], row["mtime_ns"]))
+    return out
+
+
+def applied(path: Where) -> set[FileIdentity]:
+    """Every (file, size, mtime_ns) recorded; empty when nothing was recorded yet."""
+    tbl = Ledger(path, SCHEMA).read(columns=["file", "size", "mtime_ns"])
+    return set(
+        zip(
+            tbl["file"].to_pylist(),
+            tbl["size"].to_pylist(),
+            tbl["mtime_ns"].to_pylist(),
+            strict=True,
+        )
+    )

@@ -1,0 +1,280 @@
+"""Table maintenance: compaction (few, well-clustered files) and VACUUM (delete what is unused).
+
+Compaction (``compact``) keeps file counts bounded after months of hourly runs:
+
+- History table: the small files of each segment (closed, live, deleted; see ``merge``) are
+  bin-packed into files of that segment, so the live part stays one file or a few (split by
+  key) and the closed part clusters by the time its versions ended (their statistics then let
+  a late event skip every closed file that ended before it). Rows are not changed.
+- Change log: once the history table has applied everything, its small files are bin-packed
+  into key-sorted ones; the history table's watermark (and the delete-only keys' stamp) is then
+  moved to the compacted version, so the rewritten files are not mistaken for new events. A
+  crash between those commits only makes the next run recompute the keys of the compacted
+  files, which is correct and self-healing.
+
+Both commits mark their files ``dataChange=false``: readers and streaming consumers know that
+no row changed.
+
+VACUUM (``vacuum``):
+
+Each table has several Delta tables (``warehouse.TablePaths``): the history table, its change
+log, its quarantine, its delete-only keys and, if configured, its current table (every refresh
+of which replaces all its files). ``vacuum`` cleans each of them that exists:
+
+- ``DeltaTable.vacuum(full=True)``: every data file the log does not reference any more (replaced
+  by a later commit longer than ``retention_hours`` ago) *and* every file in the table's folder
+  the log never referenced (written by a run that crashed before its commit). delta-rs' default,
+  ``full=False``, only looks at files the log once referenced, so crashed runs' files would stay
+  for ever.
+- Then the ``data/<uuid>/`` folders Spark wrote for a commit that never happened and that now
+  hold no data file: delta-rs skips names starting with ``.`` or ``_``, so Spark's ``.crc``
+  checksums and a ``_temporary/`` folder left by a write that died half-way are removed here.
+  On an object store a "folder" is a key prefix: its age is that of its newest object.
+
+Files younger than ``retention_hours`` are never touched, so a run writing at the same time
+keeps its files; do not pass 0 while runs may be writing. A full VACUUM lists everything under
+the table's folder; the config guarantees no other table or landing folder is inside it (table
+names never start with ``_``, the folder of the change logs, and the roots do not overlap).
+
+Run it for every table of the config: ``python -m cdc_platform.lib.operations.maintenance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow.fs as pafs
+from deltalake.transaction import AddAction
+
+from cdc_platform.lib.columns import ACTIVE, CURRENT, cols
+from cdc_platform.lib.config import load_config
+from cdc_platform.lib.history import merge
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.table import Commit, Table
+from cdc_platform.lib.storage.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+# Delta's own default for deletedFileRetentionDuration: 7 days of time travel.
+DEFAULT_RETENTION_HOURS = 168
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What compacting one Delta table did (figures before and after, whole table)."""
+
+    table: str
+    files_before: int
+    files_after: int
+    bytes_before: int
+    bytes_after: int
+    files_rewritten: int
+    version: int | None
+
+
+def compact(
+    spark: SparkSession,
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    *,
+    small_rows: int = delta.ROWS_PER_FILE // 2,
+) -> list[Compaction]:
+    """Compact the history table and the change log of one table (see the module docstring)."""
+    return [
+        _compact_history(
+            spark, paths, list(primary_key), min(small_rows, merge.HISTORY_ROWS_PER_FILE // 2)
+        ),
+        _compact_changelog(spark, paths, list(primary_key), small_rows),
+    ]
+
+
+def _segment(f: delta.DataFile) -> str:
+    if merge.is_closed_file(f):
+        return "closed"
+    if f.min_values.get(ACTIVE) is True:
+        return "live"
+    if f.min_values.get(CURRENT) is True and f.max_values.get(ACTIVE) is False:
+        return "deleted"
+    return "mixed"
+
+
+def _small(files: Sequence[delta.DataFile], small_rows: int) -> list[delta.DataFile]:
+    small = [f for f in files if (f.num_records or 0) < small_rows]
+    return small if len(small) > 1 else []
+
+
+def _compact_history(
+    spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
+) -> Compaction:
+    history = Table.open(paths.history)
+    if not history.exists:
+        return Compaction("history", 0, 0, 0, 0, 0, None)
+    chosen: list[delta.DataFile] = []
+    if CURRENT in history.arrow_schema.names:  # else the next run recomputes the table anyway
+        by_segment: dict[str, list[delta.DataFile]] = {}
+        for f in history.files:
+            by_segment.setdefault(_segment(f), []).append(f)
+        chosen = [
+            f for seg, fs in by_segment.items() if seg != "mixed" for f in _small(fs, small_rows)
+        ]
+        chosen += by_segment.get("mixed", [])  # files from before the segment layout
+    adds: list[AddAction] = []
+    version = history.version
+    if chosen:
+        with history.committing() as rewrite:
+            rows = history.read(spark, chosen)
+            expected = sum(f.num_records or 0 for f in chosen)
+            adds = merge.write_segments(rows, rewrite, pk, expected, data_change=False)
+            version = _commit_rewrite(rewrite, chosen)
+    return _summary("history", history.files, chosen, adds, version)
+
+
+def _compact_changelog(
+    spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
+) -> Compaction:
+    log, history = Table.open(paths.changelog), Table.open(paths.history)
+    if not log.exists or not history.exists:
+        return Compaction("changelog", 0, 0, 0, 0, 0, None)
+    applied = history.watermark(merge.APP_ID)
+    chosen = _small(log.files, small_rows) if applied == log.version else []
+    adds: list[AddAction] = []
+    version = log.version
+    if chosen:
+        with log.committing() as rewrite:
+            rows = log.read(spark, chosen)
+            n = delta.file_count_for(sum(f.num_records or 0 for f in chosen))
+            shaped = rows.repartitionByRange(n, *cols(pk)) if n > 1 else rows.coalesce(1)
+            adds = rewrite.write(shaped.sortWithinPartitions(*cols(pk)), data_change=False)
+            version = _commit_rewrite(rewrite, chosen)
+        # The history table reflects every event, now in the compacted files: say so.
+        with history.committing() as stamp:
+            stamp.commit(app_transaction=(merge.APP_ID, version), strict=True)
+        merge.stamp_delete_only_keys(paths, version, applied)
+    return _summary("changelog", log.files, chosen, adds, version)
+
+
+def _commit_rewrite(rewrite: Commit, removed: Sequence[delta.DataFile]) -> int:
+    """The compacted files in place of ``removed``, strictly: rows unchanged (no data change)."""
+    removes = delta.removes_for(removed, data_change=False)
+    return rewrite.commit(removes, metadata={"cdc_platform.operation": "compact"}, strict=True)
+
+
+def _summary(
+    name: str,
+    files: Sequence[delta.DataFile],
+    removed: Sequence[delta.DataFile],
+    adds: Sequence[AddAction],
+    version: int | None,
+) -> Compaction:
+    before = sum(f.size for f in files)
+    after = before - sum(f.size for f in removed) + sum(a.size for a in adds)
+    return Compaction(
+        name,
+        len(files),
+        len(files) - len(removed) + len(adds),
+        before,
+        after,
+        len(removed),
+        version,
+    )
+
+
+def vacuum(
+    paths: TablePaths,
+    retention_hours: int = DEFAULT_RETENTION_HOURS,
+    *,
+    dry_run: bool = False,
+    enforce_retention_duration: bool = True,
+    current_table: bool = False,
+) -> list[str]:
+    """VACUUM the history table and every side table (change log, quarantine, delete-only,
+    revoked files, retracted keys) of one table, and
+    its current table if it has one (``current_table``: only then, since without the config
+    flag that folder name may be another table's); the paths removed (or, with ``dry_run``,
+    that would be)."""
+    removed: list[str] = []
+    tables = [
+        paths.history,
+        paths.changelog,
+        paths.quarantine,
+        paths.delete_only_keys,
+        paths.revoked_files,
+        paths.retracted_keys,
+    ]
+    if current_table:
+        tables.append(paths.current)
+    for table_path in tables:
+        if not delta.exists(table_path):
+            continue
+        files = delta.open_table(table_path).vacuum(
+            retention_hours=retention_hours,
+            dry_run=dry_run,
+            enforce_retention_duration=enforce_retention_duration,
+            full=True,
+        )
+        removed.extend(str(table_path / f) for f in files)
+        removed.extend(_stale_write_folders(table_path, retention_hours, dry_run))
+    return sorted(removed)
+
+
+def _stale_write_folders(table_path: Location, retention_hours: int, dry_run: bool) -> list[str]:
+    """``data/<uuid>/`` folders with no data file left, untouched for ``retention_hours``."""
+    fs = table_path.filesystem()
+    selector = pafs.FileSelector(delta.DATA_DIR, recursive=True, allow_not_found=True)
+    folders: dict[str, list[pafs.FileInfo]] = {}  # data/<uuid> -> it and everything below it
+    for info in fs.get_file_info(selector):
+        parts = info.path.split("/")
+        if len(parts) > 2 or info.type == pafs.FileType.Directory:
+            folders.setdefault("/".join(parts[:2]), []).append(info)
+    cutoff = time.time() - retention_hours * 3600
+    stale = []
+    for folder, entries in sorted(folders.items()):
+        if any(_is_data_file(e, folder) for e in entries):
+            continue
+        newest = max((e.mtime.timestamp() for e in entries if e.mtime is not None), default=None)
+        if newest is not None and newest > cutoff:
+            continue
+        stale.append(str(table_path / folder))
+        if not dry_run:
+            fs.delete_dir(folder)
+    return stale
+
+
+def _is_data_file(info: pafs.FileInfo, folder: str) -> bool:
+    """A file the table's log may reference: a ``part-*.parquet`` in the write folder or in one
+    of its segment sub-folders (``data/<uuid>/live/``), never under a hidden or ``_`` folder."""
+    parts = info.path[len(folder) + 1 :].split("/")
+    return (
+        info.type == pafs.FileType.File
+        and info.path.endswith(".parquet")
+        and all(p and p[0] not in "._" for p in parts)
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="VACUUM every table of the config.")
+    parser.add_argument("--retention-hours", type=int, default=DEFAULT_RETENTION_HOURS)
+    parser.add_argument("--dry-run", action="store_true", help="list, delete nothing")
+    args = parser.parse_args(argv)
+    platform = load_config()
+    for table in platform.tables:
+        removed = vacuum(
+            TablePaths.of(platform.warehouse_root, table.name),
+            args.retention_hours,
+            dry_run=args.dry_run,
+            current_table=table.current_table,
+        )
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{table.name}: {verb} {len(removed)} file(s) or folder(s)")
+        for path in removed:
+            print(f"  {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""A merge plan (dry run): what materializing some hours would do, committed nowhere real.
+
+The plan runs the real pipeline, not a model of it, against a *shadow* of the table: a
+temporary folder where every Delta log is a copy and every data file a symlink to the real one.
+Spark reads the real files through the links and writes its new files into the shadow; the
+commits go to the copied logs. So the figures (keys affected, versions opened and closed, files
+removed and added with their bytes, files set aside) are exactly those the real run would
+report against the same table, and the real tables, the landing zone and the real Delta logs
+are never written. The shadow lives under ``<warehouse_root>/_cdc/`` (so that on a cluster
+every executor sees it, like the warehouse) and is removed afterwards, whatever happens.
+
+On top of the run's own figures the plan says which events are *late*: at or before the last
+event already applied for their key, so that the key's history is recomputed from the change
+log rather than extended, and how far back the oldest one reaches.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cdc_platform.lib.columns import CURRENT, LAST_EVENT_AT, TS, col, cols
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.stores import Location, Where
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+DELTA_LOG = "_delta_log"
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """What a materialization of ``hours`` would do now."""
+
+    outcome: MaterializationOutcome  # every figure the real run would report
+    late_events: int  # new events at or before their key's last applied event
+    late_keys: int
+    oldest_late_event: datetime | None  # the earliest commit time among them
+    reaches_back_seconds: float | None  # the longest gap, late event to its key's last event
+
+
+def plan(
+    spark: SparkSession,
+    table: TableConfig,
+    landing_root: Path,
+    warehouse_root: Where,
+    hours: Sequence[datetime],
+    keyring: Keyring | None = None,
+) -> MergePlan:
+    """The merge plan for ``hours`` of ``table``; writes nothing outside a temporary folder.
+
+    The warehouse must be a local or mounted folder: the shadow links to the real files.
+    """
+    if not Location.of(warehouse_root).is_local:
+        raise ValueError(
+            f"a merge plan needs a local or mounted warehouse (its shadow links to the real "
+            f"files); {warehouse_root} is on an object store"
+        )
+    real = TablePaths.of(warehouse_root, table.name)
+    with shadow_warehouse(warehouse_root, table.name) as shadow_root:
+        shadow = TablePaths.of(shadow_root, table.name)
+        log_before = delta.version_or_none(shadow.changelog)
+        outcome = materialize(spark, table, landing_root, shadow_root, hours, keyring)
+        late = _late_events(spark, real, shadow, table.primary_key, log_before)
+    return MergePlan(outcome, *late)
+
+
+@contextmanager
+def shadow_warehouse(warehouse_root: Where, table: str) -> Iterator[Path]:
+    """A temporary warehouse holding a shadow of ``table`` (history, change log and side
+    tables): Delta logs copied, data files symlinked. Removed on exit."""
+    system = Location.of(warehouse_root).path / "_cdc"
+    system.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=".plan-", dir=system))
+    try:
+        real, shadow = TablePaths.of(warehouse_root, table), TablePaths.of(root, table)
+        _mirror(real.history.path, shadow.history.path)
+        _mirror(real.changelog.parent.path, shadow.changelog.parent.path)  # its side tables
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _mirror(src: Path, dst: Path) -> None:
+    """``dst`` reads as ``src``: folders recreated, Delta logs copied (commits go there), every
+    other file a symlink (read through, never written: the merge only adds new files)."""
+    if not src.exists():
+        return
+    for folder, _, files in os.walk(src):
+        rel = Path(folder).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        in_log = DELTA_LOG in rel.parts
+        for name in files:
+            source = Path(folder) / name
+            if in_log:
+                shutil.copy2(source, dst / rel / name)
+            else:
+                (dst / rel / name).symlink_to(source.resolve())
+
+
+def _late_events(
+    spark: SparkSession,
+    real: TablePaths,
+    shadow: TablePaths,
+    primary_key: Sequence[str],
+    log_before: int | None,
+) -> tuple[int, int, datetime | None, float | None]:
+    """Late events among those the planned run logged: (events, keys, oldest, reach)."""
+    from pyspark.sql import functions as F
+
+    planned, history = Table.open(shadow.changelog), Table.open(real.history)
+    if not planned.exists or not history.exists:
+        return 0, 0, None, None
+    before = Table.open(real.changelog, log_before).files if log_before is not None else []
+    seen = {f.path for f in before}
+    new_files = [f for f in planned.files if f.path not in seen]
+    if not new_files:
+        return 0, 0, None, None
+    pk = list(primary_key)
+    events = planned.read(spark, new_files).select(
+        *cols(pk), F.date_trunc("millisecond", col(TS)).alias("_cdc_tmp_ms")
+    )
+    if not history.files or CURRENT not in history.arrow_schema.names:
+        return 0, 0, None, None
+    last = history.read(spark, where=col(CURRENT)).select(*cols(pk), col(LAST_EVENT_AT))
+    # A key whose every event is a delete has no version; the merge keeps its last event in
+    # the delete-only side table, and an event at or before it is just as late.
+    side = Table.open(real.delete_only_keys)
+    if side.files:
+        last = last.unionByName(side.read(spark).select(*cols(pk), col(LAST_EVENT_AT)))
+    late = events.join(last, pk).filter(col("_cdc_tmp_ms") <= col(LAST_EVENT_AT))
+    gap = col(LAST_EVENT_AT).cast("double") - col("_cdc_tmp_ms").cast("double")
+    row = late.agg(
+        F.count(F.lit(1)).alias("n"),
+        F.count_distinct(*cols(pk)).alias("keys"),
+        F.min("_cdc_tmp_ms").alias("oldest"),
+        F.max(gap).alias("reach"),
+    ).collect()[0]
+    oldest = row["oldest"]
+    return (
+        int(row["n"]),
+        int(row["keys"]),
+        oldest.replace(tzinfo=UTC) if oldest is not None else None,  # Spark's are naive UTC
+        float(row["reach"]) if row["reach"] is not None else None,
+    )

@@ -1,0 +1,411 @@
+"""Re-syncing a table from a snapshot: the full current image of every key at a time R.
+
+As Fivetran's "Re-syncs in history mode" (the seeds' worked tables):
+
+* a key whose snapshot image equals its live version keeps that version;
+* a key whose image differs gets a new version, starting at the snapshot row's own
+  ``cdc_commit_timestamp`` when it carries one, else at R; the version before it ends 1 ms
+  earlier (rule 3);
+* a live key absent from the snapshot is closed at R (it no longer exists);
+* the exception: a snapshot row whose time is earlier than every version of its key replaces
+  the key's history (its previous versions, and their events, are removed).
+
+A snapshot is a folder of files in the table's landing format (any codec it uses), with the
+key and data columns; ``cdc_operation_type`` may be absent or ``INSERT``, ``cdc_change_seq`` is
+not needed, ``cdc_commit_timestamp`` is optional. Each row becomes an ``INSERT`` event in the
+change log (its source: the snapshot file and row), each absent key a ``DELETE`` at R (source
+``resync:at=<R>``), so the table stays the fold of its change log and CDC events that come
+later, late ones included, are placed around the snapshot as usual. The re-sync's seqs derive
+from R and sort below any real seq: in a millisecond, a real CDC event comes after the
+snapshot's (the adoption's sort lower still, a truncate's higher). The same re-sync run again
+logs nothing new. A snapshot with a bad file, a row without its key, a key on two rows or an
+operation other than ``INSERT`` is refused whole, naming the file and row: a snapshot
+applied in part would close every key of the missing part.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cdc_platform.lib.columns import (
+    ACTIVE,
+    CDC_COLUMNS,
+    CURRENT,
+    OP,
+    SEQ,
+    SOURCE_FILE,
+    SOURCE_ROW,
+    START,
+    TS,
+    TS_TYPE,
+    UNMODIFIED,
+    col,
+    cols,
+    internal,
+    timestamp_lit,
+)
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history import changelog
+from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up
+from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.layout import is_data_file
+from cdc_platform.lib.landing.reading import (
+    LandingReader,
+    event_schema,
+    inspect_files,
+    read_events,
+    unify_schema,
+)
+from cdc_platform.lib.landing.safe_open import FileId
+from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
+from cdc_platform.lib.ledgers import revoked_files
+from cdc_platform.lib.operations.revocation import GONE, remove_events
+from cdc_platform.lib.operations.source_roots import SourceRootError, snapshot_folder
+from cdc_platform.lib.pipeline import to_ms
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.schema import spark_schema
+from cdc_platform.lib.storage.stores import Where
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.types import StructType
+
+SOURCE_PREFIX = "resync:at="
+# Re-sync seqs: 2 * R in epoch ms (+1 for the deletes of absent keys) above this base: above an
+# adoption's (from -2**62), below a truncate's (-T in ms, at least -2.6e14) and any real seq.
+SEQ_BASE = -(2**61)
+_SAMPLE = 5
+# The repeated-key check's aggregates: working names, so a key column called ``n`` or ``at``
+# cannot clash with them.
+_ROWS = internal("resync_rows")
+_PLACES = internal("resync_places")
+
+
+class ResyncError(ValueError):
+    """The snapshot cannot be applied as it is; nothing was written."""
+
+
+@dataclass(frozen=True)
+class ResyncResult:
+    at: datetime
+    files: int
+    rows: int  # snapshot rows (one per key)
+    keys_closed: int  # live keys absent from the snapshot, closed at R
+    keys_replaced: int  # keys whose history the snapshot replaced (the exception)
+    events_new: int  # 0 when the same re-sync ran before
+    merge: MergeResult
+
+
+def resync_seqs(at: datetime) -> tuple[int, int]:
+    """The seqs of a re-sync at ``at``: its snapshot rows', and its deletes'."""
+    base = SEQ_BASE + 2 * int(to_ms(at).timestamp() * 1000)
+    return base, base + 1
+
+
+def source_name(at: datetime) -> str:
+    """What ``_cdc_source_file`` says of the deletes a re-sync logs for absent keys."""
+    return SOURCE_PREFIX + to_ms(at).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class SnapshotReader(LandingReader):
+    """Reads snapshot files as events: every row an ``INSERT`` with the re-sync's seq, at its
+    own ``cdc_commit_timestamp`` or, without one, at R. Decoding and validation are the
+    landing reader's (so a snapshot may be CSV, compressed or encrypted like the table).
+
+    A snapshot folder is named by a run, so a file in it may be anything but the table's: its
+    files are opened only below ``folder`` (no symlink, the listed file), no reason ever quotes
+    a cell, and a column whose name is not one of ``known`` (the table's) is named by its
+    position, never by what the file says (a header line can be a secret)."""
+
+    def __init__(
+        self,
+        table: TableConfig,
+        landing_root: Path,
+        keyring: Keyring | None,
+        at: datetime,
+        seq: int,
+        folder: Path | None = None,
+        known: Sequence[str] = (),
+    ) -> None:
+        super().__init__(table, landing_root, keyring)
+        self.at = at
+        self.seq = seq
+        self.hide_values = True
+        if folder is not None:
+            self.root = str(folder)
+        self.known = frozenset(
+            [*table.primary_key, *table.columns, *CDC_COLUMNS, UNMODIFIED, *known]
+        )
+
+    def label(self, name: str, position: int) -> str:
+        return f"'{name}'" if name in self.known else f"#{position + 1}"
+
+    def reads_footer_first(self) -> bool:
+        return False  # the change columns are made up by ``load``, not in the footer
+
+    def load(self, path: str, columns: Sequence[str] | None = None) -> pa.Table:
+        tbl = super().load(path)
+        n = tbl.num_rows
+        if OP in tbl.column_names:
+            ops = tbl[OP].combine_chunks()
+            wrong = pc.and_(pc.is_valid(ops), pc.not_equal(ops, "INSERT"))  # pyright: ignore[reportAttributeAccessIssue]
+            bad = pc.index(wrong, True).as_py()  # pyright: ignore[reportAttributeAccessIssue]
+            if bad >= 0:
+                raise LandingFileError(
+                    f"row {bad + 1}: cdc_operation_type is not INSERT: a snapshot holds row"
+                    " images, every row an INSERT",
+                    bad + 1,
+                )
+        ts = (
+            pc.fill_null(tbl[TS], pa.scalar(self.at, TS_TYPE))  # pyright: ignore[reportAttributeAccessIssue]
+            if TS in tbl.column_names
+            else pa.array([self.at] * n, TS_TYPE)
+        )
+        tbl = tbl.drop_columns([c for c in (OP, SEQ, TS) if c in tbl.column_names])
+        tbl = tbl.append_column(OP, pa.array(["INSERT"] * n, pa.string()))
+        tbl = tbl.append_column(SEQ, pa.array([self.seq] * n, pa.int64()))
+        return tbl.append_column(TS, ts)
+
+
+def snapshot_files(folder: Path) -> dict[str, FileId]:
+    """The data files under ``folder``, recursively, sorted, each with the file it is now
+    (markers, hidden files, links and anything but regular files left out)."""
+    found = {}
+    for parent, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if is_data_file(d))
+        for name in sorted(names):
+            path = os.path.join(parent, name)
+            st = os.lstat(path)
+            if is_data_file(name) and stat.S_ISREG(st.st_mode):
+                found[path] = FileId.of(st)
+    return found
+
+
+def resync(
+    spark: SparkSession,
+    table: TableConfig,
+    landing_root: Path,
+    warehouse_root: Where,
+    snapshot: Path | str,
+    at: datetime | None = None,
+    keyring: Keyring | None = None,
+    now: datetime | None = None,
+    *,
+    snapshot_roots: Sequence[Where],
+) -> ResyncResult:
+    """Apply the snapshot in ``snapshot`` as a re-sync at ``at`` (see the module docstring).
+
+    ``snapshot`` must be under one of ``snapshot_roots`` (the config's), apart from the landing
+    and warehouse roots (``lib.operations.source_roots``): a run's config never makes the service read
+    another folder."""
+    from pyspark.sql import functions as F
+
+    now = to_ms(now or datetime.now(UTC))
+    at = to_ms(at or now)
+    if at.year < 1971:
+        raise ResyncError(f"re-sync at {at.isoformat()}: a time after 1970 is expected")
+    if ahead_of(at, now):
+        raise ResyncError(
+            f"re-sync at {at.isoformat()}: that is in the future (now is {now.isoformat()}, "
+            f"{CLOCK_SKEW.total_seconds():.0f} s of clock skew allowed): its versions would "
+            "come after every CDC event logged until then; give a time that has passed, or "
+            "none for now"
+        )
+    try:
+        folder = snapshot_folder(snapshot, snapshot_roots, (landing_root, warehouse_root))
+    except SourceRootError as exc:
+        raise ResyncError(str(exc)) from None
+    if not folder.is_dir():
+        raise ResyncError(f"{folder}: no such folder (the snapshot is a folder of files)")
+    listed = snapshot_files(folder)
+    files = list(listed)
+    if not files:
+        raise ResyncError(
+            f"{folder}: no snapshot file (a snapshot of an empty table is one file with no rows)"
+        )
+    pk = list(table.primary_key)
+    paths = TablePaths.of(warehouse_root, table.name)
+    insert_seq, delete_seq = resync_seqs(at)
+    logged_fields = changelog.key_and_data_fields(Table.open(paths.changelog))
+    known = logged_fields.names if logged_fields is not None else ()
+    reader = SnapshotReader(table, landing_root, keyring, at, insert_seq, folder, known)
+    reader.expect(listed)
+
+    reports = inspect_files(spark, reader, files, native=False)
+    bad = [f"{r.path}: {r.error}" for r in reports if not r.ok]
+    if bad:
+        raise ResyncError("the snapshot was not applied: " + "; ".join(bad))
+    fields, clashes = unify_schema(logged_fields, reports, table.may_widen)
+    if clashes:
+        raise ResyncError(
+            "the snapshot was not applied: "
+            + "; ".join(f"{p}: {why}" for p, why in sorted(clashes.items()))
+        )
+    with_rows = [r.path for r in reports if r.num_rows]
+    rows = sum(r.num_rows for r in reports)
+    events = read_events(spark, reader, with_rows, event_schema(fields)) if with_rows else None
+    if events is not None:
+        _check_one_row_per_key(events, pk, folder)
+
+    # A re-run after its events were un-applied logs them again (the user asks for it).
+    own_sources = [source_name(at), *(reader.relative(p) for p in with_rows)]
+    revoked_files.remove(paths.revoked_files, own_sources)
+    snapshot_keys = events.select(*cols(pk), col(TS)) if events is not None else None
+    shape = spark_schema(event_schema(fields))
+    replaced: list[int] = []  # keys whose history a committed removal took (any attempt)
+
+    def attempt() -> tuple[int, int]:
+        """Decide which keys close and which are replaced on the change-log version the table
+        has caught up with, then remove and append strictly on it: an event logged meanwhile
+        makes a commit fail and the attempt decide again, so it is never removed (nor
+        forgotten) unseen, and no key it brought is left open."""
+        log = caught_up(spark, paths, pk, now, table.history_columns)
+        history = _history(spark, paths)
+        closing = None
+        replaced_keys = None
+        if history is not None:
+            live = history.filter(col(CURRENT) & col(ACTIVE)).select(*cols(pk))
+            closing = live if snapshot_keys is None else live.join(snapshot_keys, pk, "left_anti")
+            if snapshot_keys is not None:
+                first = history.groupBy(*cols(pk)).agg(F.min(col(START)).alias(START))
+                replaced_keys = (
+                    snapshot_keys.join(first, pk).filter(col(TS) < col(START)).select(*cols(pk))
+                )
+        version = log.version if log is not None else None
+        if log is not None:
+            keys_replaced, version = _remove_history_of(spark, paths, pk, replaced_keys, log)
+            replaced.append(keys_replaced)
+        deletes = _deletes(closing, pk, shape, at, delete_seq)
+        keys_closed = deletes.count() if deletes is not None else 0
+        logged = events
+        if deletes is not None and keys_closed:
+            logged = deletes if logged is None else logged.unionByName(deletes)
+        new_events = 0
+        if logged is not None and rows + keys_closed:
+            new_events = changelog.append(
+                spark,
+                paths.changelog,
+                logged,
+                pk,
+                (insert_seq, delete_seq),
+                rows + keys_closed,
+                now,
+                revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
+                fence=changelog.Fence(version),
+            ).new_events
+        return keys_closed, new_events
+
+    (keys_closed, new_events), _ = delta.with_commit_retries(attempt, f"re-sync of {paths.history}")
+    keys_replaced = sum(replaced)
+    merge = apply_pending(spark, paths, pk, now, table.history_columns)
+    return ResyncResult(at, len(files), rows, keys_closed, keys_replaced, new_events, merge)
+
+
+def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path) -> None:
+    """A key on two rows refuses the snapshot, naming the rows (file and row number), never
+    the key's value: it may be an encrypted table's, and the message reaches the UI."""
+    from pyspark.sql import functions as F
+
+    twice = (
+        events.groupBy(*cols(list(pk)))
+        .agg(
+            F.count(F.lit(1)).alias(_ROWS),
+            F.sort_array(F.collect_list(F.struct(col(SOURCE_FILE), col(SOURCE_ROW)))).alias(
+                _PLACES
+            ),
+        )
+        .filter(col(_ROWS) > 1)
+        .select(_ROWS, _PLACES)
+        .limit(_SAMPLE)
+        .collect()
+    )
+    if twice:
+        sample = "; ".join(
+            " and ".join(f"{a[0]} row {a[1]}" for a in r[_PLACES][:3])
+            + (f" ({r[_ROWS]} rows)" if r[_ROWS] > 3 else "")
+            for r in twice
+        )
+        raise ResyncError(f"{folder}: a snapshot holds one row per key; one key is on {sample}")
+
+
+def _history(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
+    """Every version of the history table (None before it exists)."""
+    history = Table.open(paths.history)
+    return history.read(spark) if history.files else None
+
+
+def _remove_history_of(
+    spark: SparkSession,
+    paths: TablePaths,
+    pk: Sequence[str],
+    keys: DataFrame | None,
+    log: Table,
+) -> tuple[int, int]:
+    """Take every event of ``keys`` out of the change-log snapshot ``log`` (the merge then
+    drops their versions), committing strictly on it (``CommitFailedError`` if the log moved:
+    the caller decides again). Returns (keys, the change log's version now)."""
+    from pyspark.sql import functions as F
+
+    decided = log.version
+    assert decided is not None  # the caller read this snapshot of an existing log
+    if keys is None:
+        return 0, decided
+    gone = keys.distinct().withColumn(GONE, F.lit(True)).cache()
+    try:
+        if gone.isEmpty():
+            return 0, decided
+
+        def mark(events: DataFrame) -> DataFrame:
+            return events.join(gone, list(pk), "left").select(
+                *cols(events.columns), F.coalesce(col(GONE), F.lit(False)).alias(GONE)
+            )
+
+        _, keys_removed, rewritten = remove_events(
+            spark,
+            paths,
+            pk,
+            log,
+            log.files,
+            mark,
+            "cdc_platform.resync_replaced",
+            forget=True,
+        )
+        return keys_removed, decided + 1 if rewritten else decided
+    finally:
+        gone.unpersist()
+
+
+def _deletes(
+    keys: DataFrame | None, pk: Sequence[str], shape: StructType, at: datetime, seq: int
+) -> DataFrame | None:
+    """A delete at ``at`` for each of ``keys``, shaped as the snapshot's events."""
+    from pyspark.sql import functions as F
+
+    if keys is None:
+        return None
+    given = {
+        OP: F.lit("DELETE"),
+        SEQ: F.lit(seq),
+        TS: timestamp_lit(at),
+        SOURCE_FILE: F.lit(source_name(at)),
+    }
+    return keys.select(
+        *[
+            (col(f.name) if f.name in pk else given.get(f.name, F.lit(None)))
+            .cast(f.dataType)
+            .alias(f.name)
+            for f in shape.fields
+        ]
+    )

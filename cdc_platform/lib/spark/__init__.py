@@ -1,0 +1,1 @@
+"""Spark: the session with its non-negotiable settings, its pinned jars, and run costs."""

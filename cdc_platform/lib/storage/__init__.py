@@ -1,0 +1,2 @@
+"""Storage: where tables live (a folder or an object store), the table handle, and the type
+rules every layer shares. ``table.Table`` is the one way to read and commit a Delta table."""
