@@ -29,6 +29,7 @@ from typing import Any
 
 from cdc_platform.lib import config as cfg
 from cdc_platform.lib.history.versions import HistoryColumns
+from cdc_platform.lib.landing.formats import FORMATS
 
 PAGE = cfg.REPO_ROOT / "docs" / "configuration.md"
 COMMAND = "python -m cdc_platform.config_reference --write"
@@ -110,7 +111,12 @@ TABLE_KEYS: dict[str, tuple[str, str]] = {
     ),
     "primary_key": ("list of columns", "The key columns (a single name is a one-column list)."),
     "start": ("`YYYY-MM-DD-HH:00`", "The first hourly partition (UTC)."),
-    "format": ("", "How landing files are written."),
+    "format": (
+        "",
+        "How landing files are written: "
+        + "; ".join(f"`{f.name}`, {f.summary}" for f in FORMATS.values())
+        + " (one module each in `lib/landing/formats/`).",
+    ),
     "compression": ("", "ZSTD-compressed landing files (Fivetran's batch-file format)."),
     "encryption": (
         "",

@@ -30,7 +30,8 @@ from cdc_platform.lib.history import invariants
 from cdc_platform.lib.landing import discovery
 from cdc_platform.lib.landing.discovery import describe
 from cdc_platform.lib.landing.layout import files_in_hour, hour_folder
-from cdc_platform.lib.landing.reading import LandingReader, NativeGuard
+from cdc_platform.lib.landing.native import NativeGuard, native_report
+from cdc_platform.lib.landing.reader import LandingReader
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
 from cdc_platform.lib.operations.resync import ResyncError, SnapshotReader, resync
 from cdc_platform.lib.operations.source_roots import (
@@ -420,7 +421,7 @@ def test_a_file_swapped_after_the_listing_is_not_read(site) -> None:
     os.replace(path, site["private"] / "kept.parquet")  # the file itself -> a symlink
     path.symlink_to(secret)
     assert "symlink" in str(reader.inspect(str(path)).error)
-    assert reader.native_report(str(path)) is None
+    assert native_report(reader, str(path)) is None
 
     path.unlink()  # -> another regular file (same name, another inode)
     shutil.copy(secret, path)

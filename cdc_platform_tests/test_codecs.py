@@ -23,6 +23,7 @@ from cdc_platform.lib.landing.codecs import (
     encrypt_bytes,
     open_decoded_stream,
 )
+from cdc_platform.lib.landing.formats import FORMATS
 from cdc_platform.lib.landing.keyring import Keyring
 
 KEY_A = bytes(range(32))
@@ -103,7 +104,10 @@ def test_round_trip_every_combination(tmp_path, compression, encryption, kind):
     path = write(tmp_path, spec_encode(plain, compression, encryption, KEY_A))
     keys = [KEY_A] if encryption != "none" else []
     assert decode_file(path, compression, encryption, keys) == plain
-    assert decode_file(path, compression, encryption, keys, file_format=kind) == plain
+    assert (
+        decode_file(path, compression, encryption, keys, looks_like=FORMATS[kind].looks_like)
+        == plain
+    )
     with open_decoded_stream(path, compression, encryption, keys) as stream:
         assert stream.read() == plain
     if kind == "parquet":
@@ -281,7 +285,8 @@ def test_bad_padding_flip_last_byte(tmp_path, compression, kind):
     data = bytearray(spec_encode(plain, compression, "aes-256-cbc", KEY_A))
     data[-1] ^= 0x01
     path = write(tmp_path, bytes(data))
-    err = decode_error(path, compression, "aes-256-cbc", [KEY_A], file_format=kind)
+    looks_like = FORMATS[kind].looks_like if kind else None
+    err = decode_error(path, compression, "aes-256-cbc", [KEY_A], looks_like=looks_like)
     assert str(err).startswith("bad padding:")
 
 

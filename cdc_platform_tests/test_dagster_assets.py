@@ -13,6 +13,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster_pyspark import LazyPySparkResource
 from deltalake import DeltaTable
 
 from cdc_platform.defs.factory import build_table_definitions
@@ -342,6 +343,32 @@ def test_killed_materialization_leaves_previous_version_and_rerun_converges(spar
     assert normalize(history_rows(path), cols) == normalize(
         reference_history(first + second, ["id"]), cols
     )
+
+
+def test_an_op_written_for_dagster_pyspark_gets_the_platforms_session(spark):
+    """SparkResource is dagster-pyspark's LazyPySparkResource: an op typed for that resource
+    runs with it and gets the platform's session (its settings, not the run's); a run config
+    that tries to choose where Spark runs is refused before any session exists."""
+    seen: dict[str, object] = {}
+
+    @dg.op
+    def inspect_session(pyspark: LazyPySparkResource) -> None:
+        session = pyspark.spark_session
+        seen["zone"] = session.conf.get("spark.sql.session.timeZone")
+        seen["rows"] = session.range(4).count()
+
+    @dg.job(resource_defs={"pyspark": SparkResource(stop_at_end_of_run=False)})
+    def uses_pyspark() -> None:
+        inspect_session()
+
+    assert uses_pyspark.execute_in_process().success
+    assert seen == {"zone": "UTC", "rows": 4}
+    refused = uses_pyspark.execute_in_process(
+        run_config={"resources": {"pyspark": {"config": {"spark_config": {"spark.master": "x"}}}}},
+        raise_on_error=False,
+    )
+    assert not refused.success
+    assert spark.range(2).count() == 2  # the suite's session is untouched
 
 
 def test_spark_resource_never_stops_a_session_it_did_not_start(spark, tmp_path):

@@ -417,3 +417,41 @@ def test_every_page_with_python_is_run() -> None:
     run = {"README.md", "history-table.md", "engines.md"}
     with_python = {p.name for p in PAGES if any(b.language == "python" for b in blocks(p))}
     assert with_python <= run, f"add a test that runs the python of {with_python - run}"
+
+
+def test_the_code_map_lists_every_module_and_folder_where_it_is():
+    """docs/development.md's code map is one a newcomer can check against the folders: every
+    module and folder of the package is on it, under its folder, and nothing else is."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    block = text.split("## Code layout", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    listed: set[str] = set()
+    parents: list[tuple[int, str]] = []  # (indent, folder) of the folders above a line
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        words = line.split()
+        if not words or indent % 2:  # a description's continuation is indented oddly
+            continue
+        parents = [(i, f) for i, f in parents if i < indent]
+        prefix = "".join(f for _, f in parents)
+        names = []
+        for word in words:  # the names come first, then the description
+            if not re.fullmatch(r"[\w.]+(\.py|\.properties|/)", word):
+                break
+            names.append(word)
+        for name in names:
+            listed.add(prefix + name)
+        if len(names) == 1 and names[0].endswith("/"):
+            parents.append((indent, names[0]))
+    package = ROOT / "cdc_platform"
+    actual = {
+        str(p.relative_to(ROOT)) + ("/" if p.is_dir() else "")
+        for p in [*package.rglob("*.py"), *package.rglob("*.properties"), *package.rglob("*")]
+        if "__pycache__" not in p.parts
+        and p.name != "__init__.py"
+        and (p.is_dir() or p.suffix in (".py", ".properties"))
+        and "demo" not in p.relative_to(package).parts[:1]
+    }
+    actual |= {"cdc_platform/", "cdc_platform/demo/"}
+    listed = {name for name in listed if name.startswith("cdc_platform/")}
+    assert sorted(actual - listed) == [], "modules missing from the code map"
+    assert sorted(listed - actual) == [], "the code map names what does not exist"

@@ -29,7 +29,8 @@ from cdc_platform.lib.landing.layout import (
     fingerprint,
     hour_folder,
 )
-from cdc_platform.lib.landing.reading import LandingReader, changed_files_named, event_schema
+from cdc_platform.lib.landing.reader import LandingReader, changed_files_named
+from cdc_platform.lib.landing.reading import event_schema
 from cdc_platform.lib.landing.safe_open import CHANGED, FileId
 from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import materialize

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import pytest
 
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.reading import LandingReader, unify_schema
+from cdc_platform.lib.landing.codecs import compress_zstd
+from cdc_platform.lib.landing.discovery import sniff_encoding
+from cdc_platform.lib.landing.formats import FORMATS, LandingFormat
+from cdc_platform.lib.landing.reader import LandingReader
+from cdc_platform.lib.landing.reading import unify_schema
 
 TABLE = TableConfig(name="x", primary_key=("id",), start=datetime(2024, 1, 1, tzinfo=UTC))
 EXPECTED = datetime(2024, 1, 1, 5, 0, 0, 123000, tzinfo=UTC)
@@ -98,3 +104,49 @@ def test_which_file_of_a_first_batch_widens_a_key_never_depends_on_file_names(tm
         assert {f.name: f.type for f in fields}["id"] == pa.int64(), text_name
         assert list(clashes) == [text.path], text_name
         assert "widen_types" in clashes[text.path]
+
+
+class _JsonLines(LandingFormat):
+    """A format the platform does not ship, written the way a new format module would be."""
+
+    name = "jsonl"
+    title = "JSON Lines"
+    suffix = ".jsonl"
+    summary = "one JSON object per line"
+
+    def looks_like(self, head: bytes) -> bool:
+        return head.lstrip()[:1] == b"{"
+
+    def read(self, source, table, *, name, hide_values, columns=None) -> pa.Table:
+        return pa_json.read_json(source)
+
+    def describe(self, opener, compression):
+        with opener() as fh:
+            return [(f.name, str(f.type)) for f in pa_json.read_json(fh).schema], None
+
+
+def test_a_format_is_one_landing_format_the_reader_has_no_format_of_its_own(tmp_path, monkeypatch):
+    """What adding a format module amounts to: registered in FORMATS, its files are decoded,
+    read, validated (the bad row named) and conformed like Parquet's and CSV's, with no
+    branch anywhere else; a compressed one goes through the codecs first."""
+    monkeypatch.setitem(FORMATS, "jsonl", _JsonLines())
+    lines = [
+        '{"id": 1, "cdc_operation_type": "insert", "cdc_change_seq": 1,'
+        ' "cdc_commit_timestamp": "2024-01-01T05:00:00.123Z", "name": "a"}',
+        '{"id": 2, "cdc_operation_type": "Upsert", "cdc_change_seq": 2,'
+        ' "cdc_commit_timestamp": "2024-01-01T05:00:00.123Z", "name": "b"}',
+    ]
+    good, bad = tmp_path / "good.jsonl.zst", tmp_path / "bad.jsonl"
+    good.write_bytes(compress_zstd((lines[0] + "\n").encode()))
+    bad.write_text("\n".join(lines) + "\n")
+    table = replace(TABLE, format="jsonl", compression="zstd")
+    reader = LandingReader(table, tmp_path)
+    report = reader.inspect(str(good))
+    assert report.ok, report.error
+    assert report.schema is not None and report.schema.field("id").type == pa.int64()
+    schema = pa.schema([pa.field("id", pa.int64()), pa.field("name", pa.string())])
+    (batch,) = reader.read_conformed(str(good), schema)
+    assert batch.to_pylist() == [{"id": 1, "name": "a"}]
+    plain = LandingReader(replace(table, compression="none"), tmp_path).inspect(str(bad))
+    assert plain.error == "row 2: cdc_operation_type 'UPSERT' is not INSERT, UPDATE or DELETE"
+    assert sniff_encoding(good).format == "jsonl"

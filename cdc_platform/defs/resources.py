@@ -13,6 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
+from dagster_pyspark import LazyPySparkResource
 from pydantic import Field, PrivateAttr
 
 from cdc_platform.lib.landing.keyring import Keyring
@@ -36,19 +37,22 @@ _started_lock = threading.Lock()
 _started: list[SparkSession] = []
 
 
-class SparkResource(dg.ConfigurableResource):
+class SparkResource(LazyPySparkResource):
     """A SparkSession created on first use and stopped when the run ends (if it started it).
 
+    It is dagster-pyspark's ``LazyPySparkResource`` (``spark_session``, ``spark_context``,
+    ``spark_config``: an op written for that resource runs with this one), with the session
+    built where the deployment says instead of from the run's config (docs/engines.md says why).
     Where it runs comes from the deployment's environment (``SparkDeployment.from_env``):
     Spark Connect at ``$CDC_SPARK_REMOTE`` (a run then starts no JVM of its own), else the
     cluster at ``$CDC_SPARK_MASTER`` with its shared secret in ``$CDC_SPARK_AUTH_SECRET``, else
     ``local[2]``; other cluster settings go in the deployment's ``spark-defaults.conf``. A run
-    may only tune ``spark_config`` (``lib.spark.session.RUN_TUNABLE``). The platform always adds what
-    correctness and security need. A session that was already running when the resource was
-    first used (a notebook, a test suite) is reused and never stopped by it.
+    may only tune ``spark_config`` (``lib.spark.session.RUN_TUNABLE``). The platform always adds
+    what correctness and security need. A session that was already running when the resource
+    was first used (a notebook, a test suite) is reused and never stopped by it.
     """
 
-    spark_config: dict[str, str] = Field(
+    spark_config: dict[str, Any] = Field(
         default_factory=dict,
         description=f"Tuning a run may set, nothing else: {', '.join(sorted(RUN_TUNABLE))}.",
     )
@@ -58,7 +62,13 @@ class SparkResource(dg.ConfigurableResource):
         "(then call stop() when done).",
     )
 
-    _session: SparkSession | None = PrivateAttr(default=None)
+    @classmethod
+    def _is_dagster_maintained(cls) -> bool:
+        return False  # this subclass is the platform's, not Dagster's
+
+    def _init_session(self) -> None:
+        """dagster-pyspark's ``spark_session``: the deployment's session, as ``session()``."""
+        self.session()
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         """Refused when the run starts, before any session exists: a run config that reads the
@@ -72,10 +82,10 @@ class SparkResource(dg.ConfigurableResource):
         # A step after one whose Connect connection dropped (the server restarted) builds a
         # new session instead of failing on the broken one: the steps of a multi-table run
         # share this resource (landing_sensor: fleet).
-        session = self._session
+        session = self._spark_session
         if session is not None and _is_connect(session) and not connect_session_usable(session):
-            self._session = None
-        if self._session is None:
+            self._spark_session = None
+        if self._spark_session is None:
             from pyspark.sql import SparkSession
 
             conf = run_conf(self.spark_config)
@@ -97,8 +107,8 @@ class SparkResource(dg.ConfigurableResource):
                     session = deployment.session(conf, storage=storage)
                 if not already_running and not any(s is session for s in _started):
                     _started.append(session)
-            self._session = session
-        return self._session
+            self._spark_session = session
+        return self._spark_session
 
     def stop(self) -> None:
         """Stop the session a SparkResource started in this process; never a session it only
@@ -106,10 +116,10 @@ class SparkResource(dg.ConfigurableResource):
         with _started_lock:
             while _started:
                 _started.pop().stop()
-        self._session = None
+        self._spark_session = None
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
-        session, self._session = self._session, None
+        session, self._spark_session = self._spark_session, None
         if session is None or not self.stop_at_end_of_run:
             return
         with _started_lock:

@@ -29,6 +29,7 @@ import yaml
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
 from cdc_platform.lib.history.versions import TRACK_ALL, HistoryColumns
 from cdc_platform.lib.landing.codecs import DEFAULT_MAX_BYTES
+from cdc_platform.lib.landing.formats import FORMATS as LANDING_FORMATS
 from cdc_platform.lib.operations.source_roots import checked_root, overlaps
 from cdc_platform.lib.storage.stores import OBJECT_STORE_SCHEMES, EnvRef, Location, OptionValue
 from cdc_platform.lib.storage.warehouse import current_table_name
@@ -39,7 +40,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG_PATH = REPO_ROOT / "cdc_platform.yaml"
 
 PARTITION_FORMAT = "%Y-%m-%d-%H:%M"
-FORMATS = ("parquet", "csv")
+# The landing formats, the default first (``landing.formats``: one module per format).
+FORMATS = tuple(LANDING_FORMATS)
 COMPRESSIONS = ("none", "zstd")
 ENCRYPTIONS = ("none", "aes-256-cbc")
 WIDEN_TYPES = ("data", "never", "all")
@@ -121,8 +123,10 @@ class TableConfig:
 
     @property
     def is_encoded(self) -> bool:
-        """True when files need more than a plain Parquet read (decrypt, decompress or CSV)."""
-        return self.format != "parquet" or self.compression != "none" or self.encryption != "none"
+        """True when files are decoded into memory before their format reads them (decrypted,
+        decompressed, or a format not read in place: CSV); False: plain Parquet."""
+        in_place = LANDING_FORMATS[self.format].reads_in_place
+        return not in_place or self.compression != "none" or self.encryption != "none"
 
 
 # A discovered table's expected delivery cadence (hours) unless the template says otherwise.
@@ -569,13 +573,9 @@ def _parse_table(raw: Any, index: int, where: str) -> TableConfig:
     unmodified_string = optional_str("unmodified_string")
     if null_string is not None and null_string == unmodified_string:
         raise fail("unmodified_string", "must differ from null_string")
-    if fmt == "csv":
-        missing = [c for c in pk if c not in columns]
-        if not columns or missing:
-            raise fail(
-                "columns",
-                f"a CSV table must declare the type of every column, including the key {missing or pk}",
-            )
+    problem = LANDING_FORMATS[fmt].config_problem(pk, columns)
+    if problem:
+        raise fail("columns", problem)
 
     backoff = positive_int("retry_backoff_seconds", 300)
     alert_minutes = positive_int("unapplied_alert_minutes", 60)

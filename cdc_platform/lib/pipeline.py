@@ -25,17 +25,9 @@ from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, fault_point
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import files_in_hour, hour_to_partition_key
-from cdc_platform.lib.landing.reading import (
-    FileReport,
-    LandingReader,
-    NativeGuard,
-    NativeReadChangedError,
-    changed_files_named,
-    event_schema,
-    inspect_files,
-    read_events,
-    unify_schema,
-)
+from cdc_platform.lib.landing.native import NativeGuard, NativeReadChangedError
+from cdc_platform.lib.landing.reader import FileReport, LandingReader, changed_files_named
+from cdc_platform.lib.landing.reading import event_schema, inspect_files, read_events, unify_schema
 from cdc_platform.lib.landing.safe_open import CHANGED
 from cdc_platform.lib.ledgers import applied_files, quarantine, revoked_files
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap

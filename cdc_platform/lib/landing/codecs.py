@@ -24,7 +24,7 @@ import codecs as _text_codecs
 import contextlib
 import io
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
 import zstandard
@@ -124,7 +124,7 @@ def decode_file(
     encryption: str,
     keys: Sequence[bytes],
     *,
-    file_format: str | None = None,
+    looks_like: Callable[[bytes], bool] | None = None,
     table: str | None = None,
     relative_path: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -132,8 +132,8 @@ def decode_file(
     """The plaintext of a landing file, in memory.
 
     ``keys`` are the candidate AES keys in the order to try (ignored when not encrypted).
-    ``file_format`` ("parquet"/"csv"), when given, sharpens the wrong-key check of
-    uncompressed encrypted files; ``table``/``relative_path`` only improve the message when no
+    ``looks_like`` (the format's ``LandingFormat.looks_like``), when given, sharpens the
+    wrong-key check of uncompressed encrypted files; ``table``/``relative_path`` only improve the message when no
     key is available. A plaintext over ``max_bytes`` is refused (``too_large``). Raises
     LandingFileError with a clear reason.
     """
@@ -142,7 +142,7 @@ def decode_file(
         with _opened(path) as fh:
             return b"".join(_bounded(_plain_file_chunks(fh, compression), max_bytes))
 
-    candidates = _candidate_keys(path, compression, keys, file_format, table, relative_path)
+    candidates = _candidate_keys(path, compression, keys, looks_like, table, relative_path)
     first_error: LandingFileError | None = None
     for key in candidates:
         try:
@@ -160,7 +160,7 @@ def open_decoded_stream(
     encryption: str,
     keys: Sequence[bytes],
     *,
-    file_format: str | None = None,
+    looks_like: Callable[[bytes], bool] | None = None,
     table: str | None = None,
     relative_path: str | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
@@ -181,7 +181,7 @@ def open_decoded_stream(
         if encryption == "none":
             key = None
         else:
-            key = _candidate_keys(path, compression, keys, file_format, table, relative_path)[0]
+            key = _candidate_keys(path, compression, keys, looks_like, table, relative_path)[0]
     except BaseException:
         if not isinstance(path, str):
             path.close()
@@ -282,14 +282,12 @@ def looks_like_text(head: bytes) -> bool:
     return b"\x00" not in head
 
 
-def _plausible(head: bytes, compression: str, file_format: str | None) -> bool:
+def _plausible(head: bytes, compression: str, looks_like: Callable[[bytes], bool] | None) -> bool:
     """Whether the decrypted start of a file looks like what the file should hold."""
     if compression == "zstd":
         return looks_like_zstd(head)
-    if file_format == "parquet":
-        return head[:4] == PARQUET_MAGIC
-    if file_format == "csv":
-        return looks_like_text(head)
+    if looks_like is not None:
+        return looks_like(head)
     return head[:4] == PARQUET_MAGIC or looks_like_text(head)
 
 
@@ -308,7 +306,7 @@ def _candidate_keys(
     path: Source,
     compression: str,
     keys: Sequence[bytes],
-    file_format: str | None,
+    looks_like: Callable[[bytes], bool] | None,
     table: str | None,
     relative_path: str | None,
 ) -> list[bytes]:
@@ -337,7 +335,7 @@ def _candidate_keys(
         tail = fh.read(2 * BLOCK)  # the block before the last (or the IV) + the last block
     iv = head[:BLOCK]
     single_block = size == 2 * BLOCK
-    checked_format = compression == "zstd" or file_format in ("parquet", "csv")
+    checked_format = compression == "zstd" or looks_like is not None
 
     strong: list[bytes] = []  # valid padding and a plausible start
     weak: list[bytes] = []  # valid padding, start not recognised (only when nothing is checked)
@@ -349,7 +347,7 @@ def _candidate_keys(
         first = _decrypt_block(key, iv, head[BLOCK : 3 * BLOCK])
         if single_block and pad_ok:
             first = first[: BLOCK - first[-1]]
-        plausible = _plausible(first, compression, file_format)
+        plausible = _plausible(first, compression, looks_like)
         if pad_ok and plausible:
             strong.append(key)
         elif pad_ok and not checked_format:

@@ -15,8 +15,6 @@ reported as unknown, and the snippet says so.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import os
@@ -28,20 +26,16 @@ from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
-import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 import yaml
 
-from cdc_platform.lib.columns import CDC_COLUMNS, OP, SEQ, TS, is_reserved
+from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
 from cdc_platform.lib.config import PARTITION_FORMAT, ConfigError, PlatformConfig, TableConfig
 from cdc_platform.lib.landing.codecs import (
-    PARQUET_MAGIC,
     LandingFileError,
-    looks_like_text,
     looks_like_zstd,
     open_decoded_stream,
 )
+from cdc_platform.lib.landing.formats import FORMATS, format_of_head, format_of_name
 from cdc_platform.lib.landing.layout import LandingFile, all_hour_folders, files_in_hour
 from cdc_platform.lib.landing.safe_open import open_beneath
 from cdc_platform.lib.storage.warehouse import current_table_name
@@ -61,9 +55,7 @@ __all__ = [
 _TABLE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _log = logging.getLogger(__name__)
 _PLAIN_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SAMPLE_BYTES = 64 * 1024  # of a CSV file's plaintext: its header and first rows
 _HEAD_BYTES = 4096
-_CDC_CONFIG_TYPES = {OP: "string", SEQ: "long", TS: "timestamp"}
 _ZSTD_SUFFIXES = (".zst", ".zstd")
 _AES_SUFFIXES = (".aes", ".enc")
 Opener = Callable[[], BinaryIO]
@@ -208,20 +200,22 @@ def sniff_encoding(path: str | Path, opener: Opener | None = None) -> Encoding:
     """
     with _open(path, opener) as fh:
         head = fh.read(_HEAD_BYTES)
-    if not head or head[:4] == PARQUET_MAGIC:  # empty: reading it says what is wrong
-        return Encoding("parquet")
+    default = next(iter(FORMATS))
+    if not head:  # empty: reading it says what is wrong
+        return Encoding(default)
     if looks_like_zstd(head):
         try:
             with open_decoded_stream(_open(path, opener), "zstd", "none", []) as stream:
-                plain = stream.read(len(PARQUET_MAGIC))
+                plain = stream.read(_HEAD_BYTES)
         except LandingFileError:  # a corrupt frame: only the name can tell the format
-            fmt = "csv" if ".csv" in _suffixes(path) else "parquet"
+            fmt = format_of_name(path).name
             return Encoding(fmt, "zstd", guessed=(f"format {fmt} (the ZSTD data did not decode)",))
-        return Encoding("parquet" if plain == PARQUET_MAGIC else "csv", "zstd")
-    if head and looks_like_text(head):
-        return Encoding("csv")
+        return Encoding((format_of_head(plain, path) or format_of_name(path)).name, "zstd")
+    known = format_of_head(head, path)
+    if known is not None:
+        return Encoding(known.name)
     suffixes = _suffixes(path)
-    fmt = "csv" if ".csv" in suffixes else "parquet"
+    fmt = format_of_name(path).name
     compression = "zstd" if any(s in suffixes for s in _ZSTD_SUFFIXES) else "none"
     guessed = [f"format {fmt}", f"compression {compression}"]
     if not any(s in suffixes for s in _AES_SUFFIXES):
@@ -294,63 +288,7 @@ def _read_columns(
     """(columns, a note on what is unknown or guessed)."""
     if encoding.encryption != "none":
         return [], "columns unknown: the files are encrypted (AES-256-CBC); not decrypted here"
-    if encoding.format == "parquet" and encoding.compression != "none":
-        return [], "columns unknown: ZSTD-compressed Parquet (its footer is at the end of the file)"
-    if encoding.format == "parquet":
-        with _open(path, opener) as fh:
-            schema = pq.read_schema(fh)
-        return [(f.name, str(f.type)) for f in schema], None
-    with open_decoded_stream(_open(path, opener), encoding.compression, "none", []) as stream:
-        sample = stream.read(_SAMPLE_BYTES)
-        complete = not stream.read(1)
-    return _csv_columns(sample, complete)
-
-
-def _csv_columns(sample: bytes, complete: bool) -> tuple[list[tuple[str, str]], str | None]:
-    """The header's columns with types inferred from the rows in ``sample`` (change columns
-    get their fixed types)."""
-    sample = sample.removeprefix(b"\xef\xbb\xbf")
-    if not complete:  # drop the last, cut row
-        cut = max(sample.rfind(b"\n"), sample.rfind(b"\r"))
-        sample = sample[: cut + 1] if cut > 0 else sample
-    parse = pacsv.ParseOptions(double_quote=True, escape_char=False, newlines_in_values=True)
-    try:
-        table = pacsv.read_csv(
-            io.BytesIO(sample),
-            parse_options=parse,
-            convert_options=pacsv.ConvertOptions(strings_can_be_null=True),
-        )
-        names, types = table.column_names, [_config_type(t) for t in table.schema.types]
-        note = None
-    except (pa.ArrowInvalid, ValueError):
-        # a row cut inside a quoted value, say: the header alone, every column a string
-        line = sample.splitlines()[0] if sample.strip() else b""
-        header = next(csv.reader([line.decode("utf-8", "replace")]), [])
-        names, types = header, ["string"] * len(header)
-        note = "CSV column types unknown (rows not parsed): every type is 'string'"
-    columns = [(n, _CDC_CONFIG_TYPES.get(n, t)) for n, t in zip(names, types, strict=True)]
-    missing = [c for c in CDC_COLUMNS if c not in names]
-    if missing:
-        extra = f"the header lacks the change column(s) {missing}: files would be set aside"
-        note = f"{note}; {extra}" if note else extra
-    return columns, note
-
-
-def _config_type(t: pa.DataType) -> str:
-    """The config (Spark SQL) type name for a type pyarrow inferred from CSV cells."""
-    if pa.types.is_integer(t):
-        return "long"
-    if pa.types.is_floating(t):
-        return "double"
-    if pa.types.is_boolean(t):
-        return "boolean"
-    if pa.types.is_timestamp(t):
-        return "timestamp"
-    if pa.types.is_date(t):
-        return "date"
-    if isinstance(t, pa.Decimal128Type | pa.Decimal256Type):
-        return f"decimal({t.precision},{t.scale})"
-    return "string"  # strings, all-null columns, times
+    return FORMATS[encoding.format].describe(partial(_open, path, opener), encoding.compression)
 
 
 def guess_primary_key(table: str, columns: list[str]) -> tuple[str, str]:

@@ -17,19 +17,22 @@ import codecs as _text_codecs
 import csv
 import io
 import re
-from collections.abc import Callable
-from typing import IO
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from cdc_platform.lib.columns import CDC_COLUMNS, OP, SEQ, TS, TS_TYPE, UNMODIFIED
-from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.codecs import LandingFileError, looks_like_text, open_decoded_stream
+from cdc_platform.lib.landing.formats import Described, LandingFormat, Opener
 from cdc_platform.lib.landing.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
-__all__ = ["CDC_TYPES", "arrow_type", "read_csv_events"]
+if TYPE_CHECKING:
+    from cdc_platform.lib.config import TableConfig
+
+__all__ = ["CDC_TYPES", "CSV", "arrow_type", "read_csv_events"]
 
 CDC_TYPES = {OP: "string", SEQ: "long", TS: "timestamp"}
 
@@ -421,3 +424,94 @@ def _show(value: str | None, hide: bool) -> str:
     if len(value) > _SHOWN_VALUE_CHARS:
         value = value[:_SHOWN_VALUE_CHARS] + "..."
     return repr(value)
+
+
+# -- the format ------------------------------------------------------------------------------------
+
+
+class Csv(LandingFormat):
+    name = "csv"
+    title = "CSV"
+    suffix = ".csv"
+    summary = "Fivetran-style CSV: a header row, every column's type declared in `columns`"
+
+    def looks_like(self, head: bytes) -> bool:
+        return looks_like_text(head)
+
+    def read(
+        self,
+        source: BinaryIO,
+        table: TableConfig,
+        *,
+        name: str,
+        hide_values: bool,
+        columns: Sequence[str] | None = None,
+    ) -> pa.Table:
+        return read_csv_events(source, table, source=name, hide_values=hide_values)
+
+    def describe(self, opener: Opener, compression: str) -> Described:
+        with open_decoded_stream(opener(), compression, "none", []) as stream:
+            sample = stream.read(_SAMPLE_BYTES)
+            complete = not stream.read(1)
+        return _sampled_columns(sample, complete)
+
+    def config_problem(self, primary_key: Sequence[str], columns: dict[str, str]) -> str | None:
+        missing = [c for c in primary_key if c not in columns]
+        if columns and not missing:
+            return None
+        return (
+            "a CSV table must declare the type of every column, including the key"
+            f" {missing or list(primary_key)}"
+        )
+
+
+CSV = Csv()
+
+_SAMPLE_BYTES = 64 * 1024  # of a CSV file's plaintext: its header and first rows
+
+
+def _sampled_columns(sample: bytes, complete: bool) -> Described:
+    """The header's columns with types inferred from the rows in ``sample`` (change columns
+    get their fixed types)."""
+    sample = sample.removeprefix(b"\xef\xbb\xbf")
+    if not complete:  # drop the last, cut row
+        cut = max(sample.rfind(b"\n"), sample.rfind(b"\r"))
+        sample = sample[: cut + 1] if cut > 0 else sample
+    parse = pacsv.ParseOptions(double_quote=True, escape_char=False, newlines_in_values=True)
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(sample),
+            parse_options=parse,
+            convert_options=pacsv.ConvertOptions(strings_can_be_null=True),
+        )
+        names, types = table.column_names, [_config_type(t) for t in table.schema.types]
+        note = None
+    except (pa.ArrowInvalid, ValueError):
+        # a row cut inside a quoted value, say: the header alone, every column a string
+        line = sample.splitlines()[0] if sample.strip() else b""
+        header = next(csv.reader([line.decode("utf-8", "replace")]), [])
+        names, types = header, ["string"] * len(header)
+        note = "CSV column types unknown (rows not parsed): every type is 'string'"
+    columns = [(n, CDC_TYPES.get(n, t)) for n, t in zip(names, types, strict=True)]
+    missing = [c for c in CDC_COLUMNS if c not in names]
+    if missing:
+        extra = f"the header lacks the change column(s) {missing}: files would be set aside"
+        note = f"{note}; {extra}" if note else extra
+    return columns, note
+
+
+def _config_type(t: pa.DataType) -> str:
+    """The config (Spark SQL) type name for a type pyarrow inferred from CSV cells."""
+    if pa.types.is_integer(t):
+        return "long"
+    if pa.types.is_floating(t):
+        return "double"
+    if pa.types.is_boolean(t):
+        return "boolean"
+    if pa.types.is_timestamp(t):
+        return "timestamp"
+    if pa.types.is_date(t):
+        return "date"
+    if isinstance(t, pa.Decimal128Type | pa.Decimal256Type):
+        return f"decimal({t.precision},{t.scale})"
+    return "string"  # strings, all-null columns, times
