@@ -117,7 +117,7 @@ class _JsonLines(LandingFormat):
     def looks_like(self, head: bytes) -> bool:
         return head.lstrip()[:1] == b"{"
 
-    def read(self, source, table, *, name, hide_values, columns=None) -> pa.Table:
+    def read(self, source, file) -> pa.Table:
         return pa_json.read_json(source)
 
     def describe(self, opener, compression):

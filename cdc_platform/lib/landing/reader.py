@@ -32,7 +32,7 @@ from cdc_platform.lib.columns import (
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.codecs import LandingFileError, decode_file
-from cdc_platform.lib.landing.formats import format_named
+from cdc_platform.lib.landing.formats import FileToRead, format_named
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import printable_path
 from cdc_platform.lib.landing.rows import (
@@ -158,16 +158,15 @@ class LandingReader:
     def load(self, path: str, columns: Sequence[str] | None = None) -> pa.Table:
         """The file's rows as Arrow, types normalized; raises LandingFileError with a reason."""
         t, fmt = self.table, format_named(self.table.format)
+        file = FileToRead(path, t, self.hide_values, columns)
         try:
             with self.open(path) as fh:
                 if t.is_encoded:  # decoded first, bounded by max_file_bytes as it decodes
                     plain = io.BytesIO(self._decoded(fh, path))
                     check_unchanged(fh, self.listed(path))
-                    tbl = fmt.read(
-                        plain, t, name=path, hide_values=self.hide_values, columns=columns
-                    )
+                    tbl = fmt.read(plain, file)
                 else:  # read in place: the format bounds what it reads (a Parquet footer)
-                    tbl = fmt.read(fh, t, name=path, hide_values=self.hide_values, columns=columns)
+                    tbl = fmt.read(fh, file)
                     check_unchanged(fh, self.listed(path))
         except LandingFileError:
             raise

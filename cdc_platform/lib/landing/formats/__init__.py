@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, ClassVar
 
@@ -18,11 +19,28 @@ if TYPE_CHECKING:
 
     from cdc_platform.lib.config import TableConfig
 
-__all__ = ["FORMATS", "LandingFormat", "format_named", "format_of_head", "format_of_name"]
+__all__ = [
+    "FORMATS",
+    "FileToRead",
+    "LandingFormat",
+    "format_named",
+    "format_of_head",
+    "format_of_name",
+]
 
 Opener = Callable[[], BinaryIO]
 # (column name, config type name) pairs, and a note on what is unknown or guessed.
 Described = tuple[list[tuple[str, str]], str | None]
+
+
+@dataclass(frozen=True)
+class FileToRead:
+    """One landing file as its format is asked to read it."""
+
+    name: str  # its path, as a reason names it
+    table: TableConfig
+    hide_values: bool  # an encrypted table's reasons quote no cell
+    columns: Sequence[str] | None = None  # only these, where the format can (a hint)
 
 
 class LandingFormat(ABC):
@@ -43,18 +61,9 @@ class LandingFormat(ABC):
         and the decryption's wrong-key check)."""
 
     @abstractmethod
-    def read(
-        self,
-        source: BinaryIO,
-        table: TableConfig,
-        *,
-        name: str,
-        hide_values: bool,
-        columns: Sequence[str] | None = None,
-    ) -> pa.Table:
+    def read(self, source: BinaryIO, file: FileToRead) -> pa.Table:
         """The file's rows as Arrow, as written (``reader`` normalizes the types); raises
-        ``LandingFileError`` naming the row and the column, never a cell when ``hide_values``.
-        ``columns`` narrows the read where the format can (only a hint)."""
+        ``LandingFileError`` naming the row and the column, never a cell when ``hide_values``."""
 
     def read_schema(self, source: BinaryIO) -> pa.Schema | None:
         """The file's columns without its rows, where the format keeps them apart (a Parquet

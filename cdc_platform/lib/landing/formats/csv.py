@@ -26,7 +26,7 @@ import pyarrow.csv as pacsv
 
 from cdc_platform.lib.columns import CDC_COLUMNS, OP, SEQ, TS, TS_TYPE, UNMODIFIED
 from cdc_platform.lib.landing.codecs import LandingFileError, looks_like_text, open_decoded_stream
-from cdc_platform.lib.landing.formats import Described, LandingFormat, Opener
+from cdc_platform.lib.landing.formats import Described, FileToRead, LandingFormat, Opener
 from cdc_platform.lib.landing.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
 if TYPE_CHECKING:
@@ -438,16 +438,8 @@ class Csv(LandingFormat):
     def looks_like(self, head: bytes) -> bool:
         return looks_like_text(head)
 
-    def read(
-        self,
-        source: BinaryIO,
-        table: TableConfig,
-        *,
-        name: str,
-        hide_values: bool,
-        columns: Sequence[str] | None = None,
-    ) -> pa.Table:
-        return read_csv_events(source, table, source=name, hide_values=hide_values)
+    def read(self, source: BinaryIO, file: FileToRead) -> pa.Table:
+        return read_csv_events(source, file.table, source=file.name, hide_values=file.hide_values)
 
     def describe(self, opener: Opener, compression: str) -> Described:
         with open_decoded_stream(opener(), compression, "none", []) as stream:

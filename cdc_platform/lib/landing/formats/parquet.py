@@ -7,17 +7,16 @@ Python decode altogether (``landing.native``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cdc_platform.lib.landing.codecs import PARQUET_MAGIC, LandingFileError, too_large
-from cdc_platform.lib.landing.formats import Described, LandingFormat, Opener
+from cdc_platform.lib.landing.formats import Described, FileToRead, LandingFormat, Opener
 
 if TYPE_CHECKING:
-    from cdc_platform.lib.config import TableConfig
+    pass
 
 __all__ = ["PARQUET", "check_parquet_size", "parquet_bytes"]
 
@@ -44,19 +43,11 @@ class Parquet(LandingFormat):
     def looks_like(self, head: bytes) -> bool:
         return head[:4] == PARQUET_MAGIC
 
-    def read(
-        self,
-        source: BinaryIO,
-        table: TableConfig,
-        *,
-        name: str,
-        hide_values: bool,
-        columns: Sequence[str] | None = None,
-    ) -> pa.Table:
+    def read(self, source: BinaryIO, file: FileToRead) -> pa.Table:
         """The file's rows, once its footer says they fit in ``max_file_bytes``."""
         pf = pq.ParquetFile(source)
-        check_parquet_size(pf.metadata, table.max_file_bytes)
-        return pf.read(columns=list(columns) if columns else None)
+        check_parquet_size(pf.metadata, file.table.max_file_bytes)
+        return pf.read(columns=list(file.columns) if file.columns else None)
 
     def read_schema(self, source: BinaryIO) -> pa.Schema:
         return pq.read_schema(source)
