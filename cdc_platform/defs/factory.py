@@ -81,6 +81,23 @@ WHOLE_TABLE_AFTER_FAILURE = "whole table (a blocking check failed before this ru
 def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> TableDefinitions:
     key = dg.AssetKey(table.name)
     paths = TablePaths.of(platform.warehouse_root, table.name)
+    history_table = _history_asset(platform, table, key, paths)
+    history_checks = _history_checks(platform, table, key, paths)
+    sensor = (
+        build_landing_sensor(
+            table, platform.landing_root, history_table, warehouse_root=platform.warehouse_root
+        )
+        if platform.landing_sensor == "per_table"
+        else None
+    )
+    current = build_current_table_asset(platform, table) if table.current_table else None
+    return TableDefinitions(history_table, history_checks, sensor, current)
+
+
+def _history_asset(
+    platform: PlatformConfig, table: TableConfig, key: dg.AssetKey, paths: TablePaths
+) -> dg.AssetsDefinition:
+    """The table's history asset: an hour range materialized in one run (``materialize``)."""
     partitions = dg.HourlyPartitionsDefinition(start_date=table.start_partition_key, timezone="UTC")
 
     @dg.multi_asset(
@@ -134,6 +151,14 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
             context.log.warning(f"{table.name}: not read, un-applied (readmit_files): {f}")
         return dg.MaterializeResult(metadata=materialization_metadata(result))
 
+    return history_table
+
+
+def _history_checks(
+    platform: PlatformConfig, table: TableConfig, key: dg.AssetKey, paths: TablePaths
+) -> dg.AssetChecksDefinition:
+    """The SCD2 invariants (docs/HISTORY_MODE.md section 6) as one multi-asset check: the run's
+    keys after a materialization, the whole table after a failure or when run alone."""
     check_specs = [
         dg.AssetCheckSpec(
             name,
@@ -203,15 +228,7 @@ def build_table_definitions(platform: PlatformConfig, table: TableConfig) -> Tab
                 },
             )
 
-    sensor = (
-        build_landing_sensor(
-            table, platform.landing_root, history_table, warehouse_root=platform.warehouse_root
-        )
-        if platform.landing_sensor == "per_table"
-        else None
-    )
-    current = build_current_table_asset(platform, table) if table.current_table else None
-    return TableDefinitions(history_table, history_checks, sensor, current)
+    return history_checks
 
 
 def freshness_policy(table: TableConfig) -> dg.FreshnessPolicy | None:

@@ -80,6 +80,12 @@ def parse_before(text: str | None, default: datetime, name: str = "before") -> d
 
 
 def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
+    return [_truncate_job(platform), _adopt_job(platform), _resync_job(platform)]
+
+
+def _truncate_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """Fivetran's Truncate, soft or hard (``lib.operations.truncation``)."""
+
     @dg.op(name="truncate")
     def truncate_op(
         context: dg.OpExecutionContext, config: TruncateConfig, spark: SparkResource
@@ -128,6 +134,12 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     def truncate_table() -> None:
         truncate_op()
 
+    return truncate_table
+
+
+def _adopt_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """An existing table switched to history mode (``lib.operations.adoption``)."""
+
     @dg.op(name="adopt")
     def adopt_op(context: dg.OpExecutionContext, config: AdoptConfig, spark: SparkResource) -> None:
         with operator_run(
@@ -169,6 +181,12 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     )
     def adopt_table() -> None:
         adopt_op()
+
+    return adopt_table
+
+
+def _resync_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """A re-sync from a snapshot folder (``lib.operations.resync``)."""
 
     @dg.op(name="resync")
     def resync_op(
@@ -222,4 +240,4 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
     def resync_table() -> None:
         resync_op()
 
-    return [truncate_table, adopt_table, resync_table]
+    return resync_table

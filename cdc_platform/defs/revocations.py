@@ -40,6 +40,12 @@ class ReadmitConfig(TableRunConfig):
 
 
 def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
+    return [_unapply_job(platform), _readmit_job(platform)]
+
+
+def _unapply_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """Un-applying landing files (``lib.operations.revocation.unapply``)."""
+
     @dg.op(name="unapply")
     def unapply_op(
         context: dg.OpExecutionContext, config: UnapplyConfig, spark: SparkResource
@@ -78,6 +84,20 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
                 meta,
             )
 
+    @dg.job(
+        name=UNAPPLY_JOB,
+        description="Un-apply landing files: remove their events, recompute the keys they "
+        "touched, never apply them again unless re-admitted.",
+    )
+    def unapply_files() -> None:
+        unapply_op()
+
+    return unapply_files
+
+
+def _readmit_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """Re-admitting un-applied files (``lib.operations.revocation.readmit``)."""
+
     @dg.op(name="readmit")
     def readmit_op(
         context: dg.OpExecutionContext,
@@ -111,18 +131,10 @@ def build_revocation_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
             )
 
     @dg.job(
-        name=UNAPPLY_JOB,
-        description="Un-apply landing files: remove their events, recompute the keys they "
-        "touched, never apply them again unless re-admitted.",
-    )
-    def unapply_files() -> None:
-        unapply_op()
-
-    @dg.job(
         name=READMIT_JOB,
         description="Re-admit un-applied landing files and apply them again.",
     )
     def readmit_files() -> None:
         readmit_op()
 
-    return [unapply_files, readmit_files]
+    return readmit_files
