@@ -95,12 +95,9 @@ from cdc_platform.lib.columns import TMAX, unix_micros
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark.session import (
-    CONNECT_AUTH_ENV,
-    DEFAULT_CONNECT_AUTH,
-    SparkDeployment,
-    build_spark_session,
-)
+from cdc_platform.lib.spark.connect import CONNECT_AUTH_ENV, DEFAULT_CONNECT_AUTH
+from cdc_platform.lib.spark.deployment import SparkDeployment
+from cdc_platform.lib.spark.session import build_spark_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

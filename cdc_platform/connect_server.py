@@ -12,7 +12,7 @@ accepts connections. Its Python workers run this interpreter with this package i
 ``spark`` resource at it: ``CDC_SPARK_REMOTE=sc://127.0.0.1:15002`` and
 ``CDC_SPARK_CONNECT_AUTH=<state-dir>/auth.json``.
 
-Every start writes new secrets to ``<state-dir>/auth.json`` (mode 600, ``lib.spark.session.ConnectAuth``):
+Every start writes new secrets to ``<state-dir>/auth.json`` (mode 600, ``lib.spark.connect.ConnectAuth``):
 the token clients must present, and the proof the server gives them before they send it work.
 The server takes them, and every other setting (the ``--conf`` ones, which may hold an object
 store's keys, and the master's URL), from ``<state-dir>/private/server.properties`` (mode 600, in
@@ -37,13 +37,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from cdc_platform.lib.spark.session import (
-    LOOPBACK_HOSTS,
-    ConnectAuth,
-    check_java,
-    connect_server_conf,
-    properties_text,
-)
+from cdc_platform.lib.spark.connect import ConnectAuth, connect_server_conf
+from cdc_platform.lib.spark.session import LOOPBACK_HOSTS, check_java, properties_text
 
 DEFAULT_PORT = 15002
 DEFAULT_HOST = "127.0.0.1"

@@ -31,16 +31,14 @@ from cdc_platform import connect_server
 from cdc_platform.defs.factory import build_definitions
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.spark.session import (
+from cdc_platform.lib.spark.connect import ConnectAuth, ConnectSetupError, connect_endpoint
+from cdc_platform.lib.spark.deployment import (
     RUN_TUNABLE,
-    ConnectAuth,
-    ConnectSetupError,
     SparkConfigError,
     SparkDeployment,
-    connect_endpoint,
     run_conf,
-    spark_conf,
 )
+from cdc_platform.lib.spark.session import spark_conf
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.warehouse import TablePaths

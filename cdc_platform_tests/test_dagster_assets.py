@@ -15,6 +15,7 @@ import dagster as dg
 import pytest
 from dagster_pyspark import LazyPySparkResource
 from deltalake import DeltaTable
+from pyspark.sql import SparkSession
 
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import SparkResource
@@ -25,6 +26,7 @@ from cdc_platform.lib.history.merge import FAULT_ENV
 from cdc_platform.lib.history.versions import TMAX
 from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.spark.deployment import SparkDeployment
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
@@ -369,6 +371,37 @@ def test_an_op_written_for_dagster_pyspark_gets_the_platforms_session(spark):
     )
     assert not refused.success
     assert spark.range(2).count() == 2  # the suite's session is untouched
+
+
+def test_a_session_opened_without_the_warehouses_store_is_refused_not_used(monkeypatch):
+    """A session is built once: if an op's ``spark_session`` built it before a platform step
+    asked for it with an object-store warehouse, that step is refused by name instead of
+    running without the store's settings; a local warehouse needs none."""
+    built: list[tuple] = []
+
+    class Stub:
+        def stop(self) -> None:
+            pass
+
+    def fake_session(self, conf=None, app_name="cdc_platform", storage=()):
+        built.append(tuple(storage))
+        return Stub()
+
+    monkeypatch.setattr(SparkDeployment, "session", fake_session)
+    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))
+    resource = SparkResource()
+    try:
+        first = resource.spark_session
+        assert resource.session("/local/warehouse") is first
+        with pytest.raises(dg.Failure, match="without the settings of the warehouse's object"):
+            resource.session("s3://bucket/warehouse")
+        assert built == [()]
+        fresh = SparkResource()
+        fresh.session("s3://bucket/warehouse")
+        assert fresh.session("s3://bucket/warehouse") is fresh.spark_session
+        assert [len(b) for b in built] == [0, 1]
+    finally:
+        resource.stop()
 
 
 def test_spark_resource_never_stops_a_session_it_did_not_start(spark, tmp_path):

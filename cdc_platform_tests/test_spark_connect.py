@@ -285,7 +285,7 @@ def test_pipeline_over_spark_connect_equals_local_mode(
 
 def _scenario(url: str, auth: str, root: str, out: str) -> None:
     """The scenario over Spark Connect, in its own process (``python -m`` this module)."""
-    from cdc_platform.lib.spark.session import ConnectAuth, build_connect_session
+    from cdc_platform.lib.spark.connect import ConnectAuth, build_connect_session
 
     session = build_connect_session(
         url, app_name="cdc_platform_connect_test", auth=ConnectAuth.load(Path(auth))
@@ -302,7 +302,7 @@ def _probe(url: str, auth_path: str, mode: str) -> None:
     the token but another proof secret: what a server that is not the platform's would fail."""
     from pyspark.sql import SparkSession
 
-    from cdc_platform.lib.spark.session import ConnectAuth, ConnectSetupError, build_connect_session
+    from cdc_platform.lib.spark.connect import ConnectAuth, ConnectSetupError, build_connect_session
 
     auth = ConnectAuth.load(Path(auth_path))
     if mode == "no-token":

@@ -2,7 +2,7 @@
 
 Both are lazy: defining them (and importing this module) starts no JVM and reads no key.
 Neither lets a run's config choose where Spark runs, its jars, its security settings or which
-keyring is read: those are the deployment's (its environment, ``lib.spark.session.SparkDeployment``);
+keyring is read: those are the deployment's (its environment, ``lib.spark.deployment.SparkDeployment``);
 the Launchpad user is not trusted with keys (docs/SECURITY.md).
 """
 
@@ -17,12 +17,8 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import Field, PrivateAttr
 
 from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.spark.session import (
-    RUN_TUNABLE,
-    SparkDeployment,
-    connect_session_usable,
-    run_conf,
-)
+from cdc_platform.lib.spark.connect import connect_session_usable
+from cdc_platform.lib.spark.deployment import RUN_TUNABLE, SparkDeployment, run_conf
 from cdc_platform.lib.storage.stores import Location, Where
 
 if TYPE_CHECKING:
@@ -47,7 +43,7 @@ class SparkResource(LazyPySparkResource):
     Spark Connect at ``$CDC_SPARK_REMOTE`` (a run then starts no JVM of its own), else the
     cluster at ``$CDC_SPARK_MASTER`` with its shared secret in ``$CDC_SPARK_AUTH_SECRET``, else
     ``local[2]``; other cluster settings go in the deployment's ``spark-defaults.conf``. A run
-    may only tune ``spark_config`` (``lib.spark.session.RUN_TUNABLE``). The platform always adds
+    may only tune ``spark_config`` (``lib.spark.deployment.RUN_TUNABLE``). The platform always adds
     what correctness and security need. A session that was already running when the resource
     was first used (a notebook, a test suite) is reused and never stopped by it.
     """
@@ -61,6 +57,9 @@ class SparkResource(LazyPySparkResource):
         description="Stop the session when the run ends; False keeps it for the next run "
         "(then call stop() when done).",
     )
+
+    # The object stores whose settings the session was built with (none: a local warehouse).
+    _storage: tuple[Location, ...] = PrivateAttr(default=())
 
     @classmethod
     def _is_dagster_maintained(cls) -> bool:
@@ -85,13 +84,15 @@ class SparkResource(LazyPySparkResource):
         session = self._spark_session
         if session is not None and _is_connect(session) and not connect_session_usable(session):
             self._spark_session = None
+        location = None if warehouse is None else Location.of(warehouse)
+        storage = () if location is None or location.is_local else (location,)
+        if self._spark_session is not None and not _is_connect(self._spark_session):
+            _refuse_missing_storage(storage, self._storage)
         if self._spark_session is None:
             from pyspark.sql import SparkSession
 
             conf = run_conf(self.spark_config)
             deployment = SparkDeployment.from_env()
-            location = None if warehouse is None else Location.of(warehouse)
-            storage = () if location is None or location.is_local else (location,)
             with _started_lock:
                 if deployment.remote:
                     # A Connect session is this process's own client of the server: reuse
@@ -107,7 +108,7 @@ class SparkResource(LazyPySparkResource):
                     session = deployment.session(conf, storage=storage)
                 if not already_running and not any(s is session for s in _started):
                     _started.append(session)
-            self._spark_session = session
+            self._spark_session, self._storage = session, storage
         return self._spark_session
 
     def stop(self) -> None:
@@ -126,6 +127,17 @@ class SparkResource(LazyPySparkResource):
             if any(s is session for s in _started):
                 _started.remove(session)
                 session.stop()
+
+
+def _refuse_missing_storage(needed: tuple[Location, ...], built: tuple[Location, ...]) -> None:
+    """A session is built once: one started without the warehouse's object-store settings (an
+    op asked for ``spark_session`` first) cannot reach the warehouse, and is refused by name."""
+    if any(all(n != b for b in built) for n in needed):
+        raise dg.Failure(
+            "this run's Spark session was started without the settings of the warehouse's "
+            "object store (an op asked for `spark_session` before the platform's steps): have "
+            "that op call `spark.session(warehouse_root)`, or run it in a run of its own"
+        )
 
 
 def refuse_env_references(context: dg.InitResourceContext) -> None:

@@ -12,9 +12,10 @@ Spark's RPC traffic, which carries the I/O encryption keys (``spark.authenticate
 YARN and Kubernetes too; a standalone cluster needs ``spark.authenticate.secret`` set to its
 shared secret. A local session binds to the loopback interface only.
 
-Where Spark runs is the deployment's fact (``SparkDeployment``, from the environment), and so
-is any other setting (``spark-defaults.conf`` in ``$SPARK_CONF_DIR``); a run may only tune the
-few knobs of ``RUN_TUNABLE``, each a number, a size or a boolean.
+Where Spark runs is the deployment's fact (``deployment.SparkDeployment``, from the
+environment), and so is any other setting (``spark-defaults.conf`` in ``$SPARK_CONF_DIR``); a
+run may only tune the few knobs of ``deployment.RUN_TUNABLE``. A Spark Connect session is
+``connect``'s.
 
 A warehouse on an object store (``storage.Location``) adds the Hadoop settings its storage
 options map to (``spark.hadoop.fs.s3a.*`` for S3) and, for S3, the connector's jars
@@ -26,22 +27,17 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import hmac
-import json
 import os
 import re
-import secrets
 import shlex
 import shutil
 import stat
 import sys
 import tempfile
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 from cdc_platform.lib.spark import jars
 from cdc_platform.lib.storage.stores import Location, spark_hadoop_conf
@@ -114,7 +110,7 @@ def default_driver_memory(env: Mapping[str, str] | None = None) -> str | None:
     None when the deployment already says (``spark.driver.memory`` in the ``spark-defaults.conf``
     of ``$SPARK_CONF_DIR`` or ``$SPARK_HOME/conf``, ``$SPARK_DRIVER_MEMORY``, or
     ``--driver-memory`` in ``$PYSPARK_SUBMIT_ARGS``) or the memory cannot be read: Spark's own
-    default then applies. A run's ``spark_config`` still wins over this (``RUN_TUNABLE``).
+    default then applies. A run's ``spark_config`` still wins over this (``deployment.RUN_TUNABLE``).
     Computed when a session is built, never at import."""
     env = os.environ if env is None else env
     if _deployment_sets_driver_memory(env):
@@ -167,90 +163,6 @@ def _machine_memory_bytes() -> int | None:
 LOG4J2_PROPERTIES = Path(__file__).with_name("log4j2.properties")
 LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
-
-# What a run's config may still set (the Launchpad user is not trusted with where Spark runs,
-# its jars, Java options or security): tuning knobs whose values are numbers, sizes, booleans.
-RUN_TUNABLE: frozenset[str] = frozenset(
-    {
-        "spark.sql.shuffle.partitions",
-        "spark.default.parallelism",
-        "spark.sql.adaptive.enabled",
-        "spark.sql.autoBroadcastJoinThreshold",
-        "spark.sql.files.maxPartitionBytes",
-        "spark.driver.memory",
-        "spark.executor.memory",
-    }
-)
-_TUNABLE_VALUE = re.compile(r"-?[0-9]{1,18}[kmgt]?b?|true|false", re.IGNORECASE)
-
-# The deployment's environment (docs/SECURITY.md: never a run's config).
-SPARK_REMOTE_ENV = "CDC_SPARK_REMOTE"
-SPARK_MASTER_ENV = "CDC_SPARK_MASTER"
-SPARK_AUTH_SECRET_ENV = "CDC_SPARK_AUTH_SECRET"
-CONNECT_AUTH_ENV = "CDC_SPARK_CONNECT_AUTH"
-DEFAULT_CONNECT_AUTH = Path(".spark-connect") / "auth.json"
-
-
-class SparkConfigError(ValueError):
-    """A Spark setting a run may not choose, or a deployment setting that cannot be used."""
-
-
-def run_conf(conf: Mapping[str, Any]) -> dict[str, str]:
-    """The Spark settings a run asked for, if each is a tuning knob of ``RUN_TUNABLE`` with a
-    plain value; anything else is refused whole, naming the setting (never applied in part)."""
-    refused = sorted(str(k) for k in conf if k not in RUN_TUNABLE)
-    if refused:
-        raise SparkConfigError(
-            f"spark_config may only tune {sorted(RUN_TUNABLE)}; refused: {refused} (where Spark"
-            " runs and its other settings are the deployment's: docs/SECURITY.md)"
-        )
-    out = {str(k): str(v).strip() for k, v in conf.items()}
-    bad = sorted(k for k, v in out.items() if not _TUNABLE_VALUE.fullmatch(v))
-    if bad:
-        raise SparkConfigError(f"spark_config: {bad} must be a number, a size (4g) or a boolean")
-    return out
-
-
-@dataclass(frozen=True)
-class SparkDeployment:
-    """Where the platform's Spark runs and how it is reached: facts of the deployment, read
-    from its environment (``from_env``), never from a run's config (docs/SECURITY.md).
-
-    ``remote``: a Spark Connect server (``sc://host:port``), with the auth file its clients
-    read (``connect_auth``); else ``master`` (``local[2]``, ``spark://host:7077`` with the
-    cluster's ``auth_secret``, ``yarn``, ``k8s://...``)."""
-
-    master: str = "local[2]"
-    remote: str | None = None
-    auth_secret: str | None = field(default=None, repr=False)
-    connect_auth: Path | None = None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> SparkDeployment:
-        env = os.environ if env is None else env
-        remote = env.get(SPARK_REMOTE_ENV) or None
-        if remote:
-            auth = env.get(CONNECT_AUTH_ENV)
-            return cls(remote=remote, connect_auth=Path(auth) if auth else DEFAULT_CONNECT_AUTH)
-        return cls(
-            master=env.get(SPARK_MASTER_ENV) or "local[2]",
-            auth_secret=env.get(SPARK_AUTH_SECRET_ENV) or None,
-        )
-
-    def session(
-        self,
-        conf: Mapping[str, str] | None = None,
-        app_name: str = "cdc_platform",
-        storage: Iterable[Location] = (),
-    ) -> SparkSession:
-        """A session where the deployment says, with ``conf`` (already checked by the caller)."""
-        if self.remote:
-            auth = ConnectAuth.load(self.connect_auth or DEFAULT_CONNECT_AUTH)
-            return build_connect_session(self.remote, conf, app_name, auth)
-        conf = dict(conf or {})
-        if self.auth_secret:
-            conf["spark.authenticate.secret"] = self.auth_secret
-        return build_spark_session(self.master, conf, app_name, storage)
 
 
 class JavaMissingError(RuntimeError):
@@ -480,11 +392,6 @@ def ship_package(session: SparkSession) -> None:
 READ_CONF: dict[str, str] = {"spark.sql.caseSensitive": "true"}
 
 
-class ConnectSetupError(RuntimeError):
-    """A Spark Connect session cannot be used: client packages missing, or the server lacks a
-    setting correctness needs that a client cannot set."""
-
-
 def is_connect(session: SparkSession) -> bool:
     """True for a Spark Connect session (no SparkContext, no RDDs, no JVM in this process)."""
     return type(session).__module__.startswith("pyspark.sql.connect")
@@ -494,286 +401,6 @@ def quiet_logs(session: SparkSession, level: str = "WARN") -> None:
     """Set the driver's log level where this process owns the driver (not over Connect)."""
     if not is_connect(session):
         session.sparkContext.setLogLevel(level)
-
-
-def connect_server_conf(
-    master: str = "local[2]", conf: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The conf a Spark Connect server for the platform starts with (``connect_server``). The
-    server is where Spark runs, so it carries the S3 connector's jars when they are fetched: a
-    code location with its warehouse on S3 can then use it."""
-    merged = spark_conf(master, conf)
-    if jars.available(["s3"]):
-        merged.update(jar_conf(master, ["s3"], merged))
-    return {**merged, **READ_CONF}
-
-
-# The server's proof secret: in its Spark conf, never sent by a client (``ConnectAuth``). Not
-# named "secret": Spark would substitute its redacted form into the proof query. Authenticated
-# clients may read it; nobody else reaches the server.
-PROOF_CONF = "spark.cdc.connect.proof"
-TOKEN_CONF = "spark.connect.authenticate.token"
-
-
-@dataclass(frozen=True)
-class ConnectAuth:
-    """The two secrets of a platform Spark Connect server, in one owner-only JSON file.
-
-    ``token``: the bearer token every client presents (``spark.connect.authenticate.token``):
-    no other local process can run code on the server. ``proof``: a secret the server holds
-    and no client ever sends; a client asks the server for ``sha256(proof + nonce)`` before it
-    sends any work (and with it a table's keys), so a process that took the port of a stopped
-    server is refused instead of trusted (docs/SECURITY.md)."""
-
-    token: str = field(repr=False)
-    proof: str = field(repr=False)
-
-    @classmethod
-    def renew(cls, path: Path) -> ConnectAuth:
-        """New secrets in ``path`` (mode 600, replaced atomically), for a server about to start:
-        a token a port squatter may have seen while the old server was down is dead with it."""
-        auth = cls(secrets.token_urlsafe(32), secrets.token_urlsafe(32))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        partial.unlink(missing_ok=True)
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"token": auth.token, "proof": auth.proof}, f)
-        partial.replace(path)
-        return auth
-
-    @classmethod
-    def load(cls, path: Path) -> ConnectAuth:
-        """The file's secrets; refused if it is missing, not a regular file, readable by
-        anyone but its owner, or malformed (the message never holds a secret)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ConnectSetupError(
-                f"Spark Connect auth file {path}: {exc.strerror}; start the server with"
-                f" `python -m cdc_platform.connect_server start` and set {CONNECT_AUTH_ENV} to"
-                " the auth.json of its state folder"
-            ) from None
-        with os.fdopen(fd) as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
-                raise ConnectSetupError(
-                    f"Spark Connect auth file {path} must be a regular file of mode 600"
-                    f" (is {stat.S_IMODE(st.st_mode):04o})"
-                )
-            try:
-                raw = json.load(f)
-                return cls(str(raw["token"]), str(raw["proof"]))
-            except (ValueError, KeyError, TypeError):
-                raise ConnectSetupError(f"Spark Connect auth file {path} is malformed") from None
-
-    def server_properties(self) -> str:
-        """The server's side, as a Spark properties file's text (never a command line, which
-        every local user can read)."""
-        return f"{TOKEN_CONF}={self.token}\n{PROOF_CONF}={self.proof}\n"
-
-
-def connect_endpoint(remote: str) -> tuple[str, int, dict[str, str]]:
-    """(host, port, parameters) of an ``sc://host:port/;k=v`` URL, refused where it would send
-    the token in plain text off this machine, or carries a token of its own."""
-    if not remote.startswith("sc://"):
-        raise ConnectSetupError(f"Spark Connect URL {remote!r} must start with sc://")
-    netloc, _, rest = remote[len("sc://") :].partition("/")
-    params = dict(p.split("=", 1) for p in rest.split(";") if "=" in p)
-    host, sep, port = netloc.rpartition(":")
-    if not sep or not port.isdigit():
-        host, port = netloc, "15002"
-    if "token" in params:
-        raise ConnectSetupError(
-            f"the Spark Connect URL carries a token: the token comes from {CONNECT_AUTH_ENV}"
-        )
-    if host not in LOOPBACK_HOSTS and params.get("use_ssl", "").lower() != "true":
-        raise ConnectSetupError(
-            f"Spark Connect host {host!r} is not this machine: the token and the tables' keys"
-            " would travel in plain text. Put TLS in front of the server and add ;use_ssl=true"
-        )
-    return host, int(port), params
-
-
-def build_connect_session(
-    remote: str,
-    conf: Mapping[str, str] | None = None,
-    app_name: str = "cdc_platform",
-    auth: ConnectAuth | None = None,
-) -> SparkSession:
-    """A session on the Spark Connect server at ``remote`` (``sc://host:port``).
-
-    No JVM starts in this process. With ``auth`` (every platform server has it), the client
-    presents the token and checks the server's proof before anything else. The settings
-    correctness needs are set on the session where a client may set them (time zone, Parquet
-    timestamp type, ...); the others (driver JVM time zone, no ``_SUCCESS`` markers) must be
-    the server's, and are checked: start the server with
-    ``python -m cdc_platform.connect_server start``. The caller's ``conf`` is applied where a
-    client may set it; cluster settings belong to the server.
-    """
-    try:
-        from pyspark.sql.connect.utils import check_dependencies
-
-        check_dependencies()
-    except ImportError as exc:
-        raise ConnectSetupError(
-            f"Spark Connect needs the client packages of pyspark[connect] ({exc}):"
-            " pip install 'pyspark[connect]'"
-        ) from None
-    from pyspark.sql import SparkSession
-
-    host, port, params = connect_endpoint(remote)
-    if auth is None:
-        session = SparkSession.builder.appName(app_name).remote(remote).getOrCreate()
-    else:
-        from pyspark.sql.connect.session import SparkSession as ConnectSession
-
-        channel = _trusted_channel(host, port, params, auth.token)
-        # What ``SparkSession.builder.remote(url)`` does: pyspark's functions build Connect
-        # columns from here on.
-        os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
-        builder = ConnectSession.builder.appName(app_name).channelBuilder(channel)
-        session = cast("SparkSession", builder.getOrCreate())
-        _check_proof(session, remote, auth, channel)
-    required = {**REQUIRED_CONF, **READ_CONF}
-    for key, value in {**(conf or {}), **required}.items():
-        if session.conf.isModifiable(key):
-            session.conf.set(key, value)
-    wrong = {}
-    for key, value in required.items():
-        have = session.conf.get(key, None)
-        # Spark adds its own JVM options around ours: ours must be among them.
-        if have != value and not (key.endswith("JavaOptions") and value in (have or "")):
-            wrong[key] = have
-    if wrong:
-        raise ConnectSetupError(
-            f"the Spark Connect server at {remote} runs with {wrong}, not what the platform"
-            f" needs ({ {k: required[k] for k in wrong} }): start it with"
-            " `python -m cdc_platform.connect_server start`"
-        )
-    return session
-
-
-def _check_proof(session: SparkSession, remote: str, auth: ConnectAuth, channel: Any) -> None:
-    """The server computes ``sha256(proof + nonce)`` from its own conf (SQL variable
-    substitution); a server without the proof secret cannot, and gets no work. The channel
-    trusts its connection from here on, and refuses every call once it drops (a process that
-    takes the port then would not have proved anything)."""
-    nonce = secrets.token_hex(16)
-    before = channel.connections
-    row = session.sql(f"SELECT sha2(concat('${{{PROOF_CONF}}}', '{nonce}'), 256) AS p").first()
-    want = hashlib.sha256((auth.proof + nonce).encode()).hexdigest()
-    proved = row is not None and hmac.compare_digest(str(row[0]), want)
-    if not proved or not channel.trust(before):
-        session.stop()
-        raise ConnectSetupError(
-            f"the Spark Connect server at {remote} is not the platform's server of the auth"
-            " file (it cannot prove it holds its secret): refusing to send it work"
-        )
-
-
-def connect_session_usable(session: SparkSession) -> bool:
-    """False for a Connect session whose proven connection dropped (build a new one)."""
-    builder = getattr(getattr(session, "_client", None), "_builder", None)
-    return not getattr(builder, "broken", False)
-
-
-def _trusted_channel(host: str, port: int, params: Mapping[str, str], token: str) -> Any:
-    """A Spark Connect channel to exactly ``host:port`` with the token, whose calls are refused
-    once the connection the proof was made on has dropped.
-
-    pyspark sends a token without TLS only to the name ``localhost``, which gRPC may resolve to
-    ``::1`` first, where any local user can listen while the server binds 127.0.0.1: this
-    channel dials the address as given (``localhost`` means 127.0.0.1), with gRPC local
-    credentials (the peer must be on this machine) or TLS (``use_ssl=true``)."""
-    import grpc
-    from pyspark.sql.connect.client import DefaultChannelBuilder
-
-    target = f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
-    if host == "localhost":
-        target = f"{LOOPBACK}:{port}"
-    tls = params.get("use_ssl", "").lower() == "true"
-    extra = "".join(f";{k}={v}" for k, v in params.items() if k != "use_ssl")
-
-    class TrustedChannel(DefaultChannelBuilder):
-        def __init__(self) -> None:
-            super().__init__(f"sc://{target}/{extra}")
-            self.connections = 0  # times the channel became READY
-            self.ready = False
-            self.trusted: int | None = None  # the connection the proof was answered on
-            self.broken = False
-
-        def trust(self, before: int) -> bool:
-            """Trust the connection the proof was answered on, if it is still the one."""
-            deadline = time.monotonic() + 2  # the state callbacks come from gRPC's thread
-            while not self.ready and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if not self.ready or self.connections != max(before, 1):
-                return False
-            self.trusted = self.connections
-            return True
-
-        def _state(self, state: grpc.ChannelConnectivity) -> None:
-            self.ready = state == grpc.ChannelConnectivity.READY
-            self.connections += self.ready
-            if self.trusted is not None and (not self.ready or self.connections != self.trusted):
-                self.broken = True
-
-        def check(self) -> None:
-            if self.broken:
-                raise ConnectSetupError(
-                    f"the connection to the Spark Connect server at {target} dropped after it"
-                    " proved itself: no call goes to whatever listens there now"
-                )
-
-        def toChannel(self) -> grpc.Channel:
-            creds = grpc.ssl_channel_credentials() if tls else grpc.local_channel_credentials()
-            creds = grpc.composite_channel_credentials(
-                creds, grpc.access_token_call_credentials(token)
-            )
-            raw = grpc.secure_channel(target, creds, options=self._channel_options)
-            raw.subscribe(self._state, try_to_connect=False)
-            return grpc.intercept_channel(raw, _guard(self.check), *self._interceptors)
-
-    return TrustedChannel()
-
-
-def _guard_class() -> type:
-    import grpc
-
-    class Guard(
-        grpc.UnaryUnaryClientInterceptor,
-        grpc.UnaryStreamClientInterceptor,
-        grpc.StreamUnaryClientInterceptor,
-        grpc.StreamStreamClientInterceptor,
-    ):
-        """Runs ``check`` before every call of the channel (it raises to refuse the call)."""
-
-        def __init__(self, check: Any) -> None:
-            self.check = check
-
-        def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
-            self.check()
-            return continuation(client_call_details, request)
-
-        def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
-            self.check()
-            return continuation(client_call_details, request)
-
-        def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
-            self.check()
-            return continuation(client_call_details, request_iterator)
-
-        def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
-            self.check()
-            return continuation(client_call_details, request_iterator)
-
-    return Guard
-
-
-def _guard(check: Any) -> Any:
-    """An interceptor running ``check`` first (the class is built where grpc is imported)."""
-    return _guard_class()(check)
 
 
 ADAPTIVE = "spark.sql.adaptive.enabled"
