@@ -150,3 +150,25 @@ def test_a_format_is_one_landing_format_the_reader_has_no_format_of_its_own(tmp_
     plain = LandingReader(replace(table, compression="none"), tmp_path).inspect(str(bad))
     assert plain.error == "row 2: cdc_operation_type 'UPSERT' is not INSERT, UPDATE or DELETE"
     assert sniff_encoding(good).format == "jsonl"
+
+
+@pytest.mark.parametrize(
+    ("name", "plain", "expected"),
+    [
+        ("part-1.zst", b"PAR1" + b"\0" * 64, ("parquet", "zstd", ())),
+        ("part-1.zst", b"id,cdc_operation_type\n1,INSERT\n", ("csv", "zstd", ())),
+        # not UTF-8 (Latin-1, a NUL): CSV unless the name says otherwise, marked as a guess
+        ("part-1.zst", "id,name\n1,caf\xe9\n".encode("latin-1"), ("csv", "zstd", 1)),
+        ("part-1.zst", b"id\x00,name\n", ("csv", "zstd", 1)),
+        ("part-1.parquet.zst", b"\xff\xfe junk", ("parquet", "zstd", 1)),
+    ],
+)
+def test_discovery_tells_a_compressed_files_format_from_its_plaintext(
+    tmp_path, name, plain, expected
+):
+    path = tmp_path / name
+    path.write_bytes(compress_zstd(plain))
+    found = sniff_encoding(path)
+    fmt, compression, guesses = expected
+    assert (found.format, found.compression) == (fmt, compression)
+    assert len(found.guessed) == guesses if isinstance(guesses, int) else found.guessed == ()

@@ -96,7 +96,7 @@ def append(
     """Add the events not already logged; one Spark job, one Delta commit (or none).
 
     ``before_commit`` runs once the events were read and written, before the commit: if it
-    raises (the files Spark read by path changed meanwhile, ``reading.NativeGuard``), what was
+    raises (the files Spark read by path changed meanwhile, ``native.NativeGuard``), what was
     written is discarded and nothing is committed.
 
     ``revoked`` gives the landing files un-applied so far; it is asked again on every commit

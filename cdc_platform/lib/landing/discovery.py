@@ -210,7 +210,11 @@ def sniff_encoding(path: str | Path, opener: Opener | None = None) -> Encoding:
         except LandingFileError:  # a corrupt frame: only the name can tell the format
             fmt = format_of_name(path).name
             return Encoding(fmt, "zstd", guessed=(f"format {fmt} (the ZSTD data did not decode)",))
-        return Encoding((format_of_head(plain, path) or format_of_name(path)).name, "zstd")
+        known = format_of_head(plain, path)
+        if known is None:  # neither Parquet nor UTF-8 text (Latin-1, a NUL): the name, else CSV
+            fmt = format_of_name(path, default="csv").name
+            return Encoding(fmt, "zstd", guessed=(f"format {fmt} (the ZSTD data is not UTF-8)",))
+        return Encoding(known.name, "zstd")
     known = format_of_head(head, path)
     if known is not None:
         return Encoding(known.name)

@@ -104,10 +104,13 @@ def format_of_head(head: bytes, path: str | Path) -> LandingFormat | None:
     return (named or fits or [None])[0]
 
 
-def format_of_name(path: str | Path) -> LandingFormat:
-    """The format a file's name says (``part-1.csv.zst.aes``); the default when it says none."""
+def format_of_name(path: str | Path, default: str | None = None) -> LandingFormat:
+    """The format a file's name says (``part-1.csv.zst.aes``); when it says none, ``default``
+    (a format's name), else the first registered."""
     named = [f for f in FORMATS.values() if f.suffix in _suffixes(path)]
-    return named[0] if named else next(iter(FORMATS.values()))
+    if named:
+        return named[0]
+    return FORMATS[default] if default else next(iter(FORMATS.values()))
 
 
 def _suffixes(path: str | Path) -> list[str]:
