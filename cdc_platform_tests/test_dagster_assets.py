@@ -374,9 +374,9 @@ def test_an_op_written_for_dagster_pyspark_gets_the_platforms_session(spark):
 
 
 def test_a_session_opened_without_the_warehouses_store_is_refused_not_used(monkeypatch):
-    """A session is built once: if an op's ``spark_session`` built it before a platform step
-    asked for it with an object-store warehouse, that step is refused by name instead of
-    running without the store's settings; a local warehouse needs none."""
+    """A session is built once: if an op's ``spark_session`` made this resource build it before
+    a platform step asked for it with an object-store warehouse, that step is refused by name
+    instead of running without the store's settings; a local warehouse needs none."""
     built: list[tuple] = []
 
     class Stub:
@@ -400,6 +400,11 @@ def test_a_session_opened_without_the_warehouses_store_is_refused_not_used(monke
         fresh.session("s3://bucket/warehouse")
         assert fresh.session("s3://bucket/warehouse") is fresh.spark_session
         assert [len(b) for b in built] == [0, 1]
+        # A session that was running already (a notebook's): its settings are not this
+        # resource's to know, so nothing is refused on its account.
+        monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: Stub()))
+        reused = SparkResource()
+        assert reused.session("s3://bucket/warehouse") is reused.spark_session
     finally:
         resource.stop()
 

@@ -58,8 +58,9 @@ class SparkResource(LazyPySparkResource):
         "(then call stop() when done).",
     )
 
-    # The object stores whose settings the session was built with (none: a local warehouse).
-    _storage: tuple[Location, ...] = PrivateAttr(default=())
+    # The object stores whose settings this resource built its session with (None: it reused a
+    # running session, whose settings it does not know).
+    _storage: tuple[Location, ...] | None = PrivateAttr(default=None)
 
     @classmethod
     def _is_dagster_maintained(cls) -> bool:
@@ -86,8 +87,9 @@ class SparkResource(LazyPySparkResource):
             self._spark_session = None
         location = None if warehouse is None else Location.of(warehouse)
         storage = () if location is None or location.is_local else (location,)
-        if self._spark_session is not None and not _is_connect(self._spark_session):
-            _refuse_missing_storage(storage, self._storage)
+        built = self._storage
+        if self._spark_session is not None and built is not None:
+            _refuse_missing_storage(storage, built)
         if self._spark_session is None:
             from pyspark.sql import SparkSession
 
@@ -108,7 +110,8 @@ class SparkResource(LazyPySparkResource):
                     session = deployment.session(conf, storage=storage)
                 if not already_running and not any(s is session for s in _started):
                     _started.append(session)
-            self._spark_session, self._storage = session, storage
+            reused = already_running or deployment.remote is not None
+            self._spark_session, self._storage = session, None if reused else storage
         return self._spark_session
 
     def stop(self) -> None:

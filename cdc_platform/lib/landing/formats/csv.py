@@ -439,8 +439,9 @@ class Csv(LandingFormat):
         return looks_like_text(head)
 
     def read(self, source: BinaryIO, file: FileToRead) -> pa.Table:
-        # Decoded plaintext is in memory already: its bytes take the header scan's exact limit.
-        data = source.getbuffer() if isinstance(source, io.BytesIO) else source
+        # Decoded plaintext is in memory already: its bytes (not a copy: ``getvalue``) take the
+        # header scan's exact limit.
+        data = source.getvalue() if isinstance(source, io.BytesIO) else source
         return read_csv_events(data, file.table, source=file.name, hide_values=file.hide_values)
 
     def describe(self, opener: Opener, compression: str) -> Described:
