@@ -445,7 +445,7 @@ def test_the_code_map_lists_every_module_and_folder_where_it_is():
     package = ROOT / "cdc_platform"
     actual = {
         str(p.relative_to(ROOT)) + ("/" if p.is_dir() else "")
-        for p in [*package.rglob("*.py"), *package.rglob("*.properties"), *package.rglob("*")]
+        for p in package.rglob("*")
         if "__pycache__" not in p.parts
         and p.name != "__init__.py"
         and (p.is_dir() or p.suffix in (".py", ".properties"))

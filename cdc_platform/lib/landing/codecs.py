@@ -133,8 +133,8 @@ def decode_file(
 
     ``keys`` are the candidate AES keys in the order to try (ignored when not encrypted).
     ``looks_like`` (the format's ``LandingFormat.looks_like``), when given, sharpens the
-    wrong-key check of uncompressed encrypted files; ``table``/``relative_path`` only improve the message when no
-    key is available. A plaintext over ``max_bytes`` is refused (``too_large``). Raises
+    wrong-key check of uncompressed encrypted files; ``table``/``relative_path`` only improve
+    the message when no key is available. A plaintext over ``max_bytes`` is refused (``too_large``). Raises
     LandingFileError with a clear reason.
     """
     _check_modes(compression, encryption)

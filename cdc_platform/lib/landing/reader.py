@@ -32,7 +32,7 @@ from cdc_platform.lib.columns import (
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.codecs import LandingFileError, decode_file
-from cdc_platform.lib.landing.formats import FileToRead, format_named
+from cdc_platform.lib.landing.formats import FileToRead, LandingFormat, format_named
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import printable_path
 from cdc_platform.lib.landing.rows import (
@@ -135,6 +135,11 @@ class LandingReader:
                 changed.add(path)
         return changed
 
+    @property
+    def format(self) -> LandingFormat:
+        """The table's landing format (``landing.formats``): how its files are read."""
+        return format_named(self.table.format)
+
     def __repr__(self) -> str:
         return f"LandingReader({self.table.name!r})"
 
@@ -157,7 +162,7 @@ class LandingReader:
 
     def load(self, path: str, columns: Sequence[str] | None = None) -> pa.Table:
         """The file's rows as Arrow, types normalized; raises LandingFileError with a reason."""
-        t, fmt = self.table, format_named(self.table.format)
+        t, fmt = self.table, self.format
         file = FileToRead(path, t, self.hide_values, columns)
         try:
             with self.open(path) as fh:
@@ -202,7 +207,7 @@ class LandingReader:
             t.compression,
             t.encryption,
             self.keyring.keys_for(t.name, self.relative(path)) if t.encryption != "none" else [],
-            looks_like=format_named(t.format).looks_like,
+            looks_like=self.format.looks_like,
             table=t.name,
             relative_path=self.relative(path),
             max_bytes=t.max_file_bytes,
@@ -330,7 +335,7 @@ class LandingReader:
 
     def _read_schema(self, path: str) -> pa.Schema:
         """The file's columns without its rows (only for a format that keeps them apart)."""
-        fmt = format_named(self.table.format)
+        fmt = self.format
         try:
             with self.open(path) as fh:
                 schema = fmt.read_schema(fh)
