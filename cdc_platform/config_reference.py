@@ -1,13 +1,13 @@
-"""The configuration reference page (``docs/configuration.md``), generated from the code.
+"""The configuration reference page (``docs/configuration.md``) and the config file's JSON Schema
+(``docs/cdc_platform.schema.json``), generated from the code.
 
-``python -m cdc_platform.config_reference --write`` writes the page; ``--check`` exits 1 when
-the committed page differs (``cdc_platform_tests/test_docs.py`` fails the same way). Nothing
-here is typed twice where the code already says it:
+``python -m cdc_platform.config_reference --write`` writes both; ``--check`` exits 1 when a
+committed one differs (``cdc_platform_tests/test_docs.py`` fails the same way). Nothing here is
+typed twice where the code already says it:
 
-* the platform config's keys are ``lib.config``'s own sets of allowed keys, its defaults are
-  read off a minimal config parsed by ``lib.config.parse_config`` and its choices are the
-  module's constants; only the one-line descriptions live here (a key without one, or a
-  description of a key the parser no longer allows, is an error);
+* the platform config's keys, types, defaults and descriptions are the fields of
+  ``lib.config.models`` (a key without a description is an error), its types read off the
+  JSON Schema pydantic derives from them;
 * resources and jobs come from the code location itself: ``build_definitions`` over a
   one-table config, each job's ops and the ``dg.Config`` class each op takes, each resource's
   ``ConfigurableResource`` class; types, defaults and descriptions are the pydantic fields'.
@@ -19,183 +19,20 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import sys
 import tempfile
 import types
 import typing
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from cdc_platform.lib import config as cfg
-from cdc_platform.lib.history.versions import HistoryColumns
-from cdc_platform.lib.landing.formats import FORMATS
 
 PAGE = cfg.REPO_ROOT / "docs" / "configuration.md"
 COMMAND = "python -m cdc_platform.config_reference --write"
 # The table name the reference's code location is built with; per-table names show it as <table>.
 EXAMPLE_TABLE = "example_table"
-
-_MINIMAL_TABLE = {"name": EXAMPLE_TABLE, "primary_key": ["id"], "start": "2024-01-01-00:00"}
-
-# (type, description) of every key lib.config allows. The type of a key with fixed choices is
-# taken from lib.config's constants instead (see _TABLE_CHOICES).
-TOP_KEYS: dict[str, tuple[str, str]] = {
-    "landing_root": (
-        "path",
-        "The landing zone: `<landing_root>/<table>/year=YYYY/month=MM/day=DD/hour=HH/<file>`. "
-        "A local or mounted folder (or `file://`); relative to the config file's folder.",
-    ),
-    "warehouse_root": (
-        "path or URI",
-        "Where the history tables are written: a folder, `file://`, `s3://` (`s3a://`), "
-        "`gs://` or `abfss://`. Never the landing root, inside it or around it.",
-    ),
-    "warehouse_storage_options": (
-        "mapping",
-        "delta-rs storage options for an object-store `warehouse_root`, passed on as they are; "
-        "a value may be `{env: NAME}`, and a secret (`*secret*`, `*_key`, `*_token`, ...) must be.",
-    ),
-    "tables": (
-        "list of tables",
-        "The tables (keys below). May be empty or left out when `discover:` is given.",
-    ),
-    "check_schedule": (
-        "cron (UTC)",
-        "When the `cdc_full_table_checks` job runs every invariant check over every table.",
-    ),
-    "maintenance_schedule": (
-        "cron (UTC)",
-        "When each table's maintenance (compaction, then VACUUM) runs; a plain daily time is "
-        "spread per table over `schedule_window_minutes`.",
-    ),
-    "schedule_window_minutes": (
-        "minutes (1-1440)",
-        "Each table's maintenance starts this many minutes after `maintenance_schedule` at most, "
-        "at a place derived from its name, so a fleet does not start at one minute.",
-    ),
-    "landing_sensor": (
-        "`per_table` or `fleet`",
-        "`per_table`: a landing sensor per table, each hour range of a table its own run. "
-        "`fleet`: one landing sensor for every table (a fleet idles at one tick a minute, not "
-        "one per table) whose runs apply one hour range for up to `tables_per_run` tables, "
-        "and one maintenance schedule, `cdc_maintenance_schedule`, starting each table at its "
-        "spread minute.",
-    ),
-    "tables_per_run": (
-        "tables (1-100)",
-        "With `landing_sensor: fleet`: how many tables one run applies (the same hour range, "
-        "each table its own step and commit; a failing table fails only its step).",
-    ),
-    "discover": (
-        "mapping",
-        "A template giving every unlisted plain-Parquet landing folder an asset (keys below); "
-        "without it such folders are only reported by the `cdc_new_tables` sensor.",
-    ),
-    "snapshot_roots": (
-        "list of folders",
-        "The only folders `resync_table` may read a snapshot from (relative: to the config "
-        "file); none: it refuses every run.",
-    ),
-    "adoption_roots": (
-        "list of folders or URIs",
-        "The only folders or object-store prefixes `adopt_table` may read a source from; "
-        "none: it refuses every run.",
-    ),
-}
-TABLE_KEYS: dict[str, tuple[str, str]] = {
-    "name": (
-        "string",
-        "The table: its landing folder, asset and warehouse folder. Letters, digits and `_`, "
-        "not starting with a digit or `_`.",
-    ),
-    "primary_key": ("list of columns", "The key columns (a single name is a one-column list)."),
-    "start": ("`YYYY-MM-DD-HH:00`", "The first hourly partition (UTC)."),
-    "format": (
-        "",
-        "How landing files are written: "
-        + "; ".join(f"`{f.name}`, {f.summary}" for f in FORMATS.values())
-        + " (one module each in `lib/landing/formats/`).",
-    ),
-    "compression": ("", "ZSTD-compressed landing files (Fivetran's batch-file format)."),
-    "encryption": (
-        "",
-        "AES-256-CBC-encrypted landing files; the keys come from the keyring (`CDC_KEYRING`).",
-    ),
-    "null_string": ("string", "CSV: the cell value that means NULL."),
-    "unmodified_string": ("string", 'CSV: the cell value that means "column unchanged".'),
-    "columns": ("", "CSV: the type of every column, the key included."),
-    "lookback_hours": ("positive int", "Landing sensor: hours re-checked for new files each tick."),
-    "full_sweep_minutes": (
-        "positive int",
-        "Landing sensor: how often every hour folder is re-checked (for very late files).",
-    ),
-    "sensor_interval_seconds": ("positive int", "Landing sensor: seconds between ticks."),
-    "current_table": (
-        "boolean",
-        "Also keep `<table>_current`: one row per live key, refreshed after each run.",
-    ),
-    "track_history_columns": (
-        "list of columns",
-        "Only changes to these data columns open a new version (never with `ignore_history_columns`).",
-    ),
-    "ignore_history_columns": (
-        "list of columns",
-        "Changes to these data columns alone open no version (never with `track_history_columns`).",
-    ),
-    "widen_types": (
-        "",
-        "Which column types a landing file may widen for good: `data` columns only, `all` "
-        "(key columns too) or `never`.",
-    ),
-    "group": (
-        "name",
-        "The Dagster asset group of the table's assets: the asset graph shows a group as one "
-        "box, so hundreds of tables stay navigable when grouped by source or domain.",
-    ),
-    "max_file_bytes": (
-        "positive int",
-        "A landing file whose plaintext (decrypted and decompressed; for Parquet, its "
-        "uncompressed row groups) is larger is set aside, decoding stopped there: a "
-        "decompression bomb costs a reading task about twice this much memory at most. Default "
-        "2 GiB.",
-    ),
-    "expected_delivery_hours": (
-        "positive int",
-        "The source's expected delivery cadence: no new data for this many hours makes the table "
-        "late (WARN) in Dagster's freshness, twice as many stale (FAIL). Unset: no expectation "
-        "(a `discover:` template's tables: 24).",
-    ),
-    "retry_backoff_seconds": (
-        "positive int",
-        "Landing sensor: an hour requested but not applied yet (its run failed or died) is "
-        "requested again after this many seconds, doubling with each retry up to an hour, "
-        "until the applied-files ledger shows its files read.",
-    ),
-    "unapplied_alert_minutes": (
-        "positive int",
-        "An hour requested and still not applied this many minutes later (its runs failed, or "
-        "wait in the queue) is alerted once, `hours_unapplied`, and `hours_applied` once no "
-        "requested hour is left unapplied; default 60, more than twice `retry_backoff_seconds`.",
-    ),
-}
-DISCOVER_KEYS: dict[str, tuple[str, str]] = {
-    "primary_key": ("list of columns", "Every discovered table's primary key."),
-    "start": ("`YYYY-MM-DD-HH:00`", "Every discovered table's first partition."),
-    "expected_delivery_hours": (
-        "positive int",
-        "Every discovered table's expected delivery cadence (freshness; default 24).",
-    ),
-}
-_TABLE_CHOICES: dict[str, tuple[str, ...]] = {
-    "format": cfg.FORMATS,
-    "compression": cfg.COMPRESSIONS,
-    "encryption": cfg.ENCRYPTIONS,
-    "widen_types": cfg.WIDEN_TYPES,
-}
-# Required keys and how the parser's result names a key's default when it is not an attribute.
-_REQUIRED = {"landing_root", "warehouse_root", "name", "primary_key", "start"}
-_TABLES_REQUIRED = "required without `discover:`"
 
 # Descriptions of resource and job fields whose class gives none (prefer `Field(description=...)`
 # in the class: an entry here for a field that has one, or that no longer exists, is an error).
@@ -207,6 +44,19 @@ FALLBACK_DESCRIPTIONS: dict[str, str] = {
     "AlertWebhookResource.timeout_seconds": "Seconds before a delivery counts as failed "
     "(it is retried on later ticks).",
 }
+SCHEMA = cfg.REPO_ROOT / "docs" / "cdc_platform.schema.json"
+
+# The reference's words for the JSON Schema's string formats (``lib.config.fields``).
+_FORMATS = {
+    "path": "path",
+    "uri-reference": "path or URI",
+    "cron": "cron (UTC)",
+    "hour": "`YYYY-MM-DD-HH:00`",
+    "name": "name",
+    "column": "column",
+    "decimal": "`decimal(p,s)`",
+}
+_PLURALS = {"path or URI": "paths or URIs"}
 
 
 class ReferenceError(RuntimeError):
@@ -217,31 +67,15 @@ class ReferenceError(RuntimeError):
 
 
 def check_descriptions() -> None:
-    """Every key ``lib.config`` allows has a description here, and no description is stale."""
-    problems = []
-    for what, allowed, described in (
-        ("top-level", cfg._TOP_FIELDS, TOP_KEYS),
-        ("table", cfg._TABLE_FIELDS, TABLE_KEYS),
-        ("discover", cfg._DISCOVER_FIELDS, DISCOVER_KEYS),
-    ):
-        if missing := sorted(set(allowed) - set(described)):
-            problems.append(f"{what} key(s) {missing} have no description in {__name__}")
-        if stale := sorted(set(described) - set(allowed)):
-            problems.append(f"{what} key(s) {stale} are described but lib.config refuses them")
-    if problems:
-        raise ReferenceError("; ".join(problems))
-
-
-def _minimal(base_dir: Path) -> cfg.PlatformConfig:
-    return cfg.parse_config(
-        {
-            "landing_root": "landing",
-            "warehouse_root": "warehouse",
-            "tables": [dict(_MINIMAL_TABLE)],
-            "discover": {"primary_key": ["id"], "start": _MINIMAL_TABLE["start"]},
-        },
-        base_dir=base_dir,
-    )
+    """Every key of the config file has a description (``Field(description=...)``)."""
+    missing = [
+        f"{model.__name__}.{key}"
+        for model in (cfg.PlatformConfig, cfg.TableConfig, cfg.DiscoverTemplate)
+        for key in cfg.file_keys(model)
+        if not model.__pydantic_fields__[key].description  # type: ignore[attr-defined]
+    ]
+    if missing:
+        raise ReferenceError(f"config key(s) {missing} have no Field(description=...)")
 
 
 def _value(value: Any) -> str:
@@ -249,8 +83,6 @@ def _value(value: Any) -> str:
         return "none"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
-    if isinstance(value, HistoryColumns):
-        return "every column" if value == HistoryColumns() else f"`{value}`"
     if isinstance(value, str):
         return f'`"{value}"`'
     if isinstance(value, list | tuple) and not value:
@@ -260,32 +92,57 @@ def _value(value: Any) -> str:
     return f"`{value}`"
 
 
-def _platform_default(key: str, parsed: object, absent: object = None) -> str:
-    if key in _REQUIRED:
+def _schema_type(prop: dict[str, Any]) -> str:
+    """A key's type in words, read off its JSON Schema."""
+    if "anyOf" in prop:
+        kinds = [_schema_type(p) for p in prop["anyOf"] if p.get("type") != "null"]
+        return " or ".join(kinds)
+    if "enum" in prop:
+        return " \\| ".join(f"`{c}`" for c in prop["enum"])
+    if "$ref" in prop:
+        return "mapping (keys below)"
+    kind = prop.get("type")
+    if isinstance(kind, list):
+        return " or ".join(kind)
+    if kind == "object" and set(prop.get("properties", {})) == {"env"}:
+        return "`{env: NAME}`"
+    if kind == "integer":
+        low, high = prop.get("minimum"), prop.get("maximum")
+        return "positive int" if (low, high) == (1, None) else f"int ({low}-{high})"
+    if kind == "string":
+        return _FORMATS.get(prop.get("format", ""), "string")
+    if kind == "array":
+        items = prop["items"]
+        item = "table" if "$ref" in items else _schema_type(items)
+        return f"list of {_PLURALS.get(item, item + 's')}"
+    if kind == "object" and "additionalProperties" in prop:
+        values = _schema_type(prop["additionalProperties"]).replace(" or ", " \\| ")
+        return f"mapping name → {values}"
+    return str(kind)
+
+
+def _default(model: type, key: str) -> str:
+    if model is cfg.PlatformConfig and key == "tables":
+        return "required without `discover:`"
+    info = model.__pydantic_fields__[key]  # type: ignore[attr-defined]
+    if info.is_required():
         return "required"
-    if key == "tables":
-        return _TABLES_REQUIRED
-    if key in ("track_history_columns", "ignore_history_columns"):
-        return _value(parsed.history_columns)  # type: ignore[attr-defined]
-    if key == "warehouse_storage_options":
-        return "`{}`"
-    if key == "discover":
-        return _value(absent)
-    if not hasattr(parsed, key):
-        raise ReferenceError(f"no default found for config key {key!r}")
-    return _value(getattr(parsed, key))
+    if info.default_factory is not None:
+        return _value(info.default_factory())
+    return _value(info.default)
 
 
-def _table_type(key: str, text: str) -> str:
-    if key in _TABLE_CHOICES:
-        return " \\| ".join(f"`{c}`" for c in _TABLE_CHOICES[key])
-    if key == "columns":
-        return (
-            "mapping column → "
-            + " \\| ".join(f"`{t}`" for t in cfg.CSV_TYPES)
-            + " \\| `decimal(p,s)`"
+def _key_rows(model: type, schema: dict[str, Any]) -> list[tuple[str, ...]]:
+    props = schema["properties"]
+    return [
+        (
+            f"`{key}`",
+            _schema_type(props[key]),
+            _default(model, key),
+            model.__pydantic_fields__[key].description,  # type: ignore[attr-defined]
         )
-    return text
+        for key in cfg.file_keys(model)
+    ]
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
@@ -297,9 +154,8 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 def platform_reference() -> list[str]:
     """The platform config's three tables of keys (Markdown lines)."""
     check_descriptions()
-    with tempfile.TemporaryDirectory() as folder:
-        parsed = _minimal(Path(folder))
-    table, discover = parsed.tables[0], parsed.discover
+    schema = cfg.json_schema()
+    header = ("key", "type", "default", "description")
     lines = [
         "## The platform config file",
         "",
@@ -308,39 +164,34 @@ def platform_reference() -> list[str]:
         "naming the table and the field. How to write one: "
         "[getting started](getting-started.md).",
         "",
+        f"An editor completes and checks the file with its JSON Schema, `{SCHEMA.name}` in this "
+        "folder (generated with this page). With the YAML language server (VS Code's YAML "
+        "extension and others), the file's first line",
+        "",
+        "```yaml",
+        f"# yaml-language-server: $schema=docs/{SCHEMA.name}",
+        "```",
+        "",
+        "names it (relative to the file; or map `cdc_platform*.yaml` to it in the editor's "
+        "settings).",
+        "",
         "### Top-level keys",
         "",
+        *_table(header, _key_rows(cfg.PlatformConfig, schema)),
+        "",
+        "### A table (an entry of `tables:`)",
+        "",
+        *_table(header, _key_rows(cfg.TableConfig, schema["$defs"]["TableConfig"])),
+        "",
+        "### `discover:`",
+        "",
+        *_table(header, _key_rows(cfg.DiscoverTemplate, schema["$defs"]["DiscoverTemplate"])),
     ]
-    top_defaults = {k: _platform_default(k, parsed) for k in TOP_KEYS}
-    lines += _table(
-        ("key", "type", "default", "description"),
-        [(f"`{k}`", t, top_defaults[k], d) for k, (t, d) in _ordered(TOP_KEYS, cfg._TOP_FIELDS)],
-    )
-    lines += ["", "### A table (an entry of `tables:`)", ""]
-    lines += _table(
-        ("key", "type", "default", "description"),
-        [
-            (f"`{k}`", _table_type(k, t), _platform_default(k, table), d)
-            for k, (t, d) in _ordered(TABLE_KEYS, cfg._TABLE_FIELDS)
-        ],
-    )
-    lines += ["", "### `discover:`", ""]
-    lines += _table(
-        ("key", "type", "default", "description"),
-        [
-            (f"`{k}`", t, "required" if hasattr(discover, k) else "", d)
-            for k, (t, d) in _ordered(DISCOVER_KEYS, cfg._DISCOVER_FIELDS)
-        ],
-    )
     return lines
 
 
-def _ordered(
-    described: Mapping[str, tuple[str, str]], allowed: Any
-) -> Iterator[tuple[str, tuple[str, str]]]:
-    """The described keys in the order written here (checked to equal the allowed set)."""
-    assert set(described) == set(allowed)
-    yield from described.items()
+def schema_text() -> str:
+    return json.dumps(cfg.json_schema(), indent=2, ensure_ascii=False) + "\n"
 
 
 # -- resources and jobs (Dagster) -------------------------------------------------------------
@@ -428,11 +279,9 @@ def dagster_reference() -> list[str]:
     from cdc_platform.defs.factory import build_definitions
 
     with tempfile.TemporaryDirectory() as folder:
-        platform = _minimal(Path(folder))
-        # Only the listed table: discover: would list the (empty) landing zone.
-        platform = cfg.PlatformConfig(
-            platform.landing_root, platform.warehouse_root, platform.tables
-        )
+        table = {"name": EXAMPLE_TABLE, "primary_key": ["id"], "start": "2024-01-01-00:00"}
+        raw = {"landing_root": "landing", "warehouse_root": "warehouse", "tables": [table]}
+        platform = cfg.parse_config(raw, base_dir=Path(folder))
         defs = build_definitions(platform)
         repo = defs.get_repository_def()
     classes: list[type] = []
@@ -503,7 +352,8 @@ def render() -> str:
         "",
         "<!-- Generated from the code by `" + COMMAND + "`: do not edit by hand. -->",
         "",
-        "Generated from the code (`cdc_platform/lib/config.py` and the `Config` and "
+        "Generated from the code (the models in `cdc_platform/lib/config/models.py` and the "
+        "`Config` and "
         "`ConfigurableResource` classes under `cdc_platform/defs/`) by "
         f"`{COMMAND}`; a test fails when this page and the code disagree.",
         "",
@@ -517,26 +367,27 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cdc_platform.config_reference",
-        description="Write or check docs/configuration.md, generated from the code.",
+        description="Write or check docs/configuration.md and the config's JSON Schema, "
+        "generated from the code.",
     )
     group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--write", action="store_true", help=f"write {PAGE.relative_to(cfg.REPO_ROOT)}"
-    )
-    group.add_argument("--check", action="store_true", help="exit 1 if the committed page differs")
+    group.add_argument("--write", action="store_true", help="write both files")
+    group.add_argument("--check", action="store_true", help="exit 1 if a committed file differs")
     args = parser.parse_args(argv)
-    page = render()
+    files = {PAGE: render(), SCHEMA: schema_text()}
     if args.write:
-        PAGE.write_text(page)
-        print(f"wrote {PAGE.relative_to(cfg.REPO_ROOT)}")
+        for path, text in files.items():
+            path.write_text(text)
+            print(f"wrote {path.relative_to(cfg.REPO_ROOT)}")
     elif args.check:
-        if not PAGE.is_file() or PAGE.read_text() != page:
+        stale = [p for p, text in files.items() if not p.is_file() or p.read_text() != text]
+        for path in stale:
             print(
-                f"{PAGE.relative_to(cfg.REPO_ROOT)} is out of date: run {COMMAND}", file=sys.stderr
+                f"{path.relative_to(cfg.REPO_ROOT)} is out of date: run {COMMAND}", file=sys.stderr
             )
-            return 1
+        return 1 if stale else 0
     else:
-        sys.stdout.write(page)
+        sys.stdout.write(files[PAGE])
     return 0
 
 

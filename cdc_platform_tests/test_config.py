@@ -8,8 +8,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
-from cdc_platform.lib.config import ConfigError, load_config, parse_config
+from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse_config
 from cdc_platform.lib.spark.session import JavaMissingError, check_java
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,3 +269,77 @@ def test_an_unapplied_alert_sooner_than_the_retries_is_refused(tmp_path, keys, e
     table = {**table, "unapplied_alert_minutes": 61, "retry_backoff_seconds": 1800}
     parsed = parse_config({"landing_root": "l", "warehouse_root": "w", "tables": [table]}, tmp_path)
     assert parsed.table("x").unapplied_alert_minutes == 61
+
+
+def test_a_table_built_in_code_is_validated_as_the_file_is():
+    """The models are the parser: a table built or changed in code (tests, discovery, operator
+    jobs) meets the same rules, so no invalid TableConfig reaches a run."""
+    import dataclasses
+
+    import pydantic
+
+    table = TableConfig(name="orders", primary_key="id", start="2024-01-01-05:00")  # type: ignore[arg-type]
+    assert table.primary_key == ("id",) and table.start_partition_key == "2024-01-01-05:00"
+    with pytest.raises(pydantic.ValidationError, match="must not start with '_'"):
+        dataclasses.replace(table, name="_cdc")
+    with pytest.raises(pydantic.ValidationError, match="always identify the version"):
+        dataclasses.replace(table, ignore_history_columns=("ID",))
+    with pytest.raises(pydantic.ValidationError, match="must be a positive integer"):
+        dataclasses.replace(table, lookback_hours=True)
+    widened = dataclasses.replace(table, compression="ZSTD")
+    assert widened.compression == "zstd" and widened.is_encoded
+
+
+@pytest.mark.parametrize(
+    ("extra", "table", "error"),
+    [
+        ({}, {"start": "{y}2024-01-01 05:30:00"}, "field 'start': .* must be on the hour"),
+        ({"discover": None}, {}, "field 'discover' must be a mapping"),
+        ({}, {"track_history_columns": None}, "track_history_columns': must be a list"),
+        ({"landing_sensor": "FLEET"}, {}, "'FLEET' is not one of"),
+        ({"warehouse_storage_options": {}}, {}, "storage options are for an object-store"),
+    ],
+)
+def test_what_yaml_makes_of_a_value_is_held_to_the_same_rules(tmp_path, extra, table, error):
+    """An unquoted YAML timestamp is a datetime, a key with no value is None: neither slips
+    past a rule the written-out value would meet."""
+    row = {"name": "t", "primary_key": ["id"], "start": "2024-01-01-00:00"}
+    row |= {k: yaml.safe_load(v[3:]) if str(v).startswith("{y}") else v for k, v in table.items()}
+    raw = {"landing_root": "l", "warehouse_root": "w", "tables": [row], **extra}
+    with pytest.raises(ConfigError, match=error):
+        parse_config(raw, tmp_path)
+
+
+def test_an_aware_yaml_timestamp_on_the_hour_is_read_in_utc(tmp_path):
+    raw = {"landing_root": "l", "warehouse_root": "w"}
+    start = yaml.safe_load("2024-01-01T05:00:00+02:00")
+    row = {"name": "t", "primary_key": ["id"], "start": start}
+    table = parse_config({**raw, "tables": [row]}, tmp_path).table("t")
+    assert table.start_partition_key == "2024-01-01-03:00"
+
+
+def test_a_refused_secret_is_in_no_error_nor_its_context(tmp_path):
+    secret = "wJalrXUtnFEMI-not-a-real-key"
+    raw = {
+        "landing_root": "l",
+        "warehouse_root": "s3://bucket/wh",
+        "warehouse_storage_options": {"aws_secret_access_key": secret, "region": ["x"]},
+        "tables": [{"name": "t", "primary_key": ["id"], "start": "2024-01-01-00:00"}],
+    }
+    with pytest.raises(ConfigError, match="holds a secret") as err:
+        parse_config(raw, tmp_path)
+    assert err.value.__context__ is None and err.value.__cause__ is None
+    assert secret not in str(err.value)
+
+
+def test_a_source_root_reached_through_a_link_still_overlaps_the_warehouse(tmp_path):
+    (tmp_path / "real" / "wh").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    raw = {
+        "landing_root": "l",
+        "warehouse_root": str(tmp_path / "link" / "wh"),
+        "snapshot_roots": [str(tmp_path / "real" / "wh" / "x")],
+        "tables": [{"name": "t", "primary_key": ["id"], "start": "2024-01-01-00:00"}],
+    }
+    with pytest.raises(ConfigError, match=r"snapshot_roots.*overlaps"):
+        parse_config(raw, tmp_path)

@@ -167,6 +167,48 @@ def test_reference_descriptions_cover_every_config_key() -> None:
     config_reference.check_descriptions()  # raises naming the key
 
 
+def test_the_published_json_schema_matches_the_models() -> None:
+    committed = config_reference.SCHEMA.read_text() if config_reference.SCHEMA.is_file() else ""
+    assert committed == config_reference.schema_text(), (
+        f"docs/{config_reference.SCHEMA.name} differs from the code: run "
+        f"`{config_reference.COMMAND}`"
+    )
+
+
+def _schema_errors(config: Any) -> list[str]:
+    import jsonschema
+
+    schema = json.loads(config_reference.SCHEMA.read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(config)]
+
+
+def test_the_repo_config_and_its_examples_satisfy_the_schema() -> None:
+    for path in sorted(ROOT.glob("**/cdc_platform*.yaml")):
+        if ".venv" in path.parts:
+            continue
+        assert not _schema_errors(yaml.safe_load(path.read_text())), path
+
+
+@pytest.mark.parametrize(
+    ("table", "where"),
+    [
+        ({"primay_key": ["id"]}, "primay_key"),  # a typo
+        ({"compression": "gzip"}, "gzip"),
+        ({"lookback_hours": 0}, "0"),
+        ({"start": "2024-01-01"}, "2024-01-01"),
+        ({"name": "1orders"}, "1orders"),
+    ],
+)
+def test_the_schema_catches_what_the_parser_refuses(tmp_path: Path, table: Any, where: str) -> None:
+    """An editor using the schema flags, as one types, what loading would refuse."""
+    config = _as_config([{**_MINIMAL_TABLE, **table}])
+    with pytest.raises(cfg.ConfigError):
+        cfg.parse_config(config, base_dir=tmp_path)
+    errors = _schema_errors(config)
+    assert errors and where in " ".join(errors)
+
+
 # -- yaml and json -----------------------------------------------------------------------------
 
 _MINIMAL_TABLE = {"name": "orders", "primary_key": ["order_id"], "start": "2024-01-01-00:00"}
@@ -178,10 +220,10 @@ def _as_config(data: Any) -> dict[str, Any]:
     if isinstance(data, list):  # entries to paste under tables:
         return {**base, "tables": data}
     assert isinstance(data, dict), "a mapping or a list of tables"
-    if set(data) <= cfg._TOP_FIELDS:
+    if set(data) <= set(cfg.file_keys(cfg.PlatformConfig)):
         tables = {} if "tables" in data or "discover" in data else {"tables": [_MINIMAL_TABLE]}
         return {**base, **tables, **data}
-    if set(data) <= cfg._TABLE_FIELDS:
+    if set(data) <= set(cfg.file_keys(cfg.TableConfig)):
         return {**base, "tables": [{**_MINIMAL_TABLE, **data}]}
     raise AssertionError(f"neither config keys nor table keys: {sorted(data)}")
 
@@ -198,6 +240,7 @@ def test_yaml_examples_parse(block: Block, tmp_path: Path, code_location: Any) -
     if job is None:
         assert not (isinstance(data, dict) and "ops" in data), "mark a Launchpad config # job:"
         cfg.parse_config(_as_config(data), base_dir=tmp_path)
+        assert not _schema_errors(_as_config(data)), "the JSON Schema refuses an example"
         return
     import dagster as dg
 

@@ -25,7 +25,6 @@ from hypothesis import strategies as st
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.history.versions import HistoryColumns
 from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.operations.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
@@ -49,7 +48,7 @@ PARQUET_TABLE = TableConfig(name="prop_parquet", primary_key=("id",), start=STAR
 # Selective history: only `name` opens versions (listed in another case: names match
 # case-insensitively); `amount` and `extra` change in place.
 SELECTIVE_TABLE = dataclasses.replace(
-    CSV_TABLE, name="prop_selective", history_columns=HistoryColumns(track=("NAME",))
+    CSV_TABLE, name="prop_selective", track_history_columns=("NAME",)
 )
 COLUMNS = ["id", "name", "amount", "extra", "_fivetran_start", "_fivetran_end", "_fivetran_active"]
 

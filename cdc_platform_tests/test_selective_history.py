@@ -134,9 +134,7 @@ def test_untracked_changes_update_the_live_version_in_place_through_the_asset(sp
 
 def test_fast_path_updates_in_place_and_keeps_the_start(spark, lake):
     """In-order events of a key fold from its current row alone: the in-place update too."""
-    table = TableConfig(
-        name="s", primary_key=("id",), start=H0, history_columns=HistoryColumns(track=("status",))
-    )
+    table = TableConfig(name="s", primary_key=("id",), start=H0, track_history_columns=("status",))
     landing, warehouse = lake["landing"], lake["warehouse"]
     write_parquet_events(landing, "s", H0, [ev("INSERT", 1, T[1], 1, status="a", updated_at=1)])
     materialize(spark, table, landing, warehouse, [H0])
@@ -161,7 +159,7 @@ def test_changing_the_setting_recomputes_the_table_once(spark, lake):
     landing, warehouse = lake["landing"], lake["warehouse"]
     paths = TablePaths.of(warehouse, "s")
     every = TableConfig(name="s", primary_key=("id",), start=H0)
-    selective = dataclasses.replace(every, history_columns=HistoryColumns(ignore=("UPDATED_AT",)))
+    selective = dataclasses.replace(every, ignore_history_columns=("UPDATED_AT",))
     write_parquet_events(landing, "s", H0, EVENTS_H0)
     materialize(spark, every, landing, warehouse, [H0])
     assert rows_of(paths) == normalize(reference_history(EVENTS_H0, ["id"]), COLUMNS)
@@ -202,7 +200,7 @@ def test_matches_change_log_catches_a_wrong_in_place_fold(spark, lake, corruptio
         name="s",
         primary_key=("id",),
         start=H0,
-        history_columns=HistoryColumns(ignore=("updated_at",)),
+        ignore_history_columns=("updated_at",),
     )
     write_parquet_events(landing, "s", H0, EVENTS_H0)
     materialize(spark, table, landing, warehouse, [H0])
@@ -257,14 +255,12 @@ def test_a_setting_naming_a_column_the_table_lacks_merges_nothing(spark, lake):
     and the events it logged are merged once the config is fixed."""
     landing, warehouse = lake["landing"], lake["warehouse"]
     paths = TablePaths.of(warehouse, "s")
-    typo = TableConfig(
-        name="s", primary_key=("id",), start=H0, history_columns=HistoryColumns(track=("stauts",))
-    )
+    typo = TableConfig(name="s", primary_key=("id",), start=H0, track_history_columns=("stauts",))
     write_parquet_events(landing, "s", H0, EVENTS_H0)
     with pytest.raises(HistoryColumnsError, match=r"name \['stauts'\], which the table does not"):
         materialize(spark, typo, landing, warehouse, [H0])
     assert not delta.exists(paths.history)
-    fixed = dataclasses.replace(typo, history_columns=HistoryColumns(track=("status",)))
+    fixed = dataclasses.replace(typo, track_history_columns=("status",))
     materialize(spark, fixed, landing, warehouse, [H0])
     expected = reference_history(EVENTS_H0, ["id"], untracked={"updated_at"})
     assert rows_of(paths) == normalize(expected, COLUMNS)
@@ -295,7 +291,7 @@ def test_provenance_of_a_selective_version_lists_every_event_it_covers(spark, la
         name="s",
         primary_key=("id",),
         start=H0,
-        history_columns=HistoryColumns(ignore=("updated_at",)),
+        ignore_history_columns=("updated_at",),
     )
     write_parquet_events(landing, "s", H0, EVENTS_H0)
     materialize(spark, table, landing, warehouse, [H0])
@@ -326,7 +322,7 @@ def test_a_late_event_before_an_in_place_change_keeps_the_earlier_untracked_valu
         null_string="<null>",
         unmodified_string="<unmodified>",
         columns={"id": "long", "t": "long", "u": "string"},
-        history_columns=HistoryColumns(track=("t",)),
+        track_history_columns=("t",),
     )
     unmod = UNMODIFIED
     applied = [
