@@ -14,17 +14,17 @@ import sqlalchemy
 import sqlalchemy.event
 
 from cdc_platform.defs import alerts as alerts_module
+from cdc_platform.defs import check_alerts
 from cdc_platform.defs.alerts import (
     ALERT_WEBHOOK_ENV_VAR,
-    CHECK_ALERT_SENSOR_NAME,
     MAX_DELIVERY_ATTEMPTS,
     UI_BASE_URL_ENV_VAR,
     AlertWebhookResource,
     alert_webhook_from_env,
-    build_check_failure_alert_sensor,
-    build_run_failure_alert_sensor,
 )
+from cdc_platform.defs.check_alerts import CHECK_ALERT_SENSOR_NAME, build_check_failure_alert_sensor
 from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.run_alerts import build_run_failure_alert_sensor
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.fleet.alerts import AlertDeliveryError, build_alert, post_alert, redact_url
 from cdc_platform.lib.history import invariants
@@ -834,8 +834,8 @@ def test_more_evaluations_than_a_page_are_read_page_by_page(
 ) -> None:
     """A burst larger than a page is read in pages, at most CHECK_EVENT_PAGES a tick, the rest
     on the next tick; every change alerts once."""
-    monkeypatch.setattr(alerts_module, "CHECK_EVENT_PAGE", 4)
-    monkeypatch.setattr(alerts_module, "CHECK_EVENT_PAGES", 2)
+    monkeypatch.setattr(check_alerts, "CHECK_EVENT_PAGE", 4)
+    monkeypatch.setattr(check_alerts, "CHECK_EVENT_PAGES", 2)
     hook = AlertWebhookResource(webhook_url=webhook.secret_url)
     sensor = build_check_failure_alert_sensor(scale_keys(1))
     asset, checks = table_with_checks("t0000")

@@ -8,7 +8,6 @@ import dagster as dg
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.defs.alerts import run_failed_payload
 from cdc_platform.defs.factory import build_definitions, build_table_definitions
 from cdc_platform.defs.fleet import (
     FLEET_SENSOR,
@@ -16,6 +15,7 @@ from cdc_platform.defs.fleet import (
     FleetCursor,
     build_fleet_landing_sensor,
 )
+from cdc_platform.defs.run_alerts import run_failed_payload
 from cdc_platform.defs.sensors import (
     BACKLOG_HOURS,
     RANGE_END_TAG,

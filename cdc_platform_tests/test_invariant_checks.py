@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from cdc_platform.defs.alerts import AlertWebhookResource, build_check_failure_alert_sensor
+from cdc_platform.defs.alerts import AlertWebhookResource
+from cdc_platform.defs.check_alerts import build_check_failure_alert_sensor
 from cdc_platform.defs.factory import (
     WHOLE_TABLE_WRITTEN,
     build_definitions,

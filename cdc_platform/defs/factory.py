@@ -20,14 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from cdc_platform.defs.alerts import (
-    ALERT_RESOURCE_KEY,
-    CHECKS_STEP_SUFFIX,
-    alert_webhook_from_env,
-    build_check_failure_alert_sensor,
-    build_run_failure_alert_sensor,
-    metadata_int,
-)
+from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, alert_webhook_from_env, metadata_int
+from cdc_platform.defs.check_alerts import build_check_failure_alert_sensor
 from cdc_platform.defs.discovery import build_new_tables_sensor
 from cdc_platform.defs.fleet import build_fleet_landing_sensor
 from cdc_platform.defs.lifecycle import build_lifecycle_jobs
@@ -42,6 +36,7 @@ from cdc_platform.defs.operations import pool_name
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
+from cdc_platform.defs.run_alerts import CHECKS_STEP_SUFFIX, build_run_failure_alert_sensor
 from cdc_platform.defs.sensors import TABLE_TAG, build_landing_sensor
 from cdc_platform.defs.source_alerts import build_source_alert_sensor
 from cdc_platform.lib.config import PlatformConfig, TableConfig
@@ -219,7 +214,7 @@ def _history_checks(
                     "checked_keys": o.checked_keys,  # None (null) when not counted
                     "scope": scope_label,
                     **({"detail": o.detail} if o.detail else {}),
-                    # the files set aside: the check alert names each once (defs.alerts)
+                    # the files set aside: the check alert names each once (defs.check_alerts)
                     **(
                         {"files": dg.MetadataValue.json(list(o.files))}
                         if o.name == invariants.NO_QUARANTINE

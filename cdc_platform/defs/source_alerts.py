@@ -30,10 +30,10 @@ from dagster._core.scheduler.instigation import SensorInstigatorData, TickStatus
 from cdc_platform.defs.alerts import (
     ALERT_INTERVAL_SECONDS,
     AlertWebhookResource,
-    _queued,
-    _root_message,
     deliver,
     metadata_int,
+    queued,
+    root_message,
 )
 from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
 from cdc_platform.lib.config import TableConfig
@@ -308,7 +308,7 @@ def failing_sensors(
         if (tick.consecutive_failure_count or tick.failure_count or 0) < FAILING_TICKS:
             continue
         state.failing.append(name)
-        lines = _root_message(tick.error).strip().splitlines() if tick.error else []
+        lines = root_message(tick.error).strip().splitlines() if tick.error else []
         alerts.append(
             source_alert(
                 "sensor_failing",
@@ -392,7 +392,7 @@ def build_source_alert_sensor(
             for name in watched_sensors
         }
         alerts += failing_sensors(state, context.instance, selectors, links)
-        state.pending += [_queued(a) for a in digested(alerts)]
+        state.pending += [queued(a) for a in digested(alerts)]
         state.pending, delivered = deliver(context, alert_webhook, state.pending)
         summary = (
             f"{len(alerts)} change(s); {len(state.stale)} stale, "
