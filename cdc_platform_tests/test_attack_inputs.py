@@ -34,13 +34,13 @@ from cdc_platform.lib.landing.native import NativeGuard, native_report
 from cdc_platform.lib.landing.reader import LandingReader
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
 from cdc_platform.lib.operations.resync import ResyncError, SnapshotReader, resync
-from cdc_platform.lib.operations.source_roots import (
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.roots import (
     SourceRootError,
     adoption_source,
     snapshot_folder,
 )
-from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events

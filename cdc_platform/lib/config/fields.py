@@ -19,7 +19,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ValidationInfo, WithJsonSchema
 
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
-from cdc_platform.lib.operations.source_roots import checked_root
+from cdc_platform.lib.storage.roots import checked_root
 from cdc_platform.lib.storage.stores import OBJECT_STORE_SCHEMES, EnvRef, Location, OptionValue
 
 PARTITION_FORMAT = "%Y-%m-%d-%H:%M"
@@ -233,7 +233,7 @@ def _location(value: Any, info: ValidationInfo) -> Location:
 
 def _source_roots(local: bool) -> Callable[[Any, ValidationInfo], tuple[Location, ...]]:
     """``snapshot_roots`` (local folders) or ``adoption_roots`` (folders or object-store
-    prefixes), each confined as ``operations.source_roots`` confines a source."""
+    prefixes), each confined as ``storage.roots`` confines a source."""
 
     def check(value: Any, info: ValidationInfo) -> tuple[Location, ...]:
         if value is None:

@@ -17,6 +17,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
+from cdc_platform.lib.columns import HistoryColumns
 from cdc_platform.lib.config.fields import (
     PARTITION_FORMAT,
     AdoptionRoots,
@@ -42,10 +43,9 @@ from cdc_platform.lib.config.fields import (
     TablesPerRun,
     WidenTypes,
 )
-from cdc_platform.lib.history.versions import HistoryColumns
 from cdc_platform.lib.landing.codecs import DEFAULT_MAX_BYTES
 from cdc_platform.lib.landing.formats import FORMATS
-from cdc_platform.lib.operations.source_roots import checked_root, overlaps
+from cdc_platform.lib.storage.roots import checked_root, overlaps
 from cdc_platform.lib.storage.stores import OBJECT_STORE_SCHEMES, Location
 from cdc_platform.lib.storage.warehouse import current_table_name
 

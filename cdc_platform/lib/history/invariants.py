@@ -23,6 +23,7 @@ from cdc_platform.lib.columns import (
     SOURCE_FILE,
     START,
     TS,
+    HistoryColumns,
     col,
     cols,
     internal,
@@ -37,7 +38,6 @@ from cdc_platform.lib.history.reconciliation import (
     with_neighbours,
 )
 from cdc_platform.lib.history.versions import (
-    HistoryColumns,
     tmax_literal,
 )
 from cdc_platform.lib.ledgers import quarantine, revoked_files

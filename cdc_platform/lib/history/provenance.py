@@ -33,11 +33,11 @@ from cdc_platform.lib.columns import (
     SOURCE_ROW,
     START,
     TS,
+    HistoryColumns,
     col,
     cols,
     internal,
 )
-from cdc_platform.lib.history.versions import HistoryColumns
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 

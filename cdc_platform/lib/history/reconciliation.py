@@ -22,6 +22,7 @@ from cdc_platform.lib.columns import (
     TMAX_SQL,
     TS,
     UNMODIFIED,
+    HistoryColumns,
     col,
     cols,
     internal,
@@ -31,7 +32,6 @@ from cdc_platform.lib.columns import (
 )
 from cdc_platform.lib.history.versions import (
     RUNNING,
-    HistoryColumns,
     dedupe_events,
     resolved_cell_sql,
 )

@@ -18,9 +18,7 @@ which takes the image of its last step (its values are updated in place).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib.columns import (
@@ -40,6 +38,7 @@ from cdc_platform.lib.columns import (
     TMAX_SQL,
     TS,
     UNMODIFIED,
+    HistoryColumns,
     col,
     cols,
     internal,
@@ -49,7 +48,6 @@ from cdc_platform.lib.columns import (
 )
 
 if TYPE_CHECKING:
-    from deltalake import DeltaTable
     from pyspark.sql import Column, DataFrame
 
 __all__ = [  # the column names are re-exported for existing callers; their home is columns.py
@@ -79,74 +77,6 @@ _PREV_IMG = internal("prev_img")
 _OPENS = internal("opens")
 _NEXT_CLOSE = internal("next_close")
 _VERSION_NO = internal("version_no")
-
-# The history table's property recording the selective-history setting its versions follow.
-HISTORY_COLUMNS_PROPERTY = "cdc_platform.history_columns"
-
-
-@dataclass(frozen=True)
-class HistoryColumns:
-    """Which data columns keep history (a table's ``track_history_columns`` or
-    ``ignore_history_columns``): a change to a tracked column opens a version; a change to
-    untracked columns only updates the live version in place. The default tracks every column.
-
-    Names match case-insensitively (Delta column names are). Columns that appear later are
-    tracked under an ignore list and untracked under a track list.
-    """
-
-    track: tuple[str, ...] | None = None  # only these; None: every column not ignored
-    ignore: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.track is not None and self.ignore:
-            raise ValueError("give track_history_columns or ignore_history_columns, not both")
-
-    @property
-    def tracks_everything(self) -> bool:
-        return self.track is None and not self.ignore
-
-    def untracked(self, data_columns: Sequence[str]) -> list[str]:
-        """The data columns whose changes open no version, in table order."""
-        if self.track is not None:
-            tracked = {c.lower() for c in self.track}
-            return [c for c in data_columns if c.lower() not in tracked]
-        ignored = {c.lower() for c in self.ignore}
-        return [c for c in data_columns if c.lower() in ignored]
-
-    def unknown(self, data_columns: Sequence[str]) -> list[str]:
-        """Listed names that are no data column (a typo would silently untrack everything)."""
-        have = {c.lower() for c in data_columns}
-        return [c for c in (self.track or self.ignore) if c.lower() not in have]
-
-    def tracked(self, data_columns: Sequence[str]) -> list[str]:
-        untracked = set(self.untracked(data_columns))
-        return [c for c in data_columns if c not in untracked]
-
-    def to_json(self) -> str:
-        """The setting as the history table records it (a table property)."""
-        if self.track is not None:
-            return json.dumps({"track": sorted(self.track, key=str.lower)})
-        return json.dumps({"ignore": sorted(self.ignore, key=str.lower)})
-
-    @classmethod
-    def from_json(cls, text: str | None) -> HistoryColumns:
-        """The setting a history table was built with (absent: every column tracked)."""
-        if not text:
-            return cls()
-        raw = json.loads(text)
-        if "track" in raw:
-            return cls(track=tuple(raw["track"]))
-        return cls(ignore=tuple(raw.get("ignore", ())))
-
-    @classmethod
-    def of_table(cls, dt: DeltaTable) -> HistoryColumns:
-        """The setting a history table's versions follow (its table property)."""
-        return cls.from_json(dt.metadata().configuration.get(HISTORY_COLUMNS_PROPERTY))
-
-    def same_as(self, other: HistoryColumns) -> bool:
-        """The same setting, whatever the names' order and case."""
-        return self.to_json().lower() == other.to_json().lower()
-
 
 TRACK_ALL = HistoryColumns()
 

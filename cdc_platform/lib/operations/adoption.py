@@ -48,9 +48,9 @@ from cdc_platform.lib.history.merge import MergeResult, apply_pending
 from cdc_platform.lib.landing.reading import event_schema
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.ledgers import revoked_files
-from cdc_platform.lib.operations.source_roots import SourceRootError, adoption_source
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.roots import SourceRootError, adoption_source
 from cdc_platform.lib.storage.schema import (
     NATIVE_READ_OPTIONS,
     WIDENINGS,
@@ -123,7 +123,7 @@ def adopt(
     """Adopt the table at ``source`` into ``table``'s history (see the module docstring).
 
     ``source`` must be under one of ``adoption_roots`` (the config's) and apart from the
-    warehouse and ``landing_root`` (``lib.operations.source_roots``): a run's config never copies another
+    warehouse and ``landing_root`` (``lib.storage.roots``): a run's config never copies another
     table's history or change log, or reads a bucket nobody allowed. Errors name the source's
     files, rows and columns, never a value.
 

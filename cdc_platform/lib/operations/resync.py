@@ -70,9 +70,9 @@ from cdc_platform.lib.landing.safe_open import FileId
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.ledgers import revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
-from cdc_platform.lib.operations.source_roots import SourceRootError, snapshot_folder
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.roots import SourceRootError, snapshot_folder
 from cdc_platform.lib.storage.schema import spark_schema
 from cdc_platform.lib.storage.stores import Where
 from cdc_platform.lib.storage.table import Table
@@ -208,7 +208,7 @@ def resync(
     """Apply the snapshot in ``snapshot`` as a re-sync at ``at`` (see the module docstring).
 
     ``snapshot`` must be under one of ``snapshot_roots`` (the config's), apart from the landing
-    and warehouse roots (``lib.operations.source_roots``): a run's config never makes the service read
+    and warehouse roots (``lib.storage.roots``): a run's config never makes the service read
     another folder."""
     from pyspark.sql import functions as F
 

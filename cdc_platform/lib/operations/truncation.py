@@ -36,6 +36,7 @@ from cdc_platform.lib.columns import (
     SOURCE_FILE,
     SYNCED,
     TS,
+    HistoryColumns,
     col,
     cols,
     internal,
@@ -44,7 +45,6 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up, is_closed_file
-from cdc_platform.lib.history.versions import HistoryColumns
 from cdc_platform.lib.ledgers import revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
 from cdc_platform.lib.pipeline import to_ms

@@ -10,6 +10,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from cdc_platform.lib.columns import HISTORY_COLUMNS_PROPERTY, HistoryColumns
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge.classify import split_keys, touch_keys
 from cdc_platform.lib.history.merge.columns import APP_ID
@@ -23,7 +24,7 @@ from cdc_platform.lib.history.merge.write import (
     store_side_tables,
     write_files,
 )
-from cdc_platform.lib.history.versions import HISTORY_COLUMNS_PROPERTY, TRACK_ALL, HistoryColumns
+from cdc_platform.lib.history.versions import TRACK_ALL
 from cdc_platform.lib.spark.run_cost import lap
 from cdc_platform.lib.spark.session import interpreted
 from cdc_platform.lib.storage import delta

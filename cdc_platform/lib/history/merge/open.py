@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
+from cdc_platform.lib.columns import HistoryColumns
 from cdc_platform.lib.history import changelog, joins
 from cdc_platform.lib.history.merge.columns import SYSTEM_COLUMNS
 from cdc_platform.lib.history.merge.side_tables import (
@@ -21,7 +22,6 @@ from cdc_platform.lib.history.merge.snapshot import (
     Snapshot,
     history_schema,
 )
-from cdc_platform.lib.history.versions import HistoryColumns
 from cdc_platform.lib.spark.session import ADAPTIVE
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths

@@ -21,10 +21,10 @@ from cdc_platform.lib.columns import (
     START,
     STATE_COLUMNS,
     SYNCED,
+    HistoryColumns,
 )
 from cdc_platform.lib.history import joins
 from cdc_platform.lib.history.merge.columns import APP_ID, FAULT_ENV, FILE
-from cdc_platform.lib.history.versions import HistoryColumns
 from cdc_platform.lib.spark.session import persisted
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
