@@ -37,9 +37,7 @@ from cdc_platform.lib.history.reconciliation import (
     mismatched_keys,
     with_neighbours,
 )
-from cdc_platform.lib.history.versions import (
-    tmax_literal,
-)
+from cdc_platform.lib.history.versions import tmax_literal
 from cdc_platform.lib.ledgers import quarantine, revoked_files
 from cdc_platform.lib.spark.session import (
     ADAPTIVE,

@@ -1,6 +1,7 @@
 """``matches_change_log``: a history table's versions verified against its change log, without
-the writer's fold (docs/HISTORY_MODE.md section 6), and the neighbour columns the other
-invariants share (each version beside its successor's start and its changed columns)."""
+the writer's fold (docs/HISTORY_MODE.md section 6), and what the other invariants share with
+it: each version beside its successor's start and its changed columns (``with_neighbours``),
+a table's data columns, and the rows with a null key column."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def data_columns_of(table: DataFrame, pk: list[str]) -> list[str]:
 
 def with_neighbours(table: DataFrame, pk: list[str], tracked: Sequence[str]) -> DataFrame:
     """Each version with its successor's start (None: the key's latest) and, when the table has
-    ``_fivetran_changed_columns``, the tracked columns that differ from its predecessor's (null
+    ``_cdc_changed_columns``, the tracked columns that differ from its predecessor's (null
     on a key's first version): one sort of the rows by key and start, for every check that
     compares a version with its neighbours."""
     from pyspark.sql import functions as F
@@ -92,7 +93,8 @@ def mismatched_keys(
     whole_table: bool = False,
 ) -> tuple[DataFrame, str]:
     """The keys whose versions disagree with the change log, and why when that is not per key
-    (``matches_change_log``): the table against its change log, without the writer's fold (``history.build_versions``).
+    (``matches_change_log``): the table against its change log, without the writer's fold
+    (``history.build_versions``).
 
     The writer *derives* versions from events; this *verifies* the table's versions against the
     events, on one timeline per key that interleaves versions (at their start) and the key's
