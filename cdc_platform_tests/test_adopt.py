@@ -17,11 +17,12 @@ from deltalake import write_deltalake
 from cdc_platform.defs.factory import build_definitions
 from cdc_platform.lib.columns import TMAX, TMIN
 from cdc_platform.lib.config import TableConfig, load_config
-from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history import invariants, table_key
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt, adoption_seqs, source_name
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
+from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
@@ -98,6 +99,7 @@ def test_a_soft_delete_mode_delta_table_is_adopted_as_the_seeds_say(spark, lake)
     ]
     names = delta.table_arrow_schema(delta.open_table(paths.history)).names
     assert "_fivetran_deleted" not in names and names[:3] == ["id", "status", "amount"]
+    assert table_key.recorded_key(Table.open(paths.history)) == list(TABLE.primary_key)
     log = delta.read_arrow(paths.changelog).to_pylist()
     assert {e["_cdc_source_file"] for e in log} == {source_name(Location.of(source))}
     checks_pass(spark, paths)

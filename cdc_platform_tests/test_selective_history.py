@@ -16,7 +16,7 @@ from deltalake import DeltaTable, write_deltalake
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse_config
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.history.merge import HistoryColumnsError, record_history_columns
+from cdc_platform.lib.history.merge import HistoryColumnsError, record_settings
 from cdc_platform.lib.history.provenance import EVENTS, version_sources
 from cdc_platform.lib.history.versions import TMAX, HistoryColumns
 from cdc_platform.lib.landing.layout import hour_folder
@@ -279,9 +279,9 @@ def test_the_setting_is_not_recorded_over_another_writers_commit(spark, lake):
     data_version = dt.version()
     delta.commit(dt, [], [], delta.table_arrow_schema(dt))  # another writer's commit
     selective = HistoryColumns(ignore=("updated_at",))
-    assert not record_history_columns(paths, selective, data_version)
+    assert not record_settings(paths, ["id"], selective, data_version)
     assert HistoryColumns.of_table(DeltaTable(str(paths.history))).tracks_everything
-    assert record_history_columns(paths, selective, data_version + 1)
+    assert record_settings(paths, ["id"], selective, data_version + 1)
     assert HistoryColumns.of_table(DeltaTable(str(paths.history))).same_as(selective)
 
 

@@ -32,7 +32,7 @@ from cdc_platform.defs.maintenance import (
     build_maintenance_schedules,
     maintenance_schedule_name,
 )
-from cdc_platform.defs.operations import pool_name
+from cdc_platform.defs.operations import pool_name, refused
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.revocations import build_revocation_jobs
@@ -41,6 +41,7 @@ from cdc_platform.defs.sensors import TABLE_TAG, build_landing_sensor
 from cdc_platform.defs.source_alerts import build_source_alert_sensor
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import current_table, invariants
+from cdc_platform.lib.history.table_key import PrimaryKeyChangedError
 from cdc_platform.lib.landing.discovery import with_discovered_tables
 from cdc_platform.lib.landing.layout import hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
@@ -131,15 +132,16 @@ def _history_asset(
         )
         # Records the files it applied too (``lib.ledgers.applied_files``): a file that lands later
         # is picked up by the sensor as usual.
-        result = materialize(
-            spark.session(platform.warehouse_root),
-            table,
-            platform.landing_root,
-            platform.warehouse_root,
-            hours,
-            keyring.load() if table.encryption != "none" else None,
-            run_id=context.run.run_id,
-        )
+        with refused(PrimaryKeyChangedError):  # the config's key is not the table's
+            result = materialize(
+                spark.session(platform.warehouse_root),
+                table,
+                platform.landing_root,
+                platform.warehouse_root,
+                hours,
+                keyring.load() if table.encryption != "none" else None,
+                run_id=context.run.run_id,
+            )
         for q in result.quarantined:
             context.log.warning(f"{table.name}: set aside {q.file}: {q.reason}")
         for f in result.revoked:

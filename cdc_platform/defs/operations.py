@@ -36,9 +36,10 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.table_key import PrimaryKeyChangedError, check_key
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import hour_to_partition_key
-from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -104,13 +105,14 @@ def operator_run(
     refuse: tuple[type[Exception], ...] = (ValueError,),
 ) -> Iterator[OperatorRun]:
     """The skeleton every operator job shares: find the table the run names, hold its pool
-    slot, note the history version before the work (the checks after it cover what changed
-    since), and turn the library's refusals (``refuse``) into a failure without a traceback."""
+    slot, refuse a config whose key is not the table's (``table_key``), note the history
+    version before the work (the checks after it cover what changed since), and turn the library's refusals (``refuse``) into a failure without a traceback."""
     table = table_named(platform, config.table)
     tag_run_with_table(context, table)
-    with table_pool_slot(context, table), refused(*refuse):
-        before = delta.version_or_none(TablePaths.of(platform.warehouse_root, table.name).history)
-        yield OperatorRun(context, platform, table, spark, keyring, before)
+    with table_pool_slot(context, table), refused(*refuse, PrimaryKeyChangedError):
+        history = Table.open(TablePaths.of(platform.warehouse_root, table.name).history)
+        check_key(history, table.primary_key)  # before the job writes anything
+        yield OperatorRun(context, platform, table, spark, keyring, history.version)
 
 
 def pool_name(table: TableConfig) -> str:

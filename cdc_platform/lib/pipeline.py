@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, fault_point
+from cdc_platform.lib.history.table_key import check_key
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import files_in_hour, hour_to_partition_key
 from cdc_platform.lib.landing.native import NativeGuard, NativeReadChangedError
@@ -172,8 +173,11 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     """``materialize`` in stages, each marked for the run's cost (``run_cost.lap``): list,
     inspect (pass 1), append to the change log (pass 2), record the quarantine, merge."""
     lap("list_files")
-    # A table another engine gave a feature the platform cannot keep stops the run here.
-    delta.check_tables(run.paths.changelog, run.paths.history)
+    # A table another engine gave a feature the platform cannot keep, or a config naming
+    # another key than the history table's, stops the run here, before it writes.
+    delta.check_tables(run.paths.changelog)
+    history = Table.open(run.paths.history)
+    check_key(history, run.table.primary_key)
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing_root, run.keyring)
@@ -205,7 +209,6 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     fault_point("after_changelog_commit")
 
     lap("merge_open")
-    version_before = delta.version_or_none(run.paths.history)
     merge = apply_pending(
         run.spark,
         run.paths,
@@ -222,7 +225,7 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
         merge=merge,
         seconds=round(time.monotonic() - started, 3),
         synced_at=synced_at,
-        history_version_before=version_before,
+        history_version_before=history.version,
         read_natively=tuple(sorted(reader.relative(p) for p in native)),
         revoked=tuple(sorted(listing.skipped)),
         landing_bytes_read=sum(s for p, s in listing.size_of.items() if p not in listing.not_read),

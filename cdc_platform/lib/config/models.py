@@ -77,7 +77,8 @@ class TableConfig:
         "digits and `_`, not starting with a digit or `_`."
     )
     primary_key: PrimaryKey = Field(
-        description="The key columns (a single name is a one-column list)."
+        description="The key columns (a single name is a one-column list). Recorded on the "
+        "history table by its first run: a config naming other columns is then refused."
     )
     start: Start = Field(description="The first hourly partition (UTC).")
     format: LandingFormatName = Field(

@@ -257,9 +257,14 @@ def arrow_schema_of(df: DataFrame) -> pa.Schema:
 
 
 def ensure_table(
-    table_path: Where, schema: pa.Schema, description: str = "", table: DeltaTable | None = None
+    table_path: Where,
+    schema: pa.Schema,
+    description: str = "",
+    table: DeltaTable | None = None,
+    properties: Mapping[str, str] | None = None,
 ) -> DeltaTable:
-    """Create the table if it is missing; add any new (nullable) columns. Never drops a column.
+    """Create the table if it is missing, with ``properties`` (the platform's own table
+    properties); add any new (nullable) columns. Never drops a column.
 
     ``table`` is the snapshot the caller already opened, if any (it is returned as it is when
     no column is missing, so a run keeps seeing one version).
@@ -273,7 +278,9 @@ def ensure_table(
             schema=schema,
             mode="ignore",
             description=description,
+            configuration=dict(properties or {}),
             storage_options=loc.storage_options,
+            raise_if_key_not_exists=False,  # the platform's keys are not Delta's
         )
     dt = table if table is not None else open_table(loc)
     have = {f.name for f in dt.schema().fields}

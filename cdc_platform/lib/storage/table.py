@@ -106,10 +106,12 @@ class Table:
         rows = delta.read_files(reader, self.location, files)
         return rows.filter(where) if where is not None else rows
 
-    def ensure(self, schema: pa.Schema, description: str) -> Table:
-        """Create the table if it is missing, add the (nullable) columns ``schema`` has and it
-        lacks; the handle as it then is (``self`` when nothing changed)."""
-        dt = delta.ensure_table(self.location, schema, description=description, table=self.dt)
+    def ensure(
+        self, schema: pa.Schema, description: str, properties: Mapping[str, str] | None = None
+    ) -> Table:
+        """Create the table if it is missing (with ``properties``), add the (nullable) columns
+        ``schema`` has and it lacks; the handle as it then is (``self`` when nothing changed)."""
+        dt = delta.ensure_table(self.location, schema, description, self.dt, properties)
         return self if dt is self.dt else Table.of(self.location, dt)
 
     def widened(self, spark: SparkSession, target: pa.Schema) -> Table:

@@ -35,7 +35,7 @@ watermark. A crash at any point leaves the previous version intact, and the next
 same pending work.
 """
 
-from cdc_platform.lib.history.merge.apply import apply_pending, caught_up, record_history_columns
+from cdc_platform.lib.history.merge.apply import apply_pending, caught_up, record_settings
 from cdc_platform.lib.history.merge.classify import unchanged_before
 from cdc_platform.lib.history.merge.columns import (
     APP_ID,
@@ -66,8 +66,8 @@ __all__ = [
     "caught_up",
     "fault_point",
     "is_closed_file",
-    "record_history_columns",
     "record_retracted_keys",
+    "record_settings",
     "stamp_delete_only_keys",
     "table_relative",
     "unchanged_before",

@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib.columns import HISTORY_COLUMNS_PROPERTY, HistoryColumns
-from cdc_platform.lib.history import changelog
+from cdc_platform.lib.history import changelog, table_key
 from cdc_platform.lib.history.merge.classify import split_keys, touch_keys
 from cdc_platform.lib.history.merge.columns import APP_ID
 from cdc_platform.lib.history.merge.fold import changes_of, fold_versions
@@ -24,6 +24,7 @@ from cdc_platform.lib.history.merge.write import (
     store_side_tables,
     write_files,
 )
+from cdc_platform.lib.history.table_key import PRIMARY_KEY_PROPERTY
 from cdc_platform.lib.history.versions import TRACK_ALL
 from cdc_platform.lib.spark.run_cost import lap
 from cdc_platform.lib.spark.session import interpreted
@@ -54,9 +55,10 @@ def apply_pending(
         lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns, list_keys),
         f"history commit for {paths.history}",
     )
-    if result.history_version is not None:
-        record_history_columns(paths, history_columns, result.history_version)
-    return replace(result, attempts=attempts)
+    version = result.history_version
+    if version is not None and record_settings(paths, primary_key, history_columns, version):
+        version += 1  # the table as this run leaves it: the settings' commit came right after
+    return replace(result, attempts=attempts, history_version=version)
 
 
 def caught_up(
@@ -81,24 +83,35 @@ def caught_up(
     return log
 
 
-def record_history_columns(
-    paths: TablePaths, history_columns: HistoryColumns, data_version: int
+def record_settings(
+    paths: TablePaths,
+    primary_key: Sequence[str],
+    history_columns: HistoryColumns,
+    data_version: int,
 ) -> bool:
-    """Record the setting once the versions follow it: a metadata-only commit right after the
-    data commit ``data_version``, and strict. If any other commit came in between (a run with
-    the old setting may have merged some keys its way), nothing is recorded: the table still
-    says the old setting, so the next run recomputes it whole again. A crash in between has
-    the same effect. Returns whether the setting was recorded now."""
+    """Record the key and the selective-history setting the versions now follow (table
+    properties, ``table_key``): a metadata-only commit right after the data commit
+    ``data_version``, and strict. If any other commit came in between (a run with the old
+    setting may have merged some keys its way), nothing is recorded: the table still says the
+    old setting, so the next run recomputes it whole again. A crash in between has the same
+    effect. (A new table is created with both: this records them on tables from before.)
+    Returns whether anything was recorded now."""
     from deltalake import CommitProperties
     from deltalake.exceptions import CommitFailedError
 
-    dt = Table.open(paths.history).dt
+    history = Table.open(paths.history)
+    dt = history.dt
     assert dt is not None  # it has just committed ``data_version``
-    if HistoryColumns.of_table(dt).same_as(history_columns) or dt.version() != data_version:
+    wanted = {}
+    if table_key.recorded_key(history) is None:  # else the same key: the merge checked it
+        wanted[PRIMARY_KEY_PROPERTY] = table_key.to_json(primary_key)
+    if not HistoryColumns.of_table(dt).same_as(history_columns):
+        wanted[HISTORY_COLUMNS_PROPERTY] = history_columns.to_json()
+    if not wanted or dt.version() != data_version:
         return False
     try:
         dt.alter.set_table_properties(
-            {HISTORY_COLUMNS_PROPERTY: history_columns.to_json()},
+            wanted,
             raise_if_not_exists=False,
             commit_properties=CommitProperties(max_commit_retries=0),
         )

@@ -1,0 +1,70 @@
+"""The primary key a history table was folded under, recorded on the table (docs/HISTORY_MODE.md,
+"The key is part of the table").
+
+Every version of the table is a version *of a key*: rows 1-3 of the contract hold per key. A run
+that folded new events under another key would put versions of two different keys side by side
+in one table, and nothing would say so. So the key is recorded as a table property the first
+time the merge commits, and every run, before it writes anything, compares the config's key with
+the table's: a different one is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from cdc_platform.lib.storage.table import Table
+
+# The history table's property recording the key its versions are folded under: a JSON list.
+PRIMARY_KEY_PROPERTY = "cdc_platform.primary_key"
+
+
+class PrimaryKeyChangedError(ValueError):
+    """The config names another primary key than the one the history table was folded under."""
+
+
+def to_json(primary_key: Sequence[str]) -> str:
+    """The key as the table records it: its columns in the config's order."""
+    return json.dumps(list(primary_key), ensure_ascii=True)
+
+
+def recorded_key(table: Table) -> list[str] | None:
+    """The key the table says its versions follow; None for a table that predates the property
+    (or does not exist yet). A property that is not a list of names (an edit by another tool)
+    is refused rather than guessed at."""
+    if table.dt is None:
+        return None
+    text = table.dt.metadata().configuration.get(PRIMARY_KEY_PROPERTY)
+    if text is None:
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raw = None
+    if not isinstance(raw, list) or not raw or not all(isinstance(c, str) for c in raw):
+        raise PrimaryKeyChangedError(
+            f"{table}: the table property {PRIMARY_KEY_PROPERTY} is not a list of column names;"
+            " it was not written by cdc_platform. Nothing was written."
+        )
+    return raw
+
+
+def same_key(a: Sequence[str], b: Sequence[str]) -> bool:
+    """The same columns, whatever their order and case (Delta names are case-insensitive, and a
+    key's order does not change which rows are one key)."""
+    return sorted(c.lower() for c in a) == sorted(c.lower() for c in b)
+
+
+def check_key(history: Table, primary_key: Sequence[str]) -> None:
+    """Refuse a run whose config names another key than the history table records (before the
+    run writes anything). A table without the property is not refused: the merge records the
+    config's key on its next commit (``record_settings``)."""
+    recorded = recorded_key(history)
+    if recorded is None or same_key(recorded, primary_key):
+        return
+    raise PrimaryKeyChangedError(
+        f"{history}: the config's primary_key is {list(primary_key)}, but the history table's"
+        f" versions are folded under {recorded} (its property {PRIMARY_KEY_PROPERTY})."
+        f" Nothing was written. Set primary_key back to {recorded}: changing a table's key is"
+        " not supported yet (docs/limitations.md)."
+    )
