@@ -7,12 +7,14 @@ from __future__ import annotations
 import base64
 import io
 import os
+import struct
 from collections.abc import Mapping, Sequence
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -236,6 +238,9 @@ SUPPORTED: dict[str, tuple[pa.DataType, Any, Any, tuple[Any, Any] | None]] = {
         ([{"x": 1}], [{"x": 2}]),
     ),
     "dictionary": (pa.dictionary(pa.int32(), pa.string()), "a", "b", ("a", "b")),
+    # Durations are kept as int64 microseconds; nanoseconds floored, as timestamps' are.
+    "duration_s": (pa.duration("s"), timedelta(seconds=1), timedelta(hours=2), (10**6, 72 * 10**8)),
+    "duration_ns": (pa.duration("ns"), 5001, -1500, (5, -2)),
 }
 REJECTED: dict[str, tuple[pa.DataType, Any, str]] = {
     "map": (pa.map_(pa.string(), pa.string()), [("k", "v")], "map columns are not supported"),
@@ -244,7 +249,11 @@ REJECTED: dict[str, tuple[pa.DataType, Any, str]] = {
         {"m": [("k", 1)]},
         "map columns are not supported",
     ),
-    "duration": (pa.duration("s"), timedelta(seconds=1), "duration columns are not supported"),
+    "list_duration": (
+        pa.list_(pa.duration("s")),
+        [timedelta(seconds=1)],
+        "a duration inside a list or struct is not supported",
+    ),
     "dec256_50": (pa.decimal256(50, 2), Decimal("1.25"), "decimal precision 50 is above"),
 }
 
@@ -308,6 +317,23 @@ def test_every_arrow_type_is_kept_compared_or_set_aside(spark, lake):
         assert [r["_fivetran_active"] for r in versions] == [False, False, True], name
 
 
+def test_a_parquet_interval_is_kept_as_its_twelve_bytes(spark, lake):
+    """Parquet's INTERVAL (months, days, milliseconds: three little-endian unsigned 32-bit
+    integers) has no Delta type: it is kept as the fixed-size binary Arrow reads it as, which
+    any engine decodes (docs/history-table.md, types). DuckDB writes it, as exports do."""
+    folder = hour_folder(lake["landing"], "t", H0)
+    folder.mkdir(parents=True, exist_ok=True)
+    duckdb.sql(
+        "COPY (SELECT 1::BIGINT AS id, INTERVAL '14 months 3 days 4.5 seconds' AS wait,"
+        " 'INSERT' AS cdc_operation_type, 1::BIGINT AS cdc_change_seq,"
+        " TIMESTAMPTZ '2024-01-01 00:01:00+00' AS cdc_commit_timestamp)"
+        f" TO '{folder / 'iv.parquet'}' (FORMAT PARQUET)"
+    )
+    assert run(spark, lake, [H0]).quarantined == ()
+    (row,) = history_rows(paths(lake).history)
+    assert struct.unpack("<III", row["wait"]) == (14, 3, 4500)
+
+
 # -- item 10: no value is ever lost to a cast --------------------------------------------------
 
 
@@ -332,8 +358,21 @@ def test_out_of_range_uint64_sets_the_file_aside_naming_row_and_column(spark, la
         names=["id", "w", "cdc_operation_type", "cdc_change_seq", "cdc_commit_timestamp"],
     )
     write_table(lake, H0, "value.parquet", big_value)
+    long_ago = pa.Table.from_arrays(  # 2^62 seconds: no 64-bit count of microseconds holds it
+        [
+            pa.array([5], pa.int64()),
+            pa.array([2**62], pa.duration("s")),
+            *cdc_arrays(["INSERT"], [10], [H0]),
+        ],
+        names=["id", "d", "cdc_operation_type", "cdc_change_seq", "cdc_commit_timestamp"],
+    )
+    write_table(lake, H0, "duration.parquet", long_ago)
     run(spark, lake, [H0])
     assert reasons(lake) == {
+        "duration.parquet": (
+            "row 1, column 'd': 4611686018427387904 s is out of range (a duration is kept as"
+            " 64-bit microseconds)"
+        ),
         "seq.parquet": (
             "row 2, column 'cdc_change_seq': 9223372036854775808 is out of range for a 64-bit"
             " integer"

@@ -282,12 +282,17 @@ class LandingReader:
             what = "is out of range for a 64-bit integer"
         elif pa.types.is_timestamp(values.type) or pa.types.is_date(values.type):
             what = "is out of range (years 1 to 9999)"
+        elif pa.types.is_duration(values.type):
+            what = "is out of range (a duration is kept as 64-bit microseconds)"
         else:
             what = f"cannot be read as {normalize_type(values.type)} without losing it"
         label = self.label(name, position)
         if row is None:
             raise LandingFileError(f"column {label}: a value {what}")
-        shown = self.show(values[row].as_py())
+        if pa.types.is_duration(values.type):  # as Python it may not fit a timedelta
+            shown = f"{self.show(values.cast(pa.int64())[row].as_py())} {values.type.unit}"
+        else:
+            shown = self.show(values[row].as_py())
         raise LandingFileError(f"row {row + 1}, column {label}: {shown} {what}", row + 1)
 
     # -- pass 1: inspect ----------------------------------------------------------------------

@@ -81,6 +81,7 @@ def needs_value_check(t: pa.DataType) -> bool:
         or pa.types.is_timestamp(t)
         or pa.types.is_date(t)
         or pa.types.is_decimal(t)
+        or pa.types.is_duration(t)  # seconds or milliseconds may overflow as microseconds
         or pa.types.is_nested(t)
     )
 
@@ -99,6 +100,8 @@ def to_type(values: pa.Array, target: pa.DataType) -> pa.Array:
         values = values.dictionary_decode()
     if pa.types.is_timestamp(values.type) and values.type.unit == "ns":
         values = pc.floor_temporal(values, unit="microsecond")  # pyright: ignore[reportAttributeAccessIssue]
+    if pa.types.is_duration(values.type):
+        values = duration_micros(values)
     out = values if values.type == target else values.cast(target, safe=True)
     if pa.types.is_timestamp(target) or pa.types.is_date(target):
         bounds = pc.min_max(out.cast(pa.int64() if pa.types.is_timestamp(target) else pa.int32()))  # pyright: ignore[reportAttributeAccessIssue]
@@ -107,6 +110,23 @@ def to_type(values: pa.Array, target: pa.DataType) -> pa.Array:
         if lo is not None and (lo < low or hi > high):
             raise pa.ArrowInvalid("outside the years 1 to 9999")
     return out
+
+
+# Microseconds per unit of a duration, or (for nanoseconds) units per microsecond.
+_PER_UNIT = {"s": 1_000_000, "ms": 1_000, "us": 1}
+
+
+def duration_micros(values: pa.Array) -> pa.Array:
+    """A duration column as int64 microseconds (docs/history-table.md, types): exact for
+    seconds to microseconds (an overflow raises ArrowInvalid), nanoseconds floored as a
+    timestamp's are (-1500 ns is -2 us, as Python's ``timedelta // timedelta(microseconds=1)``)."""
+    raw = values.cast(pa.int64())
+    unit = values.type.unit
+    if unit in _PER_UNIT:
+        return pc.multiply_checked(raw, _PER_UNIT[unit])  # pyright: ignore[reportAttributeAccessIssue]
+    truncated = pc.divide(raw, 1_000)  # pyright: ignore[reportAttributeAccessIssue]  # toward zero
+    below = pc.less(pc.subtract(raw, pc.multiply(truncated, 1_000)), 0)  # pyright: ignore[reportAttributeAccessIssue]
+    return pc.subtract(truncated, below.cast(pa.int64()))  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def validate_rows(

@@ -30,6 +30,8 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
     * float16/32/64 -> float64; decimal32/64/128/256 of precision <= 38 -> decimal128;
     * string, large_string, string_view -> string; binary, large, fixed, view -> binary;
     * date32/64 -> date32; time32/64 -> string (Delta has no time type);
+    * duration of any unit -> int64 microseconds, floored as timestamps are (Delta has no
+      duration type; top-level columns only, ``unsupported_type``);
     * timestamp of any unit, with or without zone -> timestamp[us, UTC] (naive means UTC,
       nanoseconds are truncated to microseconds);
     * list, large_list, fixed_size_list, list_view -> list of the normalized element type;
@@ -61,6 +63,8 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
         return pa.date32()
     if pa.types.is_time(t):
         return pa.string()
+    if pa.types.is_duration(t):
+        return pa.int64()
     if is_list(t):
         return pa.list_(normalize_type(t.value_type))
     if pa.types.is_struct(t):
@@ -68,27 +72,30 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
     return t
 
 
-def unsupported_type(t: pa.DataType) -> str | None:
+def unsupported_type(t: pa.DataType, nested: bool = False) -> str | None:
     """Why a column of Arrow type ``t`` cannot be kept (the file is set aside), or None.
 
     Decisions: a **map** (anywhere, also inside a list or struct) is rejected: Spark can
     neither compare nor order maps, and the fold must compare images to find no-op updates (a
-    canonical form would change the column's type in the table). **duration** and **interval**
-    have no Delta type; **decimal** beyond 38 digits has no Spark or Delta type; a struct with
-    no field or with field names equal but for case cannot be stored in Delta.
+    canonical form would change the column's type in the table). A **duration** column is
+    kept as its microseconds (``normalize_type``); inside a list or struct it is rejected (the
+    conversion is per column). An Arrow **interval** has no Delta type (a Parquet INTERVAL
+    column is read as its 12 bytes, a fixed-size binary, and kept so); **decimal** beyond 38
+    digits has no Spark or Delta type; a struct with no field or with field names equal but
+    for case cannot be stored in Delta.
     """
     if pa.types.is_dictionary(t):
-        return unsupported_type(t.value_type)
+        return unsupported_type(t.value_type, nested)
     if pa.types.is_map(t):
         return "map columns are not supported (Spark cannot compare maps)"
-    if pa.types.is_duration(t):
-        return "duration columns are not supported (Delta has no duration type)"
+    if pa.types.is_duration(t) and nested:
+        return "a duration inside a list or struct is not supported (a top-level one is)"
     if pa.types.is_interval(t):
         return "interval columns are not supported (Delta has no interval type)"
     if pa.types.is_decimal(t) and t.precision > 38:
         return f"decimal precision {t.precision} is above the 38 digits Spark and Delta support"
     if is_list(t):
-        return unsupported_type(t.value_type)
+        return unsupported_type(t.value_type, nested=True)
     if pa.types.is_struct(t):
         if t.num_fields == 0:
             return "a struct without fields cannot be stored"
@@ -96,7 +103,7 @@ def unsupported_type(t: pa.DataType) -> str | None:
         if len(set(names)) != len(names):
             return "a struct with field names equal but for case cannot be stored"
         for f in t:
-            why = unsupported_type(f.type)
+            why = unsupported_type(f.type, nested=True)
             if why:
                 return why
         return None
@@ -116,6 +123,7 @@ def unsupported_type(t: pa.DataType) -> str | None:
         or pa.types.is_timestamp(t)
         or pa.types.is_date(t)
         or pa.types.is_time(t)
+        or pa.types.is_duration(t)
     )
     return None if simple else f"type {t} is not supported"
 
