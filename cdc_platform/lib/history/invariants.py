@@ -28,7 +28,7 @@ from cdc_platform.lib.columns import (
     cols,
     internal,
 )
-from cdc_platform.lib.history import joins
+from cdc_platform.lib.history import joins, table_key
 from cdc_platform.lib.history.merge import TOUCHED_KEYS
 from cdc_platform.lib.history.reconciliation import (
     NEXT_START,
@@ -215,6 +215,15 @@ def _fit(values: list[Any], key_type: DataType) -> bool:
     return isinstance(key_type, StringType) and all(isinstance(v, str) for v in values)
 
 
+def _recorded_or(history: Table, primary_key: Sequence[str]) -> list[str]:
+    """The key the table records; the config's for a table from before the property, or one
+    whose property another tool wrote (the runs refuse that one, with its reason)."""
+    try:
+        return table_key.recorded_key(history) or list(primary_key)
+    except table_key.PrimaryKeyChangedError:
+        return list(primary_key)
+
+
 def run_checks(
     spark: SparkSession,
     paths: TablePaths,
@@ -225,11 +234,13 @@ def run_checks(
 ) -> list[CheckOutcome]:
     """Every invariant over the table, or over the keys in ``scope`` only.
 
+    The checks verify the table under the key it records (``table_key``): a config that names
+    another key is refused by every run, and the table's versions follow its own key.
     ``hide_keys`` (an encrypted table): a failing check's sample holds ``REDACTED``, never a
     key value; the counts are unchanged."""
-    pk = list(primary_key)
     outcomes = [_quarantine_check(paths), _revoked_check(spark, paths)]
     history = Table.open(paths.history)
+    pk = _recorded_or(history, primary_key)
     if history.dt is None:
         return outcomes + [
             CheckOutcome(n, True, 0, detail="table not created yet")
