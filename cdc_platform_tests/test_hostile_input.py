@@ -334,6 +334,25 @@ def test_a_parquet_interval_is_kept_as_its_twelve_bytes(spark, lake):
     assert struct.unpack("<III", row["wait"]) == (14, 3, 4500)
 
 
+def test_a_duration_is_no_change_seq(spark, lake):
+    """A data column's duration is kept as microseconds; a seq that is a duration is refused,
+    not multiplied into an order it never had."""
+    tbl = pa.Table.from_arrays(
+        [
+            pa.array([1], pa.int64()),
+            pa.array(["INSERT"]),
+            pa.array([5], pa.duration("s")),
+            pa.array([H0], pa.timestamp("us", tz="UTC")),
+        ],
+        names=["id", "cdc_operation_type", "cdc_change_seq", "cdc_commit_timestamp"],
+    )
+    write_table(lake, H0, "seq.parquet", tbl)
+    run(spark, lake, [H0])
+    assert reasons(lake) == {
+        "seq.parquet": "column 'cdc_change_seq' has type duration[s]: a change column is never one"
+    }
+
+
 # -- item 10: no value is ever lost to a cast --------------------------------------------------
 
 

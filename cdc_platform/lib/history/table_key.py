@@ -19,6 +19,10 @@ from cdc_platform.lib.storage.table import Table
 PRIMARY_KEY_PROPERTY = "cdc_platform.primary_key"
 
 
+# A key's property is a short list of names; anything longer was not written by the platform.
+MAX_PROPERTY_CHARS = 10_000
+
+
 class PrimaryKeyChangedError(ValueError):
     """The config names another primary key than the one the history table was folded under."""
 
@@ -37,10 +41,12 @@ def recorded_key(table: Table) -> list[str] | None:
     text = table.dt.metadata().configuration.get(PRIMARY_KEY_PROPERTY)
     if text is None:
         return None
-    try:
-        raw = json.loads(text)
-    except ValueError:
-        raw = None
+    raw = None
+    if len(text) <= MAX_PROPERTY_CHARS:
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError):  # deep nesting is not a key either
+            raw = None
     if not isinstance(raw, list) or not raw or not all(isinstance(c, str) for c in raw):
         raise PrimaryKeyChangedError(
             f"{table}: the table property {PRIMARY_KEY_PROPERTY} is not a list of column names;"
@@ -50,9 +56,10 @@ def recorded_key(table: Table) -> list[str] | None:
 
 
 def same_key(a: Sequence[str], b: Sequence[str]) -> bool:
-    """The same columns, whatever their order and case (Delta names are case-insensitive, and a
-    key's order does not change which rows are one key)."""
-    return sorted(c.lower() for c in a) == sorted(c.lower() for c in b)
+    """The same columns, in any order (a key's order does not change which rows are one key).
+    Letter case counts: landing files are matched to the key's names as written, so ``ID``
+    where the table says ``id`` would set every file aside; it is refused here instead."""
+    return sorted(a) == sorted(b)
 
 
 def check_key(history: Table, primary_key: Sequence[str]) -> None:

@@ -242,6 +242,11 @@ class LandingReader:
                 raise LandingFileError(
                     f"column {name} uses a reserved system prefix (_fivetran_, _cdc_)"
                 )
+            elif f.name in CDC_COLUMNS and pa.types.is_duration(f.type):
+                # A data column's duration becomes microseconds; a seq or time must not.
+                raise LandingFileError(
+                    f"column {name} has type {f.type}: a change column is never one"
+                )
             elif f.name not in CDC_COLUMNS:
                 why = unsupported_type(f.type)
                 if why:
