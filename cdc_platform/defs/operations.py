@@ -106,7 +106,8 @@ def operator_run(
 ) -> Iterator[OperatorRun]:
     """The skeleton every operator job shares: find the table the run names, hold its pool
     slot, refuse a config whose key is not the table's (``table_key``), note the history
-    version before the work (the checks after it cover what changed since), and turn the library's refusals (``refuse``) into a failure without a traceback."""
+    version before the work (the checks after it cover what changed since), and turn the
+    library's refusals (``refuse``) into a failure without a traceback."""
     table = table_named(platform, config.table)
     tag_run_with_table(context, table)
     with table_pool_slot(context, table), refused(*refuse, PrimaryKeyChangedError):

@@ -17,8 +17,6 @@ from cdc_platform.lib.storage.table import Table
 
 # The history table's property recording the key its versions are folded under: a JSON list.
 PRIMARY_KEY_PROPERTY = "cdc_platform.primary_key"
-
-
 # A key's property is a short list of names; anything longer was not written by the platform.
 MAX_PROPERTY_CHARS = 10_000
 

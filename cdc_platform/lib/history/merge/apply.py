@@ -17,7 +17,7 @@ from cdc_platform.lib.history.merge.columns import APP_ID
 from cdc_platform.lib.history.merge.fold import changes_of, fold_versions
 from cdc_platform.lib.history.merge.gather import gather_rows
 from cdc_platform.lib.history.merge.open import open_attempt
-from cdc_platform.lib.history.merge.snapshot import MergeResult
+from cdc_platform.lib.history.merge.snapshot import MergeResult, history_properties
 from cdc_platform.lib.history.merge.write import (
     commit_history,
     rewritten_files,
@@ -102,11 +102,13 @@ def record_settings(
     history = Table.open(paths.history)
     dt = history.dt
     assert dt is not None  # it has just committed ``data_version``
-    wanted = {}
-    if table_key.recorded_key(history) is None:  # else the same key: the merge checked it
-        wanted[PRIMARY_KEY_PROPERTY] = table_key.to_json(primary_key)
-    if not HistoryColumns.of_table(dt).same_as(history_columns):
-        wanted[HISTORY_COLUMNS_PROPERTY] = history_columns.to_json()
+    recorded = {
+        # A key it records is the same key: the merge checked it.
+        PRIMARY_KEY_PROPERTY: table_key.recorded_key(history) is not None,
+        HISTORY_COLUMNS_PROPERTY: HistoryColumns.of_table(dt).same_as(history_columns),
+    }
+    settings = history_properties(primary_key, history_columns)
+    wanted = {k: v for k, v in settings.items() if not recorded[k]}
     if not wanted or dt.version() != data_version:
         return False
     try:

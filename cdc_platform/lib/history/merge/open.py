@@ -7,8 +7,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from cdc_platform.lib.columns import HISTORY_COLUMNS_PROPERTY, HistoryColumns
-from cdc_platform.lib.history import changelog, joins, table_key
+from cdc_platform.lib.columns import HistoryColumns
+from cdc_platform.lib.history import changelog, joins
 from cdc_platform.lib.history.merge.columns import SYSTEM_COLUMNS
 from cdc_platform.lib.history.merge.side_tables import (
     pending_retractions,
@@ -20,9 +20,10 @@ from cdc_platform.lib.history.merge.snapshot import (
     HistoryColumnsError,
     MergeResult,
     Snapshot,
+    history_properties,
     history_schema,
 )
-from cdc_platform.lib.history.table_key import PRIMARY_KEY_PROPERTY, check_key
+from cdc_platform.lib.history.table_key import check_key
 from cdc_platform.lib.spark.session import ADAPTIVE
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -56,10 +57,9 @@ def open_attempt(
     retracted key), the result as it stands. The history table is created on the first run,
     with the change log's key and data columns and the system columns (rule 1)."""
     snap = Snapshot.open(paths, history_columns)
-    if snap is not None:
-        check_key(snap.history, pk)  # every caller checked it already: this guards the merge
     if snap is None:
         return MergeResult(history_version=delta.version_or_none(paths.history))
+    check_key(snap.history, pk)  # every caller checked it already: this guards the merge
     while widen_to_changelog(spark, snap):  # types only widen: it ends
         snap = Snapshot.open(paths, history_columns)
         assert snap is not None
@@ -84,12 +84,7 @@ def open_attempt(
             f"{', '.join(data_columns)}). Nothing was merged: fix the config and run again."
         )
     history = snap.history.ensure(
-        schema,
-        "cdc_platform history-mode table",
-        {
-            PRIMARY_KEY_PROPERTY: table_key.to_json(pk),
-            HISTORY_COLUMNS_PROPERTY: history_columns.to_json(),
-        },
+        schema, "cdc_platform history-mode table", history_properties(pk, history_columns)
     )
     return Attempt(
         spark=spark,

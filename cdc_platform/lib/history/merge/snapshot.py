@@ -17,14 +17,16 @@ from cdc_platform.lib.columns import (
     CHANGED,
     CURRENT,
     END,
+    HISTORY_COLUMNS_PROPERTY,
     LAST_EVENT_AT,
     START,
     STATE_COLUMNS,
     SYNCED,
     HistoryColumns,
 )
-from cdc_platform.lib.history import joins
+from cdc_platform.lib.history import joins, table_key
 from cdc_platform.lib.history.merge.columns import APP_ID, FAULT_ENV, FILE
+from cdc_platform.lib.history.table_key import PRIMARY_KEY_PROPERTY
 from cdc_platform.lib.spark.session import persisted
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
@@ -78,6 +80,18 @@ def history_schema(primary_key: Sequence[str], key_and_data: pa.Schema) -> pa.Sc
         pa.field(CHANGED, pa.list_(pa.string())),
     ]
     return pa.schema([f.with_nullable(True) for f in (*keys, *data, *system)])
+
+
+def history_properties(
+    primary_key: Sequence[str], history_columns: HistoryColumns
+) -> dict[str, str]:
+    """The table properties a history table records: the settings its versions follow (its key,
+    ``table_key``; its selective-history setting). Set at creation, and on a table from before
+    by ``record_settings``."""
+    return {
+        PRIMARY_KEY_PROPERTY: table_key.to_json(primary_key),
+        HISTORY_COLUMNS_PROPERTY: history_columns.to_json(),
+    }
 
 
 def is_closed_file(f: delta.DataFile) -> bool:
