@@ -64,10 +64,8 @@ def main() -> None:
                 mat_s = time.perf_counter() - t0
                 paths = TablePaths.of(warehouse, name)
                 rows = read_arrow(paths.history, columns=[PRIMARY_KEYS[name]])
-                first, outcomes = timed_checks(spark, paths, table.primary_key)
-                samples = [
-                    timed_checks(spark, paths, table.primary_key)[0] for _ in range(args.reps)
-                ]
+                first, outcomes = timed_checks(spark, paths, table.key)
+                samples = [timed_checks(spark, paths, table.key)[0] for _ in range(args.reps)]
                 failing = [o.name for o in outcomes if not o.passed] or ["none"]
                 keys = len(set(rows.column(0).to_pylist()))
                 print(

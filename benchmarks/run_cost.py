@@ -136,9 +136,9 @@ def hourly_checks(spark: SparkSession, paths: TablePaths, since: int | None) -> 
     version before the run), with the same stopwatch as a run."""
     with RunCost(spark) as cost:
         cost.lap("scope")
-        scope = invariants.touched_keys(spark, paths, TABLE.primary_key, since)
+        scope = invariants.touched_keys(spark, paths, TABLE.key, since)
         cost.lap("checks")
-        outcomes = invariants.run_checks(spark, paths, TABLE.primary_key, scope)
+        outcomes = invariants.run_checks(spark, paths, TABLE.key, scope)
     failed = [o.name for o in outcomes if not o.passed]
     if failed:
         raise SystemExit(f"an invariant failed after a benchmark run: {failed}")

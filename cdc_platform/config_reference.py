@@ -124,6 +124,8 @@ def _schema_type(prop: dict[str, Any]) -> str:
 def _default(model: type, key: str) -> str:
     if model is cfg.PlatformConfig and key == "tables":
         return "required without `discover:`"
+    if model is cfg.TableConfig and key == "primary_key":
+        return "required without `keyless: true`"
     info = model.__pydantic_fields__[key]  # type: ignore[attr-defined]
     if info.is_required():
         return "required"

@@ -50,6 +50,7 @@ from cdc_platform.lib.columns import (
     ACTIVE,
     END,
     HISTORY_SYSTEM_COLUMNS,
+    ROW_ID,
     START,
     TMAX,
     col,
@@ -137,9 +138,10 @@ class _Snapshot:
     @property
     def columns(self) -> list[str]:
         """The columns a read returns: key and data columns in table order (a column added
-        later comes after the system columns in the table), then the ``_fivetran_*`` ones."""
+        later comes after the system columns in the table; a keyless table's `_fivetran_id`
+        first), then the ``_fivetran_*`` ones."""
         names = self.schema.names
-        return [n for n in names if not is_reserved(n)] + [
+        return [n for n in names if not is_reserved(n) or n == ROW_ID] + [
             n for n in HISTORY_SYSTEM_COLUMNS if n in names
         ]
 

@@ -78,7 +78,7 @@ def rows_of(paths: TablePaths) -> list[tuple]:
 
 
 def checks_pass(spark, paths: TablePaths) -> None:
-    outcomes = invariants.run_checks(spark, paths, TABLE.primary_key)
+    outcomes = invariants.run_checks(spark, paths, TABLE.key)
     assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
 
 
@@ -99,7 +99,7 @@ def test_a_soft_delete_mode_delta_table_is_adopted_as_the_seeds_say(spark, lake)
     ]
     names = delta.table_arrow_schema(delta.open_table(paths.history)).names
     assert "_fivetran_deleted" not in names and names[:3] == ["id", "status", "amount"]
-    assert table_key.recorded_key(Table.open(paths.history)) == list(TABLE.primary_key)
+    assert table_key.recorded_key(Table.open(paths.history)) == list(TABLE.key)
     log = delta.read_arrow(paths.changelog).to_pylist()
     assert {e["_cdc_source_file"] for e in log} == {source_name(Location.of(source))}
     checks_pass(spark, paths)

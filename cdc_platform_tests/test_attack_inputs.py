@@ -567,7 +567,7 @@ def test_a_backtick_in_a_key_name_is_a_name_and_encrypted_keys_are_redacted(spar
     write_deltalake(str(paths.history), pa.concat_tables([history, history]), mode="overwrite")
     failed = {
         o.name: o
-        for o in invariants.run_checks(spark, paths, table.primary_key, hide_keys=True)
+        for o in invariants.run_checks(spark, paths, table.key, hide_keys=True)
         if not o.passed
     }
     assert failed[invariants.ONE_ACTIVE].failing == 1

@@ -102,7 +102,7 @@ def built(spark, tmp_path_factory: pytest.TempPathFactory) -> Path:
         "run-1",
         now=synced(6),
     )
-    current_table.refresh(spark, TablePaths.of(warehouse, "orders"), TABLE.primary_key)
+    current_table.refresh(spark, TablePaths.of(warehouse, "orders"), TABLE.key)
     return root
 
 
@@ -230,7 +230,7 @@ def test_the_platform_goes_on_after_delta_spark_optimizes_and_vacuums(spark, bui
     assert _history_and_log(warehouse) == _history_and_log(untouched / "warehouse")
     paths = TablePaths.of(warehouse, "orders")
     control_paths = TablePaths.of(untouched / "warehouse", "orders")
-    outcomes = {o.name: o.passed for o in invariants.run_checks(spark, paths, TABLE.primary_key)}
+    outcomes = {o.name: o.passed for o in invariants.run_checks(spark, paths, TABLE.key)}
     control = {o.name: o.passed for o in invariants.run_checks(spark, control_paths, ("id",))}
     assert outcomes == control
     # Every invariant holds; the one failure is the quarantined file, as it should be.
@@ -239,7 +239,7 @@ def test_the_platform_goes_on_after_delta_spark_optimizes_and_vacuums(spark, bui
         ours = read.as_of_arrow(paths.history, ts).to_table()
         theirs = read.as_of_arrow(control_paths.history, ts).to_table()
         assert _sorted_rows(ours) == _sorted_rows(theirs)
-    current_table.refresh(spark, paths, TABLE.primary_key)
+    current_table.refresh(spark, paths, TABLE.key)
     assert_same_reads(spark, paths.history)
     assert_same_reads(spark, paths.current)
 

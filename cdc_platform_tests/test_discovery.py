@@ -137,8 +137,12 @@ def test_primary_key_guesses_are_marked_as_guesses(lake) -> None:
     assert guess_primary_key("t", []) == ("id", "a placeholder, the columns are unknown")
     parquet_table(lake["landing"], "things", key="code")
     found = describe(lake["landing"], "things")
-    assert found.primary_key == ("code",)
-    assert "# GUESS: no id column, so the first column; check it" in found.config_snippet()
+    # No id-like column: the proposal is a keyless table, which the config then reads as one.
+    assert found.primary_key == ()
+    snippet = found.config_snippet()
+    assert "  keyless: true  # GUESS: no id column, so keyed by a hash of each row's" in snippet
+    table = snippet_table(snippet, lake)
+    assert table.keyless and table.primary_key is None and table.key == ("_fivetran_id",)
 
 
 def test_describe_a_csv_table_types_from_its_rows_and_the_snippet_reads_it(lake) -> None:

@@ -689,7 +689,7 @@ def test_versions_one_millisecond_apart_pass(spark, lake) -> None:
         ("b", True),
         ("c", False),
     ]
-    outcomes = invariants.run_checks(spark, paths, table.primary_key)
+    outcomes = invariants.run_checks(spark, paths, table.key)
     assert [(o.name, o.sample) for o in outcomes if not o.passed] == []
 
 

@@ -122,6 +122,6 @@ def test_operations_mixed_into_random_deliveries(spark, tmp_path_factory, data):
     actual = history_rows(paths.history) if paths.history.path.exists() else []
     assert normalize(actual, COLUMNS) == normalize(reference_history(logged, ["id"]), COLUMNS)
     if actual:
-        outcomes = invariants.run_checks(spark, paths, TABLE.primary_key)
+        outcomes = invariants.run_checks(spark, paths, TABLE.key)
         failed = [(o.name, o.sample) for o in outcomes if not o.passed]
         assert not failed, failed

@@ -44,7 +44,7 @@ class _Lake:
         return materialize(self.spark, self.table, self.landing, self.warehouse, [hour])
 
     def check(self, data: list[str]) -> None:
-        pk = list(self.table.primary_key)
+        pk = list(self.table.key)
         columns = [*pk, *data, *SYSTEM]
         expected = reference_history(self.events, pk)
         actual = history_rows(self.paths.history)

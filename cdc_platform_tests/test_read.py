@@ -396,10 +396,10 @@ def test_an_empty_live_set_empties_the_current_table(spark, tmp_path):
     paths = TablePaths.of(platform.warehouse_root, "t")
     write_parquet_events(platform.landing_root, "t", H1, HOUR1[:1])
     materialize(spark, table, platform.landing_root, platform.warehouse_root, [H1])
-    assert current_table.refresh(spark, paths, table.primary_key).rows == 1
+    assert current_table.refresh(spark, paths, table.key).rows == 1
     write_parquet_events(platform.landing_root, "t", H2, [ev("DELETE", 2, s(9), "a", v=None)])
     materialize(spark, table, platform.landing_root, platform.warehouse_root, [H2])
-    result = current_table.refresh(spark, paths, table.primary_key)
+    result = current_table.refresh(spark, paths, table.key)
     assert (result.rows, result.files_added, result.files_removed) == (0, 0, 1)
     assert delta.read_arrow(paths.current).num_rows == 0
     assert delta.read_arrow(paths.current).schema.names == ["id", "v"]

@@ -80,7 +80,7 @@ def snapshot_events(rows: dict, at: datetime = R) -> list[dict]:
 
 
 def checks_pass(spark, paths: TablePaths) -> None:
-    outcomes = invariants.run_checks(spark, paths, TABLE.primary_key)
+    outcomes = invariants.run_checks(spark, paths, TABLE.key)
     assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
 
 
@@ -269,7 +269,7 @@ def test_key_columns_named_like_the_checks_working_names_resync(spark, lake, key
         ("a", 30, D3, TMAX, True),
         ("b", 5, D2, R, False),
     ]
-    outcomes = invariants.run_checks(spark, paths, table.primary_key)
+    outcomes = invariants.run_checks(spark, paths, table.key)
     assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
 
     seen = versions(paths)

@@ -106,10 +106,10 @@ def scenario(spark: Any, landing: Path, warehouse: Path) -> dict[str, Any]:
     runs.append(materialize(spark, TABLE, landing, warehouse, [H0, H1], synced_at=SYNCED[3]))
 
     paths = TablePaths.of(warehouse, TABLE.name)
-    checks = invariants.run_checks(spark, paths, TABLE.primary_key)
+    checks = invariants.run_checks(spark, paths, TABLE.key)
     since = runs[1].merge.history_version
-    scope = invariants.touched_keys(spark, paths, TABLE.primary_key, since)
-    scoped = invariants.run_checks(spark, paths, TABLE.primary_key, scope)
+    scope = invariants.touched_keys(spark, paths, TABLE.key, since)
+    scoped = invariants.run_checks(spark, paths, TABLE.key, scope)
     return json.loads(
         json.dumps(
             {

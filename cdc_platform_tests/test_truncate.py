@@ -88,7 +88,7 @@ def truncate_delete(key: int, before: datetime = T) -> dict:
 
 
 def checks_pass(spark, paths: TablePaths) -> None:
-    outcomes = invariants.run_checks(spark, paths, TABLE.primary_key)
+    outcomes = invariants.run_checks(spark, paths, TABLE.key)
     assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
 
 

@@ -95,7 +95,7 @@ def test_a_wider_file_widens_every_table_and_keeps_every_value(spark, lake):
     ]
     write_parquet_events(landing, TABLE.name, H0, hour0, schema=OLD)
     materialize(spark, TABLE, landing, warehouse, [H0])
-    current_table.refresh(spark, paths, TABLE.primary_key)
+    current_table.refresh(spark, paths, TABLE.key)
 
     # Key 1: the same values in the wider types (no new version). Key 2: a real change.
     hour1 = [
@@ -135,12 +135,12 @@ def test_a_wider_file_widens_every_table_and_keeps_every_value(spark, lake):
         (1, Decimal("1.500"), midnight(d1), "7", at(H1, 1), TMAX, True),
         (3, Decimal("3.000"), midnight(d2), "3", at(H0, 0), at(H0, 3), False),
     }
-    current_table.refresh(spark, paths, TABLE.primary_key)  # built in the old types: widened
+    current_table.refresh(spark, paths, TABLE.key)  # built in the old types: widened
     schema = delta.table_arrow_schema(delta.open_table(paths.current))
     assert {n: schema.field(n).type for n in wide} == wide
     current = delta.read_arrow(paths.current).to_pylist()
     assert sorted((r["id"], r["code"]) for r in current) == [(1, "7"), (2, "x-8")]
-    outcomes = invariants.run_checks(spark, paths, TABLE.primary_key)
+    outcomes = invariants.run_checks(spark, paths, TABLE.key)
     assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
 
     # Narrowing back is not a change of type: a file with the old types is cast up, and a
@@ -193,7 +193,7 @@ def test_a_primary_key_column_widens_only_when_the_table_allows_it(spark, lake):
         ("1", 2, True),
         ("A-1", 5, True),
     ]
-    outcomes = invariants.run_checks(spark, paths, TABLE.primary_key)
+    outcomes = invariants.run_checks(spark, paths, TABLE.key)
     assert all(o.passed for o in outcomes), [(o.name, o.sample) for o in outcomes if not o.passed]
 
 

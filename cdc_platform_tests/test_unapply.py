@@ -113,7 +113,7 @@ def test_unapply_equals_a_build_without_the_file_and_readmit_restores(spark, lak
     side = delta.read_arrow(paths.delete_only_keys).to_pylist()
     assert all(row["id"] != 3 for row in side)  # key 3's only event is gone
     assert [f.file for f in revoked_files.revoked(paths.revoked_files)] == [BAD]
-    checks = {o.name: o.passed for o in invariants.run_checks(spark, paths, TABLE.primary_key)}
+    checks = {o.name: o.passed for o in invariants.run_checks(spark, paths, TABLE.key)}
     assert all(checks.values()), checks
 
     # A replay changes nothing: no commit anywhere.
@@ -146,9 +146,7 @@ def test_the_check_fails_when_a_revoked_files_events_remain(spark, lake):
     # Recorded as revoked, but the events were never removed (as if the job died right after).
     revoked_files.add(paths.revoked_files, [BAD], "test", "r0", H2)
     (o,) = [
-        o
-        for o in invariants.run_checks(spark, paths, TABLE.primary_key)
-        if o.name == invariants.NO_REVOKED
+        o for o in invariants.run_checks(spark, paths, TABLE.key) if o.name == invariants.NO_REVOKED
     ]
     assert not o.passed and o.sample == [{"file": BAD, "events": 6}]
 
@@ -161,7 +159,7 @@ def test_a_crash_after_the_change_log_rewrite_is_finished_by_the_next_run(spark,
     materialize(spark, TABLE, landing, warehouse, [H0, H1, H2])
     paths = TablePaths.of(warehouse, TABLE.name)
     revoked_files.add(paths.revoked_files, [BAD], "test", "r0", H2)
-    removed, keys, rewritten = _remove_events(spark, paths, TABLE.primary_key, {BAD})
+    removed, keys, rewritten = _remove_events(spark, paths, TABLE.key, {BAD})
     assert (removed, keys, rewritten) == (6, 5, 1)
     assert any(r[0] == 2 for r in normalize(history_rows(paths.history), ["id"]))  # stale
 
@@ -375,7 +373,7 @@ def test_unapply_equals_a_fresh_build_without_the_files(spark, tmp_path_factory,
     assert rows(warehouse) == rows(fresh)
     assert rows(warehouse, visible) == normalize(reference_history(kept, ["id"]), visible)
     paths = TablePaths.of(warehouse, table.name)
-    outcomes = invariants.run_checks(spark, paths, table.primary_key)
+    outcomes = invariants.run_checks(spark, paths, table.key)
     assert [o for o in outcomes if not o.passed] == []
 
     readmit(spark, table, landing, warehouse, names)

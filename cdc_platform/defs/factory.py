@@ -106,12 +106,12 @@ def _history_asset(
                 kinds={"spark", "delta"},
                 # What tells 200 tables apart comes first: the catalog shows one line of it.
                 description=(
-                    f"History (SCD2) of {table.name}, keyed by {', '.join(table.primary_key)}: "
+                    f"History (SCD2) of {table.name}, {_keyed_by(table)}: "
                     f"Delta table `{paths.history}`, built from the CDC files in "
                     f"`{platform.landing_root / table.name}`."
                 ),
                 metadata={
-                    "primary_key": list(table.primary_key),
+                    "primary_key": list(table.key),
                     "table_path": dg.MetadataValue.path(str(paths.history)),
                     # The asset page cannot link an op job's schedule: name it here.
                     "maintenance_schedule": maintenance_schedule_name(platform, table),
@@ -182,7 +182,7 @@ def _history_checks(
         # gate would open on a history that is still wrong).
         failed_before = _a_blocking_check_failed_before(context, blocking_keys)
         scope = (
-            invariants.touched_keys(session, paths, table.primary_key, since)
+            invariants.touched_keys(session, paths, table.key, since)
             if materialized_here and not failed_before
             else None
         )
@@ -196,9 +196,7 @@ def _history_checks(
             else "whole table"
         )
         hide_keys = table.encryption != "none"  # decrypted key values stay out of the UI
-        for o in invariants.run_checks(
-            session, paths, table.primary_key, scope, hide_keys=hide_keys
-        ):
+        for o in invariants.run_checks(session, paths, table.key, scope, hide_keys=hide_keys):
             if not o.passed:
                 context.log.error(f"{table.name}: check {o.name} failed for {o.failing} key(s)")
             yield dg.AssetCheckResult(
@@ -274,7 +272,7 @@ def build_current_table_asset(platform: PlatformConfig, table: TableConfig) -> d
             f"only), refreshed after the history table: Delta table `{paths.current}`."
         ),
         metadata={
-            "primary_key": list(table.primary_key),
+            "primary_key": list(table.key),
             "table_path": dg.MetadataValue.path(str(paths.current)),
         },
         automation_condition=current_table_condition(),
@@ -283,9 +281,7 @@ def build_current_table_asset(platform: PlatformConfig, table: TableConfig) -> d
     def current_rows(
         context: dg.AssetExecutionContext, spark: SparkResource
     ) -> dg.MaterializeResult:
-        result = current_table.refresh(
-            spark.session(platform.warehouse_root), paths, table.primary_key
-        )
+        result = current_table.refresh(spark.session(platform.warehouse_root), paths, table.key)
         context.log.info(
             f"{table.name}: current table has {result.rows} row(s) "
             f"(history version {result.history_version})"
@@ -516,3 +512,9 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             ALERT_RESOURCE_KEY: alert_webhook_from_env(),
         },
     )
+
+
+def _keyed_by(table: TableConfig) -> str:
+    if table.keyless:
+        return "keyless (each distinct row is keyed by _fivetran_id, a hash of its values)"
+    return f"keyed by {', '.join(table.key)}"

@@ -67,7 +67,7 @@ def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
         with operator_run(context, platform, config, spark, refuse=()) as run:
             table, paths = run.table, run.paths
             metadata: dict[str, int | None] = {}
-            for c in compact(run.session, paths, table.primary_key):
+            for c in compact(run.session, paths, table.key):
                 context.log.info(
                     f"{table.name} {c.table}: {c.files_before} -> {c.files_after} files "
                     f"({c.files_rewritten} rewritten), "

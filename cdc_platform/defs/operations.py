@@ -112,7 +112,7 @@ def operator_run(
     tag_run_with_table(context, table)
     with table_pool_slot(context, table), refused(*refuse, PrimaryKeyChangedError):
         history = Table.open(TablePaths.of(platform.warehouse_root, table.name).history)
-        check_key(history, table.primary_key)  # before the job writes anything
+        check_key(history, table.key)  # before the job writes anything
         yield OperatorRun(context, platform, table, spark, keyring, history.version)
 
 
@@ -242,9 +242,9 @@ def check_and_report(
     the UI shows it either way."""
     paths = TablePaths.of(platform.warehouse_root, table.name)
     session = spark.session(platform.warehouse_root)
-    scope = invariants.touched_keys(session, paths, table.primary_key, version_before)
+    scope = invariants.touched_keys(session, paths, table.key, version_before)
     outcomes = invariants.run_checks(
-        session, paths, table.primary_key, scope, hide_keys=table.encryption != "none"
+        session, paths, table.key, scope, hide_keys=table.encryption != "none"
     )
     failed = [o for o in outcomes if not o.passed and o.name != invariants.NO_QUARANTINE]
     for o in failed:

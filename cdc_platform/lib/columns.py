@@ -48,6 +48,9 @@ END = "_fivetran_end"
 ACTIVE = "_fivetran_active"
 SYNCED = "_fivetran_synced"
 HISTORY_SYSTEM_COLUMNS = (START, END, ACTIVE, SYNCED)
+# A keyless table's key: the hash of a row's values (``landing.row_id``, HISTORY_MODE section 3).
+# Not a system column of either list: it is the table's key column, in the change log too.
+ROW_ID = "_fivetran_id"
 # What the merge derives for each version beyond the contract's columns (extra `_cdc_` system
 # columns, which the contract allows): whether a version is its key's latest, when that key's
 # last event was (on its latest version), and which columns differ from the key's previous

@@ -28,7 +28,13 @@ from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import files_in_hour, hour_to_partition_key
 from cdc_platform.lib.landing.native import NativeGuard, NativeReadChangedError
 from cdc_platform.lib.landing.reader import FileReport, LandingReader, changed_files_named
-from cdc_platform.lib.landing.reading import event_schema, inspect_files, read_events, unify_schema
+from cdc_platform.lib.landing.reading import (
+    event_schema,
+    inspect_files,
+    read_events,
+    unify_schema,
+    with_row_id,
+)
 from cdc_platform.lib.landing.safe_open import CHANGED
 from cdc_platform.lib.ledgers import applied_files, quarantine, revoked_files
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
@@ -177,7 +183,7 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     # another key than the history table's, stops the run here, before it writes.
     delta.check_tables(run.paths.changelog)
     history = Table.open(run.paths.history)
-    check_key(history, run.table.primary_key)
+    check_key(history, run.table.key)
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing_root, run.keyring)
@@ -212,7 +218,7 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     merge = apply_pending(
         run.spark,
         run.paths,
-        run.table.primary_key,
+        run.table.key,
         synced_at,
         run.table.history_columns,
         list_keys=run.table.encryption == "none",  # an encrypted table's keys are decrypted data
@@ -265,6 +271,7 @@ def _inspect(
     readable = [r for r in reports if r.ok]
     logged = changelog.key_and_data_fields(Table.open(run.paths.changelog))
     fields, clashes = unify_schema(logged, readable, run.table.may_widen)
+    fields = with_row_id(fields, run.table.keyless)
     good = [r for r in readable if r.path not in clashes]
     set_aside = [
         replace(
@@ -411,7 +418,7 @@ class _Append:
             self.spark,
             self.paths.changelog,
             events,
-            self.table.primary_key,
+            self.table.key,
             seq_range,
             sum(r.num_rows for r in files),
             self.synced_at,

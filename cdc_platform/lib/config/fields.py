@@ -114,12 +114,20 @@ def _group(value: Any) -> str:
     return value
 
 
+KEY_REQUIRED = "required; a non-empty list of column names (a table without a key: `keyless: true`)"
+
+
+def _optional_primary_key(value: Any) -> tuple[str, ...] | None:
+    """A key, or None for a table whose config says ``keyless: true`` (the table checks)."""
+    return None if value is None else _primary_key(value)
+
+
 def _primary_key(value: Any) -> tuple[str, ...]:
     """A non-empty list of column names (a single name is a one-column list); any name works,
     dots and backticks included: every Spark reference is quoted."""
     pk = [value] if isinstance(value, str) else value
     if not pk or not isinstance(pk, list | tuple) or not all(isinstance(c, str) and c for c in pk):
-        raise ValueError("required; a non-empty list of column names")
+        raise ValueError(KEY_REQUIRED)
     if len({c.lower() for c in pk}) != len(pk):
         raise ValueError("lists a column twice (names are case-insensitive in Delta)")
     system = [c for c in pk if c.lower() in CDC_COLUMNS or c.lower().startswith("cdc_")]
@@ -332,6 +340,11 @@ GroupName = Annotated[str, BeforeValidator(_group), _string(format="name", **_NA
 PrimaryKey = Annotated[
     tuple[str, ...],
     BeforeValidator(_primary_key),
+    WithJsonSchema({"anyOf": [_COLUMN, _COLUMN_LIST]}),
+]
+OptionalPrimaryKey = Annotated[
+    tuple[str, ...] | None,
+    BeforeValidator(_optional_primary_key),
     WithJsonSchema({"anyOf": [_COLUMN, _COLUMN_LIST]}),
 ]
 ColumnList = Annotated[

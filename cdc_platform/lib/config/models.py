@@ -17,8 +17,9 @@ from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
-from cdc_platform.lib.columns import HistoryColumns
+from cdc_platform.lib.columns import ROW_ID, HistoryColumns
 from cdc_platform.lib.config.fields import (
+    KEY_REQUIRED,
     PARTITION_FORMAT,
     AdoptionRoots,
     Boolean,
@@ -32,6 +33,7 @@ from cdc_platform.lib.config.fields import (
     GroupName,
     LandingSensor,
     Minutes,
+    OptionalPrimaryKey,
     OptionalString,
     PositiveInt,
     PrimaryKey,
@@ -76,9 +78,19 @@ class TableConfig:
         description="The table: its landing folder, asset and warehouse folder. Letters, "
         "digits and `_`, not starting with a digit or `_`."
     )
-    primary_key: PrimaryKey = Field(
+    primary_key: OptionalPrimaryKey = Field(
+        default=None,
+        kw_only=True,
         description="The key columns (a single name is a one-column list). Recorded on the "
-        "history table by its first run: a config naming other columns is then refused."
+        "history table by its first run: a config naming other columns is then refused.",
+    )
+    keyless: Boolean = Field(
+        default=False,
+        kw_only=True,
+        description="A table without a primary key: each distinct row image is keyed by "
+        "`_fivetran_id`, a hash of its values, instead (HISTORY_MODE section 3). Never with "
+        "`primary_key`, `unmodified_string` or the history-column lists; its column types "
+        "never widen.",
     )
     start: Start = Field(description="The first hourly partition (UTC).")
     format: LandingFormatName = Field(
@@ -172,7 +184,8 @@ class TableConfig:
     def _keys_agree(self) -> TableConfig:
         if self.null_string is not None and self.null_string == self.unmodified_string:
             raise FieldProblem("must differ from null_string", "unmodified_string")
-        problem = FORMATS[self.format].config_problem(self.primary_key, self.columns)
+        self._check_key()
+        problem = FORMATS[self.format].config_problem(self.file_key, self.columns)
         if problem:
             raise FieldProblem(problem, "columns")
         if self.unapplied_alert_minutes * 60 <= 2 * self.retry_backoff_seconds:
@@ -185,6 +198,38 @@ class TableConfig:
         self._check_history_columns()
         return self
 
+    def _check_key(self) -> None:
+        """A key or ``keyless``, one of them; a keyless table's id needs every cell of every
+        row (HISTORY_MODE section 3), so no unmodified cells and no selective history."""
+        if self.primary_key is None and not self.keyless:
+            raise FieldProblem(KEY_REQUIRED, "primary_key")
+        if not self.keyless:
+            return
+        if self.primary_key is not None:
+            raise FieldProblem("give primary_key or keyless: true, not both", "keyless")
+        if self.unmodified_string is not None:
+            raise FieldProblem(
+                "a keyless table's rows are identified by all their values: a row with "
+                "unmodified cells has no id",
+                "unmodified_string",
+            )
+        for key in ("track_history_columns", "ignore_history_columns"):
+            if getattr(self, key) is not None:
+                raise FieldProblem(
+                    "a keyless table's row is a new id whenever any column changes", key
+                )
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        """The history table's key columns: the configured key, or ``_fivetran_id``."""
+        return (ROW_ID,) if self.keyless else tuple(self.primary_key or ())
+
+    @property
+    def file_key(self) -> tuple[str, ...]:
+        """The key columns every landing file must carry (none for a keyless table: its id is
+        computed from the row)."""
+        return () if self.keyless else self.key
+
     def _check_history_columns(self) -> None:
         """Never a key column, never both lists (``history_columns``)."""
         if self.track_history_columns is not None and self.ignore_history_columns is not None:
@@ -193,7 +238,7 @@ class TableConfig:
                 "ignore_history_columns",
             )
         for key in ("track_history_columns", "ignore_history_columns"):
-            key_columns = {k.lower() for k in self.primary_key}
+            key_columns = {k.lower() for k in self.key}
             in_key = [c for c in getattr(self, key) or () if c.lower() in key_columns]
             if in_key:
                 raise FieldProblem(
@@ -213,9 +258,11 @@ class TableConfig:
 
     def may_widen(self, column: str) -> bool:
         """Whether a file may widen ``column``'s type in the change log and the tables."""
+        if self.keyless:  # a widened value would hash to another id
+            return False
         if self.widen_types == "all":
             return True
-        return self.widen_types == "data" and column not in self.primary_key
+        return self.widen_types == "data" and column not in self.key
 
     @property
     def is_encoded(self) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from cdc_platform import read
-from cdc_platform.lib.columns import col, cols, is_reserved
+from cdc_platform.lib.columns import ROW_ID, col, cols, is_reserved
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.schema import spark_schema
 from cdc_platform.lib.storage.table import Table
@@ -70,8 +70,11 @@ def _refresh_once(
             f"history table {paths.history} does not exist yet: materialize it first"
         )
     live_rows = sum(f.num_records or 0 for f in history.files if read.may_hold(f, None))
-    # Key and data columns: every name outside the platform's `_fivetran_`/`_cdc_` spaces.
-    user = pa.schema([f for f in history.arrow_schema if not is_reserved(f.name)])
+    # Key and data columns: every name outside the platform's `_fivetran_`/`_cdc_` spaces,
+    # and a keyless table's key, `_fivetran_id`.
+    user = pa.schema(
+        [f for f in history.arrow_schema if not is_reserved(f.name) or f.name == ROW_ID]
+    )
     current = Table.open(paths.current)
     if not current.exists:
         current = current.ensure(user, DESCRIPTION)

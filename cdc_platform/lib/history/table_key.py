@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from cdc_platform.lib.columns import ROW_ID
 from cdc_platform.lib.storage.table import Table
 
 # The history table's property recording the key its versions are folded under: a JSON list.
@@ -68,8 +69,13 @@ def check_key(history: Table, primary_key: Sequence[str]) -> None:
     if recorded is None or same_key(recorded, primary_key):
         return
     raise PrimaryKeyChangedError(
-        f"{history}: the config's primary_key is {list(primary_key)}, but the history table's"
-        f" versions are folded under {recorded} (its property {PRIMARY_KEY_PROPERTY})."
-        f" Nothing was written. Set primary_key back to {recorded}: changing a table's key is"
-        " not supported yet (docs/limitations.md)."
+        f"{history}: the config's key is {_named(primary_key)}, but the history table's"
+        f" versions are folded under {_named(recorded)} (its property {PRIMARY_KEY_PROPERTY})."
+        f" Nothing was written. Set the config back to {_named(recorded)}: changing a table's"
+        " key is not supported yet (docs/limitations.md)."
     )
+
+
+def _named(key: Sequence[str]) -> str:
+    """A key as the config says it (a keyless table's key is its row id)."""
+    return "keyless: true" if list(key) == [ROW_ID] else f"primary_key: {list(key)}"

@@ -84,7 +84,7 @@ class DiscoveredTable:
     # (name, type) in file order: Arrow types for Parquet (``int64``, ``timestamp[us, tz=UTC]``),
     # config types for CSV (``long``, ``string``); empty when the file could not be read.
     columns: list[tuple[str, str]]
-    primary_key: tuple[str, ...]  # a guess (see ``primary_key_reason``)
+    primary_key: tuple[str, ...]  # a guess (see ``primary_key_reason``); empty: keyless
     first_hour: datetime  # the first hour folder holding a landing file
     sample_file: str  # that folder's first landing file (absolute path)
     encoding: Encoding = field(default_factory=Encoding)
@@ -108,8 +108,12 @@ class DiscoveredTable:
         lines = [
             f"# new table folder '{self.name}': first file {_quoted(_relative(self.sample_file))}",
             f"- name: {_scalar(self.name)}",
-            f"  primary_key: [{', '.join(_scalar(c) for c in self.primary_key)}]"
-            f"  # GUESS: {self.primary_key_reason}; check it",
+            (
+                f"  primary_key: [{', '.join(_scalar(c) for c in self.primary_key)}]"
+                if self.primary_key
+                else "  keyless: true"
+            )
+            + f"  # GUESS: {self.primary_key_reason}; check it",
             f'  start: "{self.start}"  # the first hour folder holding a file',
         ]
         if enc.format != "parquet":
@@ -277,7 +281,7 @@ def describe(landing_root: Path, name: str) -> DiscoveredTable:
     return DiscoveredTable(
         name=name,
         columns=columns,
-        primary_key=(pk,),
+        primary_key=(pk,) if pk else (),
         first_hour=hour,
         sample_file=path,
         encoding=encoding,
@@ -295,8 +299,9 @@ def _read_columns(
     return FORMATS[encoding.format].describe(partial(_open, path, opener), encoding.compression)
 
 
-def guess_primary_key(table: str, columns: list[str]) -> tuple[str, str]:
-    """(column, why): ``id``, ``<table>_id``, ``<singular>_id``, else the first data column."""
+def guess_primary_key(table: str, columns: list[str]) -> tuple[str | None, str]:
+    """(column, why): ``id``, ``<table>_id``, ``<singular>_id``; None when the columns are
+    known and none is such a key: the table is proposed keyless (HISTORY_MODE section 3)."""
     candidates = [
         c for c in columns if not c.lower().startswith("cdc_") and not is_reserved(c) and c
     ]
@@ -308,7 +313,7 @@ def guess_primary_key(table: str, columns: list[str]) -> tuple[str, str]:
     for wanted in ("id", f"{table}_id", f"{_singular(table)}_id"):
         if wanted.lower() in by_lower:
             return by_lower[wanted.lower()], f"the column '{by_lower[wanted.lower()]}'"
-    return candidates[0], "no id column, so the first column"
+    return None, "no id column, so keyed by a hash of each row's values"
 
 
 def _singular(name: str) -> str:

@@ -132,7 +132,7 @@ def native_report(reader: LandingReader, path: str) -> FileReport | None:
     in Spark SQL (``validate_native``). Any other file gets None: it is inspected in
     Python (``inspect``), which names whatever is wrong with it.
     """
-    if reader.table.is_encoded:
+    if reader.table.is_encoded or reader.table.keyless:  # an id is computed in Python
         return None
     try:
         with reader.open(path) as fh:
@@ -141,7 +141,7 @@ def native_report(reader: LandingReader, path: str) -> FileReport | None:
         reader._check_names(schema)
     except Exception:  # whatever it is, the full inspection names it
         return None
-    if not _natively_readable(schema, meta, reader.table.primary_key):
+    if not _natively_readable(schema, meta, reader.table.file_key):
         return None
     if parquet_bytes(meta) > reader.table.max_file_bytes:
         return None  # the inspection sets it aside, saying why
@@ -163,7 +163,7 @@ def validate_native(
     """
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    pk = list(reader.table.primary_key)
+    pk = list(reader.table.file_key)
     guard = NativeGuard(reader, [r.path for r in reports])
     groups: dict[tuple[tuple[str, str], ...], list[FileReport]] = {}
     for r in reports:
@@ -409,7 +409,7 @@ def read_native(
         (F.col("_metadata.row_index") + 1).cast("long").alias(SOURCE_ROW),
     ).join(F.broadcast(names), _FILE)
     changed = (
-        _row_check(list(reader.table.primary_key)).isNotNull()
+        _row_check(list(reader.table.file_key)).isNotNull()
         | (col(SOURCE_ROW) > col(_ROWS))
         | (col(SEQ) < col(_SEQ_MIN))
         | (col(SEQ) > col(_SEQ_MAX))

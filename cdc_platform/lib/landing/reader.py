@@ -21,7 +21,9 @@ import pyarrow.compute as pc
 
 from cdc_platform.lib.columns import (
     CDC_COLUMNS,
+    CHANGELOG_SYSTEM_COLUMNS,
     OP,
+    ROW_ID,
     SEQ,
     SOURCE_FILE,
     SOURCE_ROW,
@@ -35,12 +37,14 @@ from cdc_platform.lib.landing.codecs import LandingFileError, decode_file
 from cdc_platform.lib.landing.formats import FileToRead, LandingFormat, format_named
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import printable_path
+from cdc_platform.lib.landing.row_id import row_ids
 from cdc_platform.lib.landing.rows import (
     first_invalid_row,
     has_text,
     is_string_like,
     needs_value_check,
     to_type,
+    unmodified_rows,
     validate_rows,
 )
 from cdc_platform.lib.landing.safe_open import (
@@ -308,7 +312,7 @@ class LandingReader:
         return not self.table.is_encoded
 
     def inspect(self, path: str) -> FileReport:
-        needed = [*self.table.primary_key, *CDC_COLUMNS]
+        needed = [*self.table.file_key, *CDC_COLUMNS]
         try:
             if self.reads_footer_first():
                 schema = self._read_schema(path)
@@ -316,7 +320,11 @@ class LandingReader:
                 missing = [c for c in needed if c not in schema.names]
                 if missing:
                     return FileReport(path, 0, None, f"missing required column(s) {missing}")
-                checked = [f.name for f in schema if f.name in needed or needs_value_check(f.type)]
+                checked = [
+                    f.name
+                    for f in schema
+                    if f.name in needed or f.name == UNMODIFIED or needs_value_check(f.type)
+                ]
                 tbl = self.load(path, columns=checked)
             else:
                 tbl = self.load(path)
@@ -331,7 +339,9 @@ class LandingReader:
                 None,
                 f"could not read the file: {type(exc).__name__}{self._detail(exc)}",
             )
-        error, row, bad = validate_rows(tbl, self.table.primary_key, self.show)
+        error, row, bad = validate_rows(tbl, self.table.file_key, self.show)
+        if not error and self.table.keyless:
+            error, row, bad = unmodified_rows(tbl)
         if error:
             return FileReport(path, tbl.num_rows, schema, error, row, bad)
         bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}  # pyright: ignore[reportAttributeAccessIssue]
@@ -375,7 +385,7 @@ class LandingReader:
         if inspected is not None:
             self._check_as_inspected(path, tbl, inspected)
         n = tbl.num_rows
-        arrays = []
+        arrays: list[pa.Array] = []
         for field in schema:
             if field.name == SOURCE_FILE:
                 arrays.append(pa.array([self.relative(path)] * n, pa.string()))
@@ -385,10 +395,17 @@ class LandingReader:
                 arrays.append(tbl.column(field.name).cast(field.type))  # checked in pass 1
             else:
                 arrays.append(pa.nulls(n, field.type))
+        if ROW_ID in schema.names:  # a keyless table: the id of each row as the table types it
+            data = {
+                f.name: a
+                for f, a in zip(schema, arrays, strict=True)
+                if f.name != ROW_ID and f.name not in CHANGELOG_SYSTEM_COLUMNS
+            }
+            arrays[schema.get_field_index(ROW_ID)] = row_ids(data)
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
 
     def _check_as_inspected(self, path: str, tbl: pa.Table, inspected: FileReport) -> None:
-        error, _, _ = validate_rows(tbl, self.table.primary_key, self.show)
+        error, _, _ = validate_rows(tbl, self.table.file_key, self.show)
         bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}  # pyright: ignore[reportAttributeAccessIssue]
         same = (tbl.num_rows, bounds["min"], bounds["max"]) == (
             inspected.num_rows,

@@ -29,6 +29,7 @@ import pyarrow as pa
 from cdc_platform.lib.columns import (
     CDC_COLUMNS,
     OP,
+    ROW_ID,
     SEQ,
     SOURCE_FILE,
     SOURCE_ROW,
@@ -232,6 +233,14 @@ def _narrowest_new_types(
         for t in [next((t for t in types if all(widest(t, u) == u for u in types)), None)]
         if t is not None
     }
+
+
+def with_row_id(fields: Sequence[pa.Field], keyless: bool) -> list[pa.Field]:
+    """A keyless table's key and data columns: its id first (computed as each file is read,
+    ``LandingReader.read_conformed``), then the columns the files carry."""
+    if not keyless:
+        return list(fields)
+    return [pa.field(ROW_ID, pa.string()), *(f for f in fields if f.name != ROW_ID)]
 
 
 def event_schema(key_and_data: Sequence[pa.Field]) -> pa.Schema:

@@ -21,6 +21,7 @@ from cdc_platform.lib.columns import (
     TMIN,
     TS,
     TS_TYPE,
+    UNMODIFIED,
 )
 from cdc_platform.lib.storage.schema import (
     is_list,
@@ -172,6 +173,20 @@ def validate_rows(
             reason = row_reason(check, primary_key, op[first].as_py(), show)
             return bad_rows_reason(first + 1, reason, bad_count), first + 1, bad_count
     raise AssertionError("unreachable: a bad row matched no check")
+
+
+def unmodified_rows(tbl: pa.Table) -> tuple[str | None, int | None, int]:
+    """For a keyless table: the first row marking a cell unmodified, which has no id (its
+    values are not all known; HISTORY_MODE section 3), and how many do; like ``validate_rows``."""
+    if UNMODIFIED not in tbl.column_names or tbl.num_rows == 0:
+        return None, None, 0
+    marked = pc.fill_null(pc.greater(pc.list_value_length(tbl[UNMODIFIED]), 0), False)  # pyright: ignore[reportAttributeAccessIssue]
+    count = pc.sum(marked.cast(pa.int64())).as_py() or 0  # pyright: ignore[reportAttributeAccessIssue]
+    if not count:
+        return None, None, 0
+    first = pc.index(marked, True).as_py() + 1  # pyright: ignore[reportAttributeAccessIssue]
+    reason = "marks cells unmodified: a keyless table's row is identified by all its values"
+    return bad_rows_reason(first, reason, count), first, count
 
 
 def row_reason(

@@ -135,12 +135,16 @@ def adopt(
     from pyspark.sql import functions as F
 
     now = to_ms(now or datetime.now(UTC))
+    if table.keyless:
+        # Another tool's `_fivetran_id` is not this platform's hash: its rows could never be
+        # matched to the events that follow (docs/limitations.md).
+        raise AdoptionError(f"table '{table.name}' is keyless: adopt_table needs a primary key")
     try:
         where = adoption_source(source, adoption_roots, (warehouse_root, landing_root))
     except SourceRootError as exc:
         raise AdoptionError(str(exc)) from None
     fmt, rows = _read_source(spark, where, source_format)
-    pk = list(table.primary_key)
+    pk = list(table.key)
     missing = [k for k in pk if k not in rows.columns]
     if missing:
         raise AdoptionError(

@@ -74,7 +74,7 @@ def plan(
         shadow = TablePaths.of(shadow_root, table.name)
         log_before = delta.version_or_none(shadow.changelog)
         outcome = materialize(spark, table, landing_root, shadow_root, hours, keyring)
-        late = _late_events(spark, real, shadow, table.primary_key, log_before)
+        late = _late_events(spark, real, shadow, table.key, log_before)
     return MergePlan(outcome, *late)
 
 

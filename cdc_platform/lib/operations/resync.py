@@ -65,6 +65,7 @@ from cdc_platform.lib.landing.reading import (
     inspect_files,
     read_events,
     unify_schema,
+    with_row_id,
 )
 from cdc_platform.lib.landing.safe_open import FileId
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
@@ -145,9 +146,7 @@ class SnapshotReader(LandingReader):
         self.hide_values = True
         if folder is not None:
             self.root = str(folder)
-        self.known = frozenset(
-            [*table.primary_key, *table.columns, *CDC_COLUMNS, UNMODIFIED, *known]
-        )
+        self.known = frozenset([*table.key, *table.columns, *CDC_COLUMNS, UNMODIFIED, *known])
 
     def label(self, name: str, position: int) -> str:
         return f"'{name}'" if name in self.known else f"#{position + 1}"
@@ -235,7 +234,7 @@ def resync(
         raise ResyncError(
             f"{folder}: no snapshot file (a snapshot of an empty table is one file with no rows)"
         )
-    pk = list(table.primary_key)
+    pk = list(table.key)
     paths = TablePaths.of(warehouse_root, table.name)
     insert_seq, delete_seq = resync_seqs(at)
     logged_fields = changelog.key_and_data_fields(Table.open(paths.changelog))
@@ -248,6 +247,7 @@ def resync(
     if bad:
         raise ResyncError("the snapshot was not applied: " + "; ".join(bad))
     fields, clashes = unify_schema(logged_fields, reports, table.may_widen)
+    fields = with_row_id(fields, table.keyless)
     if clashes:
         raise ResyncError(
             "the snapshot was not applied: "
@@ -256,7 +256,9 @@ def resync(
     with_rows = [r.path for r in reports if r.num_rows]
     rows = sum(r.num_rows for r in reports)
     events = read_events(spark, reader, with_rows, event_schema(fields)) if with_rows else None
-    if events is not None:
+    if events is not None and table.keyless:  # identical rows are one row (section 3)
+        events = events.dropDuplicates(pk)
+    elif events is not None:
         _check_one_row_per_key(events, pk, folder)
 
     # A re-run after its events were un-applied logs them again (the user asks for it).

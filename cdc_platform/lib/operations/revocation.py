@@ -210,13 +210,13 @@ def unapply(
         lambda: _remove_events(
             spark,
             paths,
-            table.primary_key,
+            table.key,
             revoked_files.revoked_names(paths.revoked_files),
             fence=bool(newly),
         ),
         f"change log rewrite of {paths.changelog}",
     )
-    merge = apply_pending(spark, paths, table.primary_key, now, table.history_columns)
+    merge = apply_pending(spark, paths, table.key, now, table.history_columns)
     hours = sorted({h for f in files if (h := hour_of(f)) is not None})
     return UnapplyResult(tuple(files), tuple(newly), removed, keys, rewritten, merge, tuple(hours))
 

@@ -110,7 +110,7 @@ def truncate(
             f"{now.isoformat()}); give a time that has passed, or none for now"
         )
     paths = TablePaths.of(warehouse_root, table.name)
-    pk = list(table.primary_key)
+    pk = list(table.key)
     if not Table.open(paths.changelog).exists:
         return TruncateResult(before, soft, 0, 0, 0, MergeResult(), table_existed=False)
     if soft:

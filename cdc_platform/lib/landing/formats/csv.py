@@ -454,10 +454,8 @@ class Csv(LandingFormat):
         missing = [c for c in primary_key if c not in columns]
         if columns and not missing:
             return None
-        return (
-            "a CSV table must declare the type of every column, including the key"
-            f" {missing or list(primary_key)}"
-        )
+        key = f", including the key {missing or list(primary_key)}" if primary_key else ""
+        return f"a CSV table must declare the type of every column{key}"
 
 
 CSV = Csv()
