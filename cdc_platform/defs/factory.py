@@ -41,8 +41,10 @@ from cdc_platform.defs.sensors import TABLE_TAG, build_landing_sensor
 from cdc_platform.defs.source_alerts import build_source_alert_sensor
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import current_table, invariants
+from cdc_platform.lib.history.protected_columns import ProtectedColumnsChangedError
 from cdc_platform.lib.history.table_key import PrimaryKeyChangedError
 from cdc_platform.lib.landing.discovery import with_discovered_tables
+from cdc_platform.lib.landing.keyring import KeyringError
 from cdc_platform.lib.landing.layout import hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
@@ -132,14 +134,15 @@ def _history_asset(
         )
         # Records the files it applied too (``lib.ledgers.applied_files``): a file that lands later
         # is picked up by the sensor as usual.
-        with refused(PrimaryKeyChangedError):  # the config's key is not the table's
+        # The config's key, hashed or blocked columns are not the table's; no salt to hash.
+        with refused(PrimaryKeyChangedError, ProtectedColumnsChangedError, KeyringError):
             result = materialize(
                 spark.session(platform.warehouse_root),
                 table,
                 platform.landing_root,
                 platform.warehouse_root,
                 hours,
-                keyring.load() if table.encryption != "none" else None,
+                keyring.load() if table.needs_keyring else None,
                 run_id=context.run.run_id,
             )
         for q in result.quarantined:

@@ -36,8 +36,12 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.sensors import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.protected_columns import (
+    ProtectedColumnsChangedError,
+    check_protected_columns,
+)
 from cdc_platform.lib.history.table_key import PrimaryKeyChangedError, check_key
-from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.layout import hour_to_partition_key
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -81,8 +85,8 @@ class OperatorRun:
         return TablePaths.of(self.platform.warehouse_root, self.table.name)
 
     def keyring(self) -> Keyring | None:
-        """The decryption keys, loaded only for an encrypted table."""
-        if self.table.encryption == "none" or self.keyring_resource is None:
+        """The keyring, loaded only for a table that needs it (decryption keys, the hash salt)."""
+        if not self.table.needs_keyring or self.keyring_resource is None:
             return None
         return self.keyring_resource.load()
 
@@ -110,9 +114,12 @@ def operator_run(
     library's refusals (``refuse``) into a failure without a traceback."""
     table = table_named(platform, config.table)
     tag_run_with_table(context, table)
-    with table_pool_slot(context, table), refused(*refuse, PrimaryKeyChangedError):
-        history = Table.open(TablePaths.of(platform.warehouse_root, table.name).history)
+    refusals = (PrimaryKeyChangedError, ProtectedColumnsChangedError, KeyringError)
+    with table_pool_slot(context, table), refused(*refuse, *refusals):
+        paths = TablePaths.of(platform.warehouse_root, table.name)
+        history = Table.open(paths.history)
         check_key(history, table.key)  # before the job writes anything
+        check_protected_columns(Table.open(paths.changelog), table)
         yield OperatorRun(context, platform, table, spark, keyring, history.version)
 
 

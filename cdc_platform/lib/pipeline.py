@@ -23,6 +23,10 @@ from typing import TYPE_CHECKING
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, fault_point
+from cdc_platform.lib.history.protected_columns import (
+    changelog_properties,
+    check_protected_columns,
+)
 from cdc_platform.lib.history.table_key import check_key
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import files_in_hour, hour_to_partition_key
@@ -184,6 +188,7 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     delta.check_tables(run.paths.changelog)
     history = Table.open(run.paths.history)
     check_key(history, run.table.key)
+    check_protected_columns(Table.open(run.paths.changelog), run.table)
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing_root, run.keyring)
@@ -425,6 +430,7 @@ class _Append:
             revoked=self.revoked,
             forgotten=self.paths.forgotten_events,
             before_commit=before_commit,
+            properties=changelog_properties(self.table),
         )
 
 

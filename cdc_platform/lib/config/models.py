@@ -145,6 +145,18 @@ class TableConfig:
         description="Changes to these data columns alone open no version (never with "
         "`track_history_columns`).",
     )
+    hash_columns: ColumnList = Field(
+        default=None,
+        description="Data or key columns stored as the salted SHA-256 of their value (hex): "
+        "equal values stay equal, so joins work; the salt is the keyring's `hash_salt` and "
+        "never reaches the warehouse. Fixed by the table's first run.",
+    )
+    block_columns: ColumnList = Field(
+        default=None,
+        description="Columns dropped as each file is read: never in the change log, the "
+        "tables, a quarantine reason or metadata (never a key column). Fixed by the table's "
+        "first run.",
+    )
     widen_types: WidenTypes = Field(
         default="data",
         description="Which column types a landing file may widen for good: `data` columns only, "
@@ -196,7 +208,22 @@ class TableConfig:
                 "unapplied_alert_minutes",
             )
         self._check_history_columns()
+        self._check_protected_columns()
         return self
+
+    def _check_protected_columns(self) -> None:
+        """A column is hashed or blocked, not both; a key column is never blocked."""
+        hashed = {c.lower() for c in self.hash_columns or ()}
+        both = [c for c in self.block_columns or () if c.lower() in hashed]
+        if both:
+            raise FieldProblem(f"column(s) {both} are hashed too: give each once", "block_columns")
+        key = {c.lower() for c in self.file_key}
+        in_key = [c for c in self.block_columns or () if c.lower() in key]
+        if in_key:
+            raise FieldProblem(
+                f"primary key column(s) {in_key} cannot be blocked (hash them instead)",
+                "block_columns",
+            )
 
     def _check_key(self) -> None:
         """A key or ``keyless``, one of them; a keyless table's id needs every cell of every
@@ -263,6 +290,16 @@ class TableConfig:
         if self.widen_types == "all":
             return True
         return self.widen_types == "data" and column not in self.key
+
+    @property
+    def protects_columns(self) -> bool:
+        """True when some column is hashed or blocked as files are read (``landing.pii``)."""
+        return bool(self.hash_columns or self.block_columns)
+
+    @property
+    def needs_keyring(self) -> bool:
+        """True when reading the table's files takes the keyring: keys, or the hash salt."""
+        return self.encryption != "none" or bool(self.hash_columns)
 
     @property
     def is_encoded(self) -> bool:

@@ -9,7 +9,7 @@ records: "I contain every changelog file up to version N".
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -92,6 +92,7 @@ def append(
     forgotten: Where | None = None,
     before_commit: Callable[[], None] | None = None,
     fence: Fence | None = None,
+    properties: Mapping[str, str] | None = None,
 ) -> AppendResult:
     """Add the events not already logged; one Spark job, one Delta commit (or none).
 
@@ -104,6 +105,7 @@ def append(
     ``forgotten`` is the ledger of events a hard truncate or a re-sync removed (``forget``):
     a materialization passes it, so those ``(key, seq)`` are never logged again when an hour
     is read again; an operation a user runs (truncate, adopt, re-sync) logs what it is asked.
+    ``properties``: what a change log this append creates records (``protected_columns``).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -115,7 +117,7 @@ def append(
     lo, hi = seq_range
 
     def attempt() -> AppendResult:
-        log = Table.open(path).ensure(schema, "cdc_platform change log")
+        log = Table.open(path).ensure(schema, "cdc_platform change log", properties)
         log = log.widened(spark, schema)  # a column the batch widened
         if fence is not None and log.version != fence.version:
             # Moved since the decision (or this batch changed its schema: a commit of its own,

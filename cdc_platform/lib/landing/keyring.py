@@ -7,7 +7,8 @@ The keyring file is JSON::
       "files": {"orders/year=2024/month=01/day=01/hour=05/part-1.csv.zst.aes": "<base64 key>"}
     }
 
-File paths are relative to the landing root. A file's own key is tried first, then its
+An optional ``"hash_salt"`` (base64, at least 16 bytes) salts the SHA-256 of a table's
+``hash_columns`` (``landing.pii``). File paths are relative to the landing root. A file's own key is tried first, then its
 table's keys in the listed order (key rotation). The file must not be readable or writable by
 group or other (``chmod 600``).
 
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 KEY_BYTES = 32
-_TOP_KEYS = ("tables", "files")
+MIN_SALT_BYTES = 16
+_TOP_KEYS = ("tables", "files", "hash_salt")
 
 
 class KeyringError(ValueError):
@@ -43,13 +45,20 @@ def normalize_relative_path(path: str) -> str:
 
 
 class Keyring:
-    """Keys by table (a list, for rotation) and by landing file (relative path)."""
+    """Keys by table (a list, for rotation) and by landing file (relative path), and the salt
+    of hashed columns."""
 
-    __slots__ = ("_files", "_tables")
+    __slots__ = ("_files", "_salt", "_tables")
 
-    def __init__(self, tables: Mapping[str, tuple[bytes, ...]], files: Mapping[str, bytes]) -> None:
+    def __init__(
+        self,
+        tables: Mapping[str, tuple[bytes, ...]],
+        files: Mapping[str, bytes],
+        salt: bytes | None = None,
+    ) -> None:
         self._tables: dict[str, tuple[bytes, ...]] = dict(tables)
         self._files: dict[str, bytes] = dict(files)
+        self._salt = salt
 
     # -- construction -------------------------------------------------------------------------
 
@@ -101,7 +110,8 @@ class Keyring:
             if norm in files:
                 raise KeyringError(f"{source}: {label} names the same file as another entry")
             files[norm] = _decode_key(value, f"{source}: {label}")
-        return cls(tables, files)
+        salt = raw.get("hash_salt")
+        return cls(tables, files, None if salt is None else _decode_salt(salt, source))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Keyring:
@@ -150,7 +160,12 @@ class Keyring:
         prefix = normalize_relative_path(table) + "/"
         files = {p: k for p, k in self._files.items() if p.startswith(prefix)}
         tables = {t: keys for t, keys in self._tables.items() if t == table}
-        return Keyring(tables, files)
+        return Keyring(tables, files, self._salt)
+
+    @property
+    def hash_salt(self) -> bytes | None:
+        """The salt of hashed columns (None: the keyring has none)."""
+        return self._salt
 
     @property
     def table_count(self) -> int:
@@ -163,7 +178,8 @@ class Keyring:
     # -- safety -------------------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        return f"Keyring(tables={len(self._tables)}, files={len(self._files)})"
+        salt = ", hash_salt" if self._salt is not None else ""
+        return f"Keyring(tables={len(self._tables)}, files={len(self._files)}{salt})"
 
     __str__ = __repr__
 
@@ -173,16 +189,31 @@ class Keyring:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Keyring):
             return NotImplemented
-        return self._tables == other._tables and self._files == other._files
+        return (self._tables, self._files, self._salt) == (other._tables, other._files, other._salt)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tables": self._tables, "files": self._files}
+        return {"tables": self._tables, "files": self._files, "salt": self._salt}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._tables = dict(state["tables"])
         self._files = dict(state["files"])
+        self._salt = state.get("salt")
+
+
+def _decode_salt(value: Any, source: str) -> bytes:
+    """base64 text -> the salt; the error names the entry, never the value."""
+    where = f"{source}: hash_salt"
+    if not isinstance(value, str):
+        raise KeyringError(f"{where} must be a base64 string")
+    try:
+        salt = base64.b64decode(value.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise KeyringError(f"{where} is not valid base64") from None
+    if len(salt) < MIN_SALT_BYTES:
+        raise KeyringError(f"{where} decodes to {len(salt)} bytes; at least {MIN_SALT_BYTES}")
+    return salt
 
 
 def _decode_key(value: Any, where: str) -> bytes:

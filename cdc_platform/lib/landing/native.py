@@ -132,8 +132,8 @@ def native_report(reader: LandingReader, path: str) -> FileReport | None:
     in Spark SQL (``validate_native``). Any other file gets None: it is inspected in
     Python (``inspect``), which names whatever is wrong with it.
     """
-    if reader.table.is_encoded or reader.table.keyless:  # an id is computed in Python
-        return None
+    if reader.table.is_encoded or reader.table.keyless or reader.table.protects_columns:
+        return None  # decoded, an id computed, or a column hashed or blocked: in Python
     try:
         with reader.open(path) as fh:
             pf = pq.ParquetFile(fh)

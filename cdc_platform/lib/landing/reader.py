@@ -35,8 +35,9 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.codecs import LandingFileError, decode_file
 from cdc_platform.lib.landing.formats import FileToRead, LandingFormat, format_named
-from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.layout import printable_path
+from cdc_platform.lib.landing.pii import hash_column
 from cdc_platform.lib.landing.row_id import row_ids
 from cdc_platform.lib.landing.rows import (
     first_invalid_row,
@@ -107,7 +108,17 @@ class LandingReader:
         # Files are opened only below this folder, never through a symlink (``lib.landing.safe_open``).
         self.root = self.landing_root
         self.keyring = (keyring or Keyring.empty()).for_table(table.name)
-        self.hide_values = table.encryption != "none"
+        # A table with hashed or blocked columns quotes no cell either: a reason could quote one.
+        self.hide_values = table.encryption != "none" or table.protects_columns
+        # Matched whatever a file's letter case (Delta column names are case-insensitive).
+        self.blocked = frozenset(c.lower() for c in table.block_columns or ())
+        self.hashed = frozenset(c.lower() for c in table.hash_columns or ())
+        self.salt = self.keyring.hash_salt if self.hashed else None
+        if self.hashed and self.salt is None:
+            raise KeyringError(
+                f"table '{table.name}' has hash_columns, but the keyring (CDC_KEYRING) has no "
+                "hash_salt: nothing is read without it"
+            )
         # The file each path was when listed: a path holding another file since is not read.
         self.expected: dict[str, FileId] = {}
 
@@ -181,9 +192,20 @@ class LandingReader:
             raise
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise LandingFileError(f"not a readable {fmt.title} file{self._detail(exc)}") from None
+        tbl = tbl.drop_columns([n for n in tbl.column_names if n.lower() in self.blocked])
         self._check_names(tbl.schema)
         self._check_utf8(tbl)
         return self._normalize(tbl)
+
+    def _kept(self, schema: pa.Schema) -> pa.Schema:
+        """A file's columns as the table keeps them: blocked ones gone, hashed ones text."""
+        return pa.schema(
+            [
+                pa.field(f.name, pa.string() if f.name.lower() in self.hashed else f.type)
+                for f in schema
+                if f.name.lower() not in self.blocked
+            ]
+        )
 
     def _check_utf8(self, tbl: pa.Table) -> None:
         """Every string is valid UTF-8 (Parquet readers take any bytes as text): else the
@@ -267,6 +289,10 @@ class LandingReader:
                 convert = parse_timestamps
             elif name == UNMODIFIED and pa.types.is_null(column.type):
                 convert = lambda a: pa.nulls(len(a), UNMODIFIED_TYPE)  # noqa: E731
+            elif name.lower() in self.hashed:
+                assert self.salt is not None  # checked when the reader was made
+                target, salt = normalize_type(column.type), self.salt
+                convert = lambda a, t=target, s=salt: hash_column(to_type(a, t), s)  # noqa: E731
             else:
                 target = normalize_type(column.type)
                 convert = lambda a, target=target: to_type(a, target)  # noqa: E731
@@ -315,7 +341,9 @@ class LandingReader:
         needed = [*self.table.file_key, *CDC_COLUMNS]
         try:
             if self.reads_footer_first():
+                # Blocked columns go; a hashed one keeps its type until its values are checked.
                 schema = self._read_schema(path)
+                schema = pa.schema([f for f in schema if f.name.lower() not in self.blocked])
                 self._check_names(schema)
                 missing = [c for c in needed if c not in schema.names]
                 if missing:
@@ -329,7 +357,9 @@ class LandingReader:
             else:
                 tbl = self.load(path)
                 schema = tbl.schema
-            schema = pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
+            schema = self._kept(
+                pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
+            )
         except LandingFileError as exc:
             return FileReport(path, 0, None, str(exc), getattr(exc, "row", None))
         except Exception as exc:  # a reader bug or an exotic file must still name the file

@@ -20,7 +20,7 @@ from functools import partial
 
 import pyarrow as pa
 
-__all__ = ["row_ids"]
+__all__ = ["python_values", "row_ids", "value_encoder"]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _EPOCH_DAY = date(1970, 1, 1)
@@ -34,7 +34,7 @@ def row_ids(columns: Mapping[str, pa.Array]) -> pa.Array:
     """The id of every row of ``columns`` (the row's data columns, in any order): 64 lower-case
     hex digits each."""
     names = sorted(columns, key=lambda n: n.encode("utf-8"))
-    parts = [(_name(n), _encoder(columns[n].type), _values(columns[n])) for n in names]
+    parts = [(_name(n), value_encoder(columns[n].type), python_values(columns[n])) for n in names]
     rows = len(columns[names[0]]) if names else 0
     ids = []
     for i in range(rows):
@@ -48,7 +48,7 @@ def row_ids(columns: Mapping[str, pa.Array]) -> pa.Array:
     return pa.array(ids, pa.string())
 
 
-def _values(column: pa.Array) -> list[object]:
+def python_values(column: pa.Array) -> list[object]:
     """The column as Python values; timestamps and dates as their integer counts, which is
     what they are encoded as (and cheaper than datetimes)."""
     if pa.types.is_timestamp(column.type):
@@ -63,8 +63,9 @@ def _name(name: str) -> bytes:
     return struct.pack(">I", len(raw)) + raw
 
 
-def _encoder(t: pa.DataType) -> Encoder:
-    """The byte form of a value of type ``t``: a one-letter tag, then the value."""
+def value_encoder(t: pa.DataType) -> Encoder:
+    """The byte form of a value of type ``t``: a one-letter tag, then the value (also what a
+    hashed column's salt is hashed with, ``landing.pii``)."""
     if pa.types.is_null(t):  # only ever null: never encoded
         return lambda v: b""
     if pa.types.is_boolean(t):
@@ -84,7 +85,7 @@ def _encoder(t: pa.DataType) -> Encoder:
     if pa.types.is_timestamp(t):
         return lambda v: b"t" + struct.pack(">q", _micros(v))
     if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return _list_encoder(_encoder(t.value_type))
+        return _list_encoder(value_encoder(t.value_type))
     if pa.types.is_struct(t):
         return _struct_encoder(t)
     raise TypeError(f"no _fivetran_id encoding for type {t}")  # normalize_type never gives one
@@ -137,7 +138,7 @@ def _list_encoder(element: Encoder) -> Encoder:
 
 def _struct_encoder(t: pa.StructType) -> Encoder:
     fields = sorted((t.field(i) for i in range(t.num_fields)), key=lambda f: f.name.encode())
-    parts = [(f.name, _name(f.name), _encoder(f.type)) for f in fields]
+    parts = [(f.name, _name(f.name), value_encoder(f.type)) for f in fields]
 
     def encode(v: object) -> bytes:
         assert isinstance(v, dict)

@@ -139,6 +139,11 @@ def adopt(
         # Another tool's `_fivetran_id` is not this platform's hash: its rows could never be
         # matched to the events that follow (docs/limitations.md).
         raise AdoptionError(f"table '{table.name}' is keyless: adopt_table needs a primary key")
+    if table.protects_columns:
+        # A source's rows are copied as they are: its cleartext would reach the table.
+        raise AdoptionError(
+            f"table '{table.name}' hashes or blocks columns: adopt_table copies a source as it is"
+        )
     try:
         where = adoption_source(source, adoption_roots, (warehouse_root, landing_root))
     except SourceRootError as exc:

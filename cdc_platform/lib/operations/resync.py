@@ -56,6 +56,7 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up
+from cdc_platform.lib.history.protected_columns import changelog_properties
 from cdc_platform.lib.landing.codecs import LandingFileError
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import is_data_file
@@ -306,6 +307,7 @@ def resync(
                 now,
                 revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
                 fence=changelog.Fence(version),
+                properties=changelog_properties(table),
             ).new_events
         return keys_closed, new_events
 

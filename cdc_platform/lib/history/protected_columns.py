@@ -1,0 +1,74 @@
+"""The hashed and blocked columns a table was built with, recorded on its change log (the first
+table an event reaches), so a config that changes them is refused instead of putting hashed
+values beside cleartext (docs/history-table.md, "Hashed and blocked columns").
+
+Changing them means rewriting every copy of the column (the change log, the history, the
+current table), which no job does yet (docs/limitations.md): a change is refused, naming both.
+A change log from before the property holds every column in the clear: only a config that
+hashes and blocks nothing matches it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.storage.table import Table
+
+PROTECTED_COLUMNS_PROPERTY = "cdc_platform.protected_columns"
+_NONE = {"hash": [], "block": []}
+
+
+class ProtectedColumnsChangedError(ValueError):
+    """The config hashes or blocks other columns than the table was built with."""
+
+
+def protected_columns(table: TableConfig) -> dict[str, list[str]]:
+    """The table's hashed and blocked columns, in one spelling (lower case, sorted)."""
+    return {
+        "hash": sorted(c.lower() for c in table.hash_columns or ()),
+        "block": sorted(c.lower() for c in table.block_columns or ()),
+    }
+
+
+def changelog_properties(table: TableConfig) -> dict[str, str]:
+    """What a new change log records (``Table.ensure``)."""
+    return {PROTECTED_COLUMNS_PROPERTY: json.dumps(protected_columns(table))}
+
+
+def check_protected_columns(changelog: Table, table: TableConfig) -> None:
+    """Refuse a run whose config hashes or blocks other columns than the change log records
+    (before the run writes anything)."""
+    if changelog.dt is None:
+        return
+    text = changelog.dt.metadata().configuration.get(PROTECTED_COLUMNS_PROPERTY)
+    recorded = _NONE if text is None else _parsed(text, changelog)
+    wanted = protected_columns(table)
+    if recorded == wanted:
+        return
+    raise ProtectedColumnsChangedError(
+        f"{changelog}: the config hashes {wanted['hash']} and blocks {wanted['block']}, but the"
+        f" table was built hashing {recorded['hash']} and blocking {recorded['block']} (its"
+        f" property {PROTECTED_COLUMNS_PROPERTY}). Nothing was written. Set hash_columns and"
+        " block_columns back: changing them on a table is not supported yet"
+        " (docs/limitations.md)."
+    )
+
+
+def _parsed(text: str, changelog: Table) -> dict[str, list[str]]:
+    raw = None
+    if len(text) <= 100_000:
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError):
+            raw = None
+    if (
+        not isinstance(raw, dict)
+        or sorted(raw) != ["block", "hash"]
+        or not all(isinstance(v, list) and all(isinstance(c, str) for c in v) for v in raw.values())
+    ):
+        raise ProtectedColumnsChangedError(
+            f"{changelog}: the table property {PROTECTED_COLUMNS_PROPERTY} was not written by"
+            " cdc_platform. Nothing was written."
+        )
+    return {"hash": sorted(raw["hash"]), "block": sorted(raw["block"])}

@@ -1,0 +1,193 @@
+"""Hashed and blocked columns (docs/history-table.md, "Hashed and blocked columns"): the cleartext
+of either reaches no Delta file of the warehouse, hashes join, and a change is refused."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.resources import KEYRING_ENV_VAR
+from cdc_platform.lib.config import PlatformConfig, load_config
+from cdc_platform.lib.landing.keyring import Keyring, KeyringError
+from cdc_platform.lib.storage.warehouse import TablePaths
+from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import event as ev
+
+H0 = datetime(2024, 1, 1, tzinfo=UTC)
+H1 = H0 + timedelta(hours=1)
+SALT = b"0123456789abcdef-salt-for-tests!"
+EMAIL, SSN, BAD = "alice@example.com", "123-45-6789", 2**64 - 1
+PROTECTED = "    hash_columns: [email, code]\n    block_columns: [ssn]\n"
+
+
+def config_file(tmp_path: Path, protect: str = PROTECTED, keyless: bool = False) -> PlatformConfig:
+    key = "keyless: true" if keyless else "primary_key: [id]"
+    path = tmp_path / "cdc_platform.yaml"
+    path.write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        f'  - name: t\n    {key}\n    start: "2024-01-01-00:00"\n    current_table: true\n'
+        + protect
+    )
+    return load_config(path)
+
+
+@pytest.fixture
+def keyring(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "keyring.json"
+    path.write_text(json.dumps({"hash_salt": base64.b64encode(SALT).decode()}))
+    path.chmod(0o600)
+    monkeypatch.setenv(KEYRING_ENV_VAR, str(path))
+    return path
+
+
+def materialize_asset(platform: PlatformConfig, hour: datetime) -> dg.ExecuteInProcessResult:
+    defs = build_table_definitions(platform, platform.table("t"))
+    assert defs.current is not None
+    return dg.materialize(
+        [defs.asset, defs.checks],
+        partition_key=hour.strftime("%Y-%m-%d-%H:%M"),
+        instance=dg.DagsterInstance.ephemeral(),
+        resources=dagster_resources(),
+        raise_on_error=False,
+    )
+
+
+def hashed(text: str) -> str:
+    """The documented form: SHA-256 of the salt, then the value's tagged bytes."""
+    raw = text.encode()
+    return hashlib.sha256(SALT + b"s" + len(raw).to_bytes(4, "big") + raw).hexdigest()
+
+
+def every_value_in(warehouse: Path) -> str:
+    """Every cell of every Parquet file under the warehouse, and every other file's bytes."""
+    seen = []
+    for path in sorted(p for p in warehouse.rglob("*") if p.is_file()):
+        if path.suffix == ".parquet":
+            seen.append(repr(pq.read_table(path).to_pylist()))
+        else:
+            seen.append(path.read_bytes().decode("utf-8", "replace"))
+    return "\n".join(seen)
+
+
+def failure_of(result: dg.ExecuteInProcessResult) -> str:
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    return failure.event_specific_data.error.message  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("keyless", [False, True], ids=["keyed", "keyless"])
+def test_hashed_and_blocked_cleartext_reaches_no_warehouse_file(spark, tmp_path, keyring, keyless):
+    platform = config_file(tmp_path, keyless=keyless)
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    write_parquet_events(
+        platform.landing_root,
+        "t",
+        H0,
+        [
+            ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL, SSN=SSN, name="a"),
+            ev("INSERT", 2, H0 + timedelta(minutes=2), 2, email=None, SSN="999-99-9999", name="b"),
+        ],
+    )
+    # A hashed column's value that cannot be stored: its file is set aside, the value unquoted.
+    bad = pa.table(
+        {
+            "id": pa.array([3], pa.int64()),
+            "code": pa.array([BAD], pa.uint64()),
+            "cdc_operation_type": ["INSERT"],
+            "cdc_change_seq": pa.array([3], pa.int64()),
+            "cdc_commit_timestamp": pa.array(
+                [H0 + timedelta(minutes=3)], pa.timestamp("us", "UTC")
+            ),
+        }
+    )
+    folder = platform.landing_root / "t/year=2024/month=01/day=01/hour=00"
+    pq.write_table(bad, folder / "bad.parquet")
+    result = materialize_asset(platform, H0)
+    assert result.success
+    defs = build_table_definitions(platform, platform.table("t"))
+    assert defs.current is not None
+    assert dg.materialize(
+        [defs.current], instance=dg.DagsterInstance.ephemeral(), resources=dagster_resources()
+    ).success
+
+    history = DeltaTable(paths.history.uri).to_pyarrow_table()
+    assert "SSN" not in history.column_names and "ssn" not in history.column_names
+    assert sorted(history.column("email").to_pylist(), key=str) == sorted(
+        [hashed(EMAIL), None], key=str
+    )
+    (entry,) = DeltaTable(paths.quarantine.uri).to_pyarrow_table().to_pylist()
+    assert entry["file"].endswith("bad.parquet") and str(BAD) not in entry["reason"]
+
+    stored = every_value_in(Path(platform.warehouse_root.uri))
+    for secret in (
+        EMAIL,
+        SSN,
+        "999-99-9999",
+        str(BAD),
+        SALT.decode(),
+        base64.b64encode(SALT).decode(),
+    ):
+        assert secret not in stored
+    for event in result.all_events:  # nor in what the run told Dagster
+        assert EMAIL not in str(event) and SSN not in str(event)
+
+
+def test_a_change_of_hashed_or_blocked_columns_is_refused(spark, tmp_path, keyring):
+    platform = config_file(tmp_path)
+    write_parquet_events(
+        platform.landing_root, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
+    )
+    assert materialize_asset(platform, H0).success
+    write_parquet_events(
+        platform.landing_root, "t", H1, [ev("UPDATE", 2, H1 + timedelta(minutes=1), 1, email="b")]
+    )
+    for protect in ("", "    hash_columns: [email]\n", PROTECTED + "    # same\n"):
+        result = materialize_asset(config_file(tmp_path, protect), H1)
+        if protect.endswith("# same\n"):
+            assert result.success  # the same columns: applied
+            continue
+        assert not result.success
+        assert "Nothing was written" in failure_of(result) and "block_columns" in failure_of(result)
+
+
+def test_hash_columns_without_a_salt_refuse_the_run(spark, tmp_path, monkeypatch):
+    monkeypatch.delenv(KEYRING_ENV_VAR, raising=False)
+    platform = config_file(tmp_path)
+    write_parquet_events(
+        platform.landing_root, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
+    )
+    result = materialize_asset(platform, H0)
+    assert not result.success and "no hash_salt" in failure_of(result)
+    assert not (Path(platform.warehouse_root.uri) / "t").exists()
+
+
+@pytest.mark.parametrize(
+    ("protect", "message"),
+    [
+        ("    hash_columns: [a]\n    block_columns: [A]\n", "hashed too"),
+        ("    block_columns: [id]\n", "cannot be blocked"),
+        ("    hash_columns: [cdc_change_seq]\n", "not data columns"),
+    ],
+)
+def test_config_rules_of_protected_columns(tmp_path, protect, message):
+    with pytest.raises(ValueError, match=message):
+        config_file(tmp_path, protect)
+
+
+def test_the_keyring_salt_is_checked_and_never_shown():
+    short = base64.b64encode(b"short").decode()
+    with pytest.raises(KeyringError, match="at least 16") as err:
+        Keyring.from_mapping({"hash_salt": short})
+    assert short not in str(err.value)
+    ring = Keyring.from_mapping({"hash_salt": base64.b64encode(SALT).decode()})
+    assert ring.for_table("t").hash_salt == SALT
+    assert SALT.decode() not in repr(ring) and "hash_salt" in repr(ring)
