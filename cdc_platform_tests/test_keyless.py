@@ -18,6 +18,7 @@ from cdc_platform.defs.factory import build_definitions, build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.history import invariants, table_key
 from cdc_platform.lib.landing.row_id import row_ids
+from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
@@ -53,7 +54,7 @@ def item(op: str, seq: int, at: datetime, sku: str, qty: int | None, **more: obj
 
 
 def row_id(**cells: object) -> str:
-    return row_ids({n: pa.array([v]) for n, v in cells.items()})[0].as_py()
+    return row_ids({n: pa.array([v]) for n, v in cells.items()}, 1)[0].as_py()
 
 
 def history_rows(paths: TablePaths) -> list[dict]:
@@ -134,6 +135,26 @@ def test_a_row_marking_cells_unmodified_is_set_aside_naming_it(spark, tmp_path):
     assert "keyless table's row is identified by all its values" in entry["reason"]
 
 
+def test_a_row_with_no_data_and_a_widening_file(spark, tmp_path):
+    """A file of change columns only is rows of no data (one id); a file that would widen a
+    column is set aside saying a keyless table never widens."""
+    platform = config_file(tmp_path)
+    table, paths = platform.table("t"), TablePaths.of(platform.warehouse_root, "t")
+    bare = {k: v for k, v in item("INSERT", 1, H0, "a", 1).items() if k.startswith("cdc_")}
+    write_parquet_events(platform.landing_root, "t", H0, [bare])
+    materialize(spark, table, platform.landing_root, platform.warehouse_root, [H0])
+    ids = DeltaTable(paths.history.uri).to_pyarrow_table().column("_fivetran_id").to_pylist()
+    assert ids == [row_ids({}, 1)[0].as_py()]
+    write_parquet_events(
+        platform.landing_root, "t", H1, [item("INSERT", 2, H1, "a", 1)], name="narrow.parquet"
+    )
+    wide = item("INSERT", 3, H1 + timedelta(minutes=1), "b", None) | {"qty": "2.5"}
+    write_parquet_events(platform.landing_root, "t", H1, [wide], name="wide.parquet")
+    result = materialize(spark, table, platform.landing_root, platform.warehouse_root, [H1])
+    (aside,) = result.quarantined
+    assert aside.file.endswith("wide.parquet") and "never widen" in aside.reason
+
+
 def test_switching_between_keyed_and_keyless_is_refused(spark, tmp_path):
     platform = config_file(tmp_path)
     write_parquet_events(
@@ -198,6 +219,7 @@ def test_resync_table_takes_identical_snapshot_rows_as_one(spark, tmp_path):
         ("keyless: true\n    primary_key: [id]", "give primary_key or keyless: true, not both"),
         ("keyless: false", "primary_key': required"),
         ("keyless: true\n    ignore_history_columns: [qty]", "new id whenever any column"),
+        ("keyless: true\n    widen_types: all", "types never widen"),
         (
             'keyless: true\n    format: csv\n    unmodified_string: "~"\n    columns: {a: int}',
             "unmodified cells has no id",
@@ -211,7 +233,7 @@ def test_config_rules_of_a_keyless_table(tmp_path, key, message):
 
 # The encoding is a contract other engines recompute (docs/history-table.md): pinned.
 def _sha(*parts: bytes) -> str:
-    return hashlib.sha256(b"".join(parts)).hexdigest()
+    return hashlib.sha256(b"".join(parts)).hexdigest()[:32]  # the first 128 bits
 
 
 def _name(n: str) -> bytes:
@@ -224,7 +246,8 @@ def test_the_id_encoding_is_the_documented_one():
             "qty": pa.array([7], pa.int64()),
             "sku": pa.array(["é"]),
             "gone": pa.array([None], pa.string()),
-        }
+        },
+        1,
     )[0].as_py()
     expected = _sha(
         _name("qty") + b"i" + (7).to_bytes(8, "big", signed=True),
@@ -235,7 +258,7 @@ def test_the_id_encoding_is_the_documented_one():
     assert row_id(sku="é", qty=7) == one
     assert row_id(sku="é", qty=8) != one
     assert row_id(qty=-0.0) == row_id(qty=0.0)
-    assert row_id(qty=float("nan")) == row_ids({"qty": pa.array([float("-nan")])})[0].as_py()
+    assert row_id(qty=float("nan")) == row_ids({"qty": pa.array([float("-nan")])}, 1)[0].as_py()
     # A string and a binary of the same bytes, an int and a float: different values.
     assert row_id(v="1") != row_id(v=b"1") and row_id(v=1) != row_id(v=1.0)
     pinned = row_ids(
@@ -246,7 +269,8 @@ def test_the_id_encoding_is_the_documented_one():
             "l": pa.array([[1, None]], pa.list_(pa.int64())),
             "s": pa.array([{"y": True, "x": None}]),
             "b": pa.array([False]),
-        }
+        },
+        1,
     )[0].as_py()
     assert pinned == _sha(
         _name("b") + b"b\x00",
@@ -262,3 +286,16 @@ def test_the_id_encoding_is_the_documented_one():
         + b"\x01b\x01",
         _name("t") + b"t" + (1704067200000000).to_bytes(8, "big", signed=True),
     )
+
+
+def test_ids_of_rows_without_data_or_beyond_a_datetime():
+    """A row with no non-null data cell has the id of nothing; nested times out of Python's
+    range hash from their counts (they are kept by keyed tables too); many rows are hashed a
+    slice at a time, each as it would be alone."""
+    assert row_ids({}, 2).to_pylist() == [_sha()] * 2
+    far = pa.array([[10**18]], pa.list_(pa.int64())).cast(pa.list_(pa.timestamp("us", "UTC")))
+    assert row_ids({"l": far}, 1)[0].as_py() == _sha(
+        _name("l") + b"l" + (1).to_bytes(4, "big") + b"\x01t" + (10**18).to_bytes(8, "big")
+    )
+    many = row_ids({"n": pa.array(range(120_001), pa.int64())}, 120_001)
+    assert len(many) == 120_001 and many[100_000].as_py() == row_id(n=100_000)

@@ -275,7 +275,7 @@ def _inspect(
     reports += inspect_files(run.spark, reader, to_open)
     readable = [r for r in reports if r.ok]
     logged = changelog.key_and_data_fields(Table.open(run.paths.changelog))
-    fields, clashes = unify_schema(logged, readable, run.table.may_widen)
+    fields, clashes = unify_schema(logged, readable, run.table.may_widen, run.table.keyless)
     fields = with_row_id(fields, run.table.keyless)
     good = [r for r in readable if r.path not in clashes]
     set_aside = [

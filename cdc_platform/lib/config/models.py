@@ -245,6 +245,11 @@ class TableConfig:
                 raise FieldProblem(
                     "a keyless table's row is a new id whenever any column changes", key
                 )
+        if self.widen_types == "all":
+            raise FieldProblem(
+                "a keyless table's types never widen: a widened value would hash to another id",
+                "widen_types",
+            )
 
     @property
     def key(self) -> tuple[str, ...]:

@@ -250,6 +250,7 @@ def new_table_alert(
         "columns": [{"name": c, "type": t} for c, t in columns[:MAX_COLUMNS]],
         "column_count": len(columns),
         "primary_key_guess": list(primary_key),
+        "keyless_guess": not primary_key,  # no id-like column: `keyless: true` proposed
         "first_hour": first_hour,
         "sample_file": sample_file,
         "config_snippet": snippet,

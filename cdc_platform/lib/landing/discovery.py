@@ -129,9 +129,12 @@ class DiscoveredTable:
             if declared:
                 types = ", ".join(f"{_scalar(c)}: {_scalar(t)}" for c, t in declared)
                 lines.append(f"  columns: {{{types}}}")
+                markers = (
+                    "null_string" if not self.primary_key else "null_string / unmodified_string"
+                )
                 lines += [
                     "  # GUESS: column types from the first rows (binary cells are base64 and look",
-                    "  # like strings); check them, and set null_string / unmodified_string if used",
+                    f"  # like strings); check them, and set {markers} if used",
                 ]
             else:
                 lines.append("  columns: {}  # REQUIRED for CSV: declare every column's type")

@@ -431,11 +431,13 @@ class LandingReader:
                 for f, a in zip(schema, arrays, strict=True)
                 if f.name != ROW_ID and f.name not in CHANGELOG_SYSTEM_COLUMNS
             }
-            arrays[schema.get_field_index(ROW_ID)] = row_ids(data)
+            arrays[schema.get_field_index(ROW_ID)] = row_ids(data, n)
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
 
     def _check_as_inspected(self, path: str, tbl: pa.Table, inspected: FileReport) -> None:
         error, _, _ = validate_rows(tbl, self.table.file_key, self.show)
+        if not error and self.table.keyless:
+            error, _, _ = unmodified_rows(tbl)
         bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}  # pyright: ignore[reportAttributeAccessIssue]
         same = (tbl.num_rows, bounds["min"], bounds["max"]) == (
             inspected.num_rows,

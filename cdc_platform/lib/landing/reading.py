@@ -127,10 +127,17 @@ def per_file(spark: SparkSession, paths: list[str], fn: Callable[[str], T]) -> l
     return [by_path[p] for p in paths]
 
 
+_keyless_widening = (
+    "a keyless table's column types never widen, since a widened value would hash to another "
+    "_fivetran_id (docs/limitations.md)"
+)
+
+
 def unify_schema(
     established: pa.Schema | None,
     reports: Sequence[FileReport],
     may_widen: Callable[[str], bool] | None = None,
+    keyless: bool = False,
 ) -> tuple[list[pa.Field], dict[str, str]]:
     """The key and data columns after these files, and the files set aside for a type clash.
 
@@ -143,7 +150,8 @@ def unify_schema(
 
     ``may_widen`` says which columns a file may widen (the table's ``widen_types``; None:
     every column): a file that would widen another column is set aside, saying how to
-    accept it. Widening is for good, so it is the operator's decision.
+    accept it. Widening is for good, so it is the operator's decision; a ``keyless`` table's
+    never widen (a widened value would hash to another ``_fivetran_id``).
     """
     skip = {*CDC_COLUMNS, UNMODIFIED}
     fields: dict[str, pa.DataType] = {}
@@ -190,10 +198,16 @@ def unify_schema(
             ):
                 clash = (
                     f"column '{f.name}' has type {f.type} in this file but {have} in the table: "
-                    f"it would widen the column to {widest(have, f.type)} for good, which the "
-                    "table's widen_types does not allow (never a primary-key column by "
-                    "default). To accept it, set `widen_types: all` (a key column) or `data` "
-                    "on the table in the config, then materialize this file's hour again"
+                )
+                clash += (
+                    _keyless_widening
+                    if keyless
+                    else (
+                        f"it would widen the column to {widest(have, f.type)} for good, which the "
+                        "table's widen_types does not allow (never a primary-key column by "
+                        "default). To accept it, set `widen_types: all` (a key column) or `data` "
+                        "on the table in the config, then materialize this file's hour again"
+                    )
                 )
             if clash:
                 break

@@ -14,7 +14,6 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Mapping
-from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from functools import partial
 
@@ -22,40 +21,58 @@ import pyarrow as pa
 
 __all__ = ["python_values", "row_ids", "value_encoder"]
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_EPOCH_DAY = date(1970, 1, 1)
-_MICRO = timedelta(microseconds=1)
 _NAN = struct.pack(">Q", 0x7FF8000000000000)
 
 Encoder = Callable[[object], bytes]
 
 
-def row_ids(columns: Mapping[str, pa.Array]) -> pa.Array:
-    """The id of every row of ``columns`` (the row's data columns, in any order): 64 lower-case
-    hex digits each."""
+# 128 bits of the hash: as unique as a key needs, and no longer than the 32 characters Delta
+# keeps file statistics for (``delta.MAX_STRING_STAT``), which the merge prunes files by.
+ID_HEX_DIGITS = 32
+# Rows turned into Python values at a time: a file's cells are never all Python objects at once.
+SLICE_ROWS = 50_000
+
+
+def row_ids(columns: Mapping[str, pa.Array], rows: int) -> pa.Array:
+    """The id of each of the ``rows`` rows of ``columns`` (the row's data columns, in any
+    order, in the table's types): 32 lower-case hex digits each."""
     names = sorted(columns, key=lambda n: n.encode("utf-8"))
-    parts = [(_name(n), value_encoder(columns[n].type), python_values(columns[n])) for n in names]
-    rows = len(columns[names[0]]) if names else 0
-    ids = []
-    for i in range(rows):
-        h = hashlib.sha256()
-        for name, encode, values in parts:
-            value = values[i]
-            if value is not None:  # a null cell is not part of the row's identity
-                h.update(name)
-                h.update(encode(value))
-        ids.append(h.hexdigest())
-    return pa.array(ids, pa.string())
+    encoders = [(_name(n), value_encoder(columns[n].type)) for n in names]
+    chunks = [pa.array([], pa.string())]
+    for start in range(0, rows, SLICE_ROWS):
+        values = [python_values(columns[n].slice(start, SLICE_ROWS)) for n in names]
+        ids = []
+        for i in range(min(SLICE_ROWS, rows - start)):
+            h = hashlib.sha256()
+            for (name, encode), column in zip(encoders, values, strict=True):
+                value = column[i]
+                if value is not None:  # a null cell is not part of the row's identity
+                    h.update(name)
+                    h.update(encode(value))
+            ids.append(h.hexdigest()[:ID_HEX_DIGITS])
+        chunks.append(pa.array(ids, pa.string()))
+    return pa.concat_arrays(chunks)
 
 
 def python_values(column: pa.Array) -> list[object]:
-    """The column as Python values; timestamps and dates as their integer counts, which is
-    what they are encoded as (and cheaper than datetimes)."""
+    """The column as Python values, timestamps and dates (nested ones too) as their integer
+    counts, which is what they are encoded as: a datetime cannot hold every value Arrow can,
+    and integers are cheaper. A column comes in the table's types (microsecond timestamps)."""
     if pa.types.is_timestamp(column.type):
-        return column.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()).to_pylist()
-    if pa.types.is_date32(column.type):
-        return column.cast(pa.int32()).to_pylist()
-    return column.to_pylist()
+        column = column.cast(pa.timestamp("us", tz="UTC"))
+    return column.cast(_as_integers(column.type)).to_pylist()
+
+
+def _as_integers(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_timestamp(t):
+        return pa.int64()
+    if pa.types.is_date32(t):
+        return pa.int32()
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return pa.list_(_as_integers(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([pa.field(f.name, _as_integers(f.type)) for f in t])
+    return t
 
 
 def _name(name: str) -> bytes:
@@ -81,9 +98,9 @@ def value_encoder(t: pa.DataType) -> Encoder:
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return lambda v: b"x" + _sized(bytes(v))  # type: ignore[arg-type]
     if pa.types.is_date32(t):
-        return lambda v: b"D" + struct.pack(">i", _days(v))
+        return lambda v: b"D" + struct.pack(">i", v)  # days, as python_values gives them
     if pa.types.is_timestamp(t):
-        return lambda v: b"t" + struct.pack(">q", _micros(v))
+        return lambda v: b"t" + struct.pack(">q", v)  # microseconds, as python_values gives
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return _list_encoder(value_encoder(t.value_type))
     if pa.types.is_struct(t):
@@ -109,17 +126,6 @@ def _unscaled(v: Decimal, scale: int) -> int:
     n = int("".join(map(str, digits)) or "0") * (-1 if sign else 1)
     shift = int(exponent) + scale
     return n * 10**shift if shift >= 0 else n // 10**-shift
-
-
-def _days(v: object) -> int:
-    return v if isinstance(v, int) else (v - _EPOCH_DAY).days  # type: ignore[operator]
-
-
-def _micros(v: object) -> int:
-    if isinstance(v, int):
-        return v
-    assert isinstance(v, datetime)
-    return (v.astimezone(UTC) - _EPOCH) // _MICRO
 
 
 def _sized(raw: bytes) -> bytes:

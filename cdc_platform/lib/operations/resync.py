@@ -247,7 +247,7 @@ def resync(
     bad = [f"{r.path}: {r.error}" for r in reports if not r.ok]
     if bad:
         raise ResyncError("the snapshot was not applied: " + "; ".join(bad))
-    fields, clashes = unify_schema(logged_fields, reports, table.may_widen)
+    fields, clashes = unify_schema(logged_fields, reports, table.may_widen, table.keyless)
     fields = with_row_id(fields, table.keyless)
     if clashes:
         raise ResyncError(
@@ -258,7 +258,7 @@ def resync(
     rows = sum(r.num_rows for r in reports)
     events = read_events(spark, reader, with_rows, event_schema(fields)) if with_rows else None
     if events is not None and table.keyless:  # identical rows are one row (section 3)
-        events = events.dropDuplicates(pk)
+        events = _first_of_each_key(events, pk)
     elif events is not None:
         _check_one_row_per_key(events, pk, folder)
 
@@ -315,6 +315,16 @@ def resync(
     keys_replaced = sum(replaced)
     merge = apply_pending(spark, paths, pk, now, table.history_columns)
     return ResyncResult(at, len(files), rows, keys_closed, keys_replaced, new_events, merge)
+
+
+def _first_of_each_key(events: DataFrame, pk: Sequence[str]) -> DataFrame:
+    """One row per key, the same on every run: the earliest (by time, file, row)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    first = Window.partitionBy(*cols(list(pk))).orderBy(col(TS), col(SOURCE_FILE), col(SOURCE_ROW))
+    n = internal("row")
+    return events.withColumn(n, F.row_number().over(first)).filter(col(n) == 1).drop(n)
 
 
 def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path) -> None:
