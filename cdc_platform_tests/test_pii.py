@@ -19,6 +19,7 @@ from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
+from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
@@ -176,6 +177,7 @@ def test_hash_columns_without_a_salt_refuse_the_run(spark, tmp_path, monkeypatch
         ("    hash_columns: [a]\n    block_columns: [A]\n", "hashed too"),
         ("    block_columns: [id]\n", "cannot be blocked"),
         ("    hash_columns: [cdc_change_seq]\n", "not data columns"),
+        ("    block_columns: [a]\n    track_history_columns: [A]\n", "never stored"),
     ],
 )
 def test_config_rules_of_protected_columns(tmp_path, protect, message):
@@ -191,3 +193,27 @@ def test_the_keyring_salt_is_checked_and_never_shown():
     ring = Keyring.from_mapping({"hash_salt": base64.b64encode(SALT).decode()})
     assert ring.for_table("t").hash_salt == SALT
     assert SALT.decode() not in repr(ring) and "hash_salt" in repr(ring)
+
+
+def test_a_csv_table_never_parses_a_blocked_column(spark, tmp_path, keyring):
+    """Undeclared in `columns` and holding cells no type would take: never read."""
+    path = tmp_path / "cdc_platform.yaml"
+    path.write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        '  - name: t\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n    format: csv\n'
+        "    columns: {id: long, email: string}\n" + PROTECTED
+    )
+    platform = load_config(path)
+    folder = platform.landing_root / "t/year=2024/month=01/day=01/hour=00"
+    folder.mkdir(parents=True)
+    (folder / "part-1.csv").write_text(
+        "id,SSN,email,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp\n"
+        f"1,{SSN},{EMAIL},INSERT,1,2024-01-01T00:01:00Z\n"
+    )
+    table, ring = platform.table("t"), Keyring.from_file(keyring)
+    result = materialize(spark, table, platform.landing_root, platform.warehouse_root, [H0], ring)
+    assert result.quarantined == ()
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    (row,) = DeltaTable(paths.history.uri).to_pyarrow_table().to_pylist()
+    assert row["email"] == hashed(EMAIL) and "SSN" not in row and "ssn" not in row
+    assert SSN not in every_value_in(Path(platform.warehouse_root.uri))

@@ -43,7 +43,6 @@ from cdc_platform.lib.landing.safe_open import CHANGED
 from cdc_platform.lib.ledgers import applied_files, quarantine, revoked_files
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored
-from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -185,10 +184,10 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     lap("list_files")
     # A table another engine gave a feature the platform cannot keep, or a config naming
     # another key than the history table's, stops the run here, before it writes.
-    delta.check_tables(run.paths.changelog)
-    history = Table.open(run.paths.history)
+    # Each opened once here (which checks its features) and handed down.
+    log, history = Table.open(run.paths.changelog), Table.open(run.paths.history)
     check_key(history, run.table.key)
-    check_protected_columns(Table.open(run.paths.changelog), run.table)
+    check_protected_columns(log, run.table)
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing_root, run.keyring)
@@ -196,7 +195,7 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     plan_whole_if_small(run.spark, sum(listing.size_of.values()))
 
     lap("inspect")
-    fields, good, set_aside = _inspect(run, reader, listing, synced_at)
+    fields, good, set_aside = _inspect(run, reader, listing, log, synced_at)
 
     new_events, native, events_read = 0, {}, 0
     with_rows = [r for r in good if r.num_rows]
@@ -266,15 +265,16 @@ def _list(run: _Run, reader: LandingReader) -> _Listing:
 
 
 def _inspect(
-    run: _Run, reader: LandingReader, listing: _Listing, synced_at: datetime
+    run: _Run, reader: LandingReader, listing: _Listing, log: Table, synced_at: datetime
 ) -> tuple[list[pa.Field], list[FileReport], list[quarantine.QuarantinedFile]]:
-    """Pass 1 over every file: the columns the change log will have, the files to append, and
-    those set aside (unreadable, bad rows, a type that cannot widen: rule 4, quarantine)."""
+    """Pass 1 over every file: the columns the change log (``log``, as the run found it) will
+    have, the files to append, and those set aside (unreadable, bad rows, a type that cannot
+    widen: rule 4, quarantine)."""
     reports = [FileReport(p, 0, None, why) for p, why in sorted(listing.not_read.items())]
     to_open = [p for p in listing.paths if p not in listing.not_read]
     reports += inspect_files(run.spark, reader, to_open)
     readable = [r for r in reports if r.ok]
-    logged = changelog.key_and_data_fields(Table.open(run.paths.changelog))
+    logged = changelog.key_and_data_fields(log)
     fields, clashes = unify_schema(logged, readable, run.table.may_widen, run.table.keyless)
     fields = with_row_id(fields, run.table.keyless)
     good = [r for r in readable if r.path not in clashes]

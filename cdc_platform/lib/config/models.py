@@ -217,6 +217,14 @@ class TableConfig:
         both = [c for c in self.block_columns or () if c.lower() in hashed]
         if both:
             raise FieldProblem(f"column(s) {both} are hashed too: give each once", "block_columns")
+        history = {c.lower() for c in self.track_history_columns or ()}
+        history |= {c.lower() for c in self.ignore_history_columns or ()}
+        listed = [c for c in self.block_columns or () if c.lower() in history]
+        if listed:
+            raise FieldProblem(
+                f"column(s) {listed} are in a history-column list, but never stored",
+                "block_columns",
+            )
         key = {c.lower() for c in self.file_key}
         in_key = [c for c in self.block_columns or () if c.lower() in key]
         if in_key:

@@ -221,8 +221,9 @@ def _check_header(header: list[str], table: TableConfig, source: str) -> None:
                 f"column {label(name, i)} appears twice in the header", None, source
             )
         seen.add(name)
+    blocked = {c.lower() for c in table.block_columns or ()}
     for i, name in enumerate(header):
-        if name not in CDC_COLUMNS and name not in table.columns:
+        if name not in CDC_COLUMNS and name not in table.columns and name.lower() not in blocked:
             raise LandingFileError(
                 f"column #{i + 1} of the header is not a column the config declares"
                 " (its name is not shown: the file may not be this table's)",
@@ -266,7 +267,9 @@ def _convert(
     raw: pa.Table, header: list[str], table: TableConfig, source: str, hide: bool
 ) -> pa.Table:
     n = raw.num_rows
-    data_cols = [c for c in header if c not in CDC_COLUMNS]
+    # A blocked column is never parsed: its cells cannot set a file aside (``landing.pii``).
+    blocked = {c.lower() for c in table.block_columns or ()}
+    data_cols = [c for c in header if c not in CDC_COLUMNS and c.lower() not in blocked]
     names: list[str] = []
     arrays: list[pa.Array] = []
     unmodified_masks: list[pa.Array | None] = []
