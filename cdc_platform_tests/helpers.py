@@ -8,12 +8,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.storage.stores import Where
 
@@ -109,3 +111,20 @@ class Clock:
 
     def __call__(self) -> datetime:
         return self.now
+
+
+def materialize_with_checks(
+    platform: PlatformConfig, table: str, hour: datetime
+) -> dg.ExecuteInProcessResult:
+    """One hour of ``table`` materialized through Dagster with its asset checks, as the UI's
+    Materialize does; failures are returned, not raised."""
+    from cdc_platform.defs.factory import build_table_definitions
+
+    defs = build_table_definitions(platform, platform.table(table))
+    return dg.materialize(
+        [defs.asset, defs.checks],
+        partition_key=hour.strftime("%Y-%m-%d-%H:%M"),
+        instance=dg.DagsterInstance.ephemeral(),
+        resources=dagster_resources(),
+        raise_on_error=False,
+    )

@@ -21,7 +21,11 @@ from cdc_platform.lib.landing.row_id import row_ids
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
-from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import (
+    dagster_resources,
+    materialize_with_checks,
+    write_parquet_events,
+)
 from cdc_platform_tests.helpers import event as ev
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -39,14 +43,7 @@ def config_file(tmp_path: Path, key: str = "keyless: true") -> PlatformConfig:
 
 
 def materialize_asset(platform: PlatformConfig, hour: datetime) -> dg.ExecuteInProcessResult:
-    defs = build_table_definitions(platform, platform.table("t"))
-    return dg.materialize(
-        [defs.asset, defs.checks],
-        partition_key=hour.strftime("%Y-%m-%d-%H:%M"),
-        instance=dg.DagsterInstance.ephemeral(),
-        resources=dagster_resources(),
-        raise_on_error=False,
-    )
+    return materialize_with_checks(platform, "t", hour)
 
 
 def item(op: str, seq: int, at: datetime, sku: str, qty: int | None, **more: object) -> dict:
@@ -57,6 +54,12 @@ def row_id(**cells: object) -> str:
     return row_ids({n: pa.array([v]) for n, v in cells.items()}, 1)[0].as_py()
 
 
+FIRST_HOUR = [
+    item("INSERT", 1, H0 + timedelta(minutes=1), "a", 1),
+    item("INSERT", 2, H0 + timedelta(minutes=2), "b", 2),
+]
+
+
 def history_rows(paths: TablePaths) -> list[dict]:
     rows = DeltaTable(paths.history.uri).to_pyarrow_table().to_pylist()
     return sorted(rows, key=lambda r: (r["sku"], r["qty"] or 0, r["_fivetran_start"]))
@@ -65,16 +68,8 @@ def history_rows(paths: TablePaths) -> list[dict]:
 def test_each_distinct_row_is_its_own_key_through_the_asset(spark, tmp_path):
     platform = config_file(tmp_path)
     paths = TablePaths.of(platform.warehouse_root, "t")
-    write_parquet_events(
-        platform.landing_root,
-        "t",
-        H0,
-        [
-            item("INSERT", 1, H0 + timedelta(minutes=1), "a", 1),
-            item("INSERT", 2, H0 + timedelta(minutes=2), "b", 2),
-            item("INSERT", 3, H0 + timedelta(minutes=3), "a", 1),  # a duplicate: nothing new
-        ],
-    )
+    duplicate = item("INSERT", 3, H0 + timedelta(minutes=3), "a", 1)  # nothing new
+    write_parquet_events(platform.landing_root, "t", H0, [*FIRST_HOUR, duplicate])
     assert materialize_asset(platform, H0).success
     # A later file with a new column, null in this row: the same row, the same id.
     write_parquet_events(
@@ -172,15 +167,7 @@ def test_switching_between_keyed_and_keyless_is_refused(spark, tmp_path):
 def test_resync_table_takes_identical_snapshot_rows_as_one(spark, tmp_path):
     platform = config_file(tmp_path)
     paths = TablePaths.of(platform.warehouse_root, "t")
-    write_parquet_events(
-        platform.landing_root,
-        "t",
-        H0,
-        [
-            item("INSERT", 1, H0 + timedelta(minutes=1), "a", 1),
-            item("INSERT", 2, H0 + timedelta(minutes=2), "b", 2),
-        ],
-    )
+    write_parquet_events(platform.landing_root, "t", H0, FIRST_HOUR)
     assert materialize_asset(platform, H0).success
     folder = tmp_path / "snapshot"
     folder.mkdir()

@@ -21,7 +21,11 @@ from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
-from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import (
+    dagster_resources,
+    materialize_with_checks,
+    write_parquet_events,
+)
 from cdc_platform_tests.helpers import event as ev
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -52,15 +56,7 @@ def keyring(tmp_path, monkeypatch) -> Path:
 
 
 def materialize_asset(platform: PlatformConfig, hour: datetime) -> dg.ExecuteInProcessResult:
-    defs = build_table_definitions(platform, platform.table("t"))
-    assert defs.current is not None
-    return dg.materialize(
-        [defs.asset, defs.checks],
-        partition_key=hour.strftime("%Y-%m-%d-%H:%M"),
-        instance=dg.DagsterInstance.ephemeral(),
-        resources=dagster_resources(),
-        raise_on_error=False,
-    )
+    return materialize_with_checks(platform, "t", hour)
 
 
 def hashed(text: str) -> str:

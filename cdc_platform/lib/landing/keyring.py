@@ -205,27 +205,28 @@ class Keyring:
 def _decode_salt(value: Any, source: str) -> bytes:
     """base64 text -> the salt; the error names the entry, never the value."""
     where = f"{source}: hash_salt"
-    if not isinstance(value, str):
-        raise KeyringError(f"{where} must be a base64 string")
-    try:
-        salt = base64.b64decode(value.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise KeyringError(f"{where} is not valid base64") from None
+    salt = _base64(value, where, "the salt")
     if len(salt) < MIN_SALT_BYTES:
-        raise KeyringError(f"{where} decodes to {len(salt)} bytes; at least {MIN_SALT_BYTES}")
+        raise KeyringError(
+            f"{where}: the salt decodes to {len(salt)} bytes; at least {MIN_SALT_BYTES}"
+        )
     return salt
 
 
 def _decode_key(value: Any, where: str) -> bytes:
     """base64 text -> 32 key bytes; the error names the entry, never the value."""
-    if not isinstance(value, str):
-        raise KeyringError(f"{where}: the key must be a base64 string")
-    try:
-        key = base64.b64decode(value.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise KeyringError(f"{where}: the key is not valid base64") from None
+    key = _base64(value, where, "the key")
     if len(key) != KEY_BYTES:
         raise KeyringError(
             f"{where}: the key decodes to {len(key)} bytes; AES-256 needs exactly {KEY_BYTES}"
         )
     return key
+
+
+def _base64(value: Any, where: str, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise KeyringError(f"{where}: {what} must be a base64 string")
+    try:
+        return base64.b64decode(value.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise KeyringError(f"{where}: {what} is not valid base64") from None
