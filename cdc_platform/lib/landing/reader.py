@@ -369,9 +369,7 @@ class LandingReader:
                 None,
                 f"could not read the file: {type(exc).__name__}{self._detail(exc)}",
             )
-        error, row, bad = validate_rows(tbl, self.table.file_key, self.show)
-        if not error and self.table.keyless:
-            error, row, bad = unmodified_rows(tbl)
+        error, row, bad = self._bad_rows(tbl)
         if error:
             return FileReport(path, tbl.num_rows, schema, error, row, bad)
         bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}  # pyright: ignore[reportAttributeAccessIssue]
@@ -382,6 +380,14 @@ class LandingReader:
             seq_min=bounds["min"],
             seq_max=bounds["max"],
         )
+
+    def _bad_rows(self, tbl: pa.Table) -> tuple[str | None, int | None, int]:
+        """``rows.validate_rows``, and for a keyless table ``rows.unmodified_rows`` (pass 1 and
+        pass 2 hold a file to the same rules)."""
+        error, row, bad = validate_rows(tbl, self.table.file_key, self.show)
+        if not error and self.table.keyless:
+            return unmodified_rows(tbl)
+        return error, row, bad
 
     def _read_schema(self, path: str) -> pa.Schema:
         """The file's columns without its rows (only for a format that keeps them apart)."""
@@ -435,9 +441,7 @@ class LandingReader:
         yield from pa.table(arrays, schema=schema).to_batches(max_chunksize=50_000)
 
     def _check_as_inspected(self, path: str, tbl: pa.Table, inspected: FileReport) -> None:
-        error, _, _ = validate_rows(tbl, self.table.file_key, self.show)
-        if not error and self.table.keyless:
-            error, _, _ = unmodified_rows(tbl)
+        error, _, _ = self._bad_rows(tbl)
         bounds = pc.min_max(tbl[SEQ]).as_py() if tbl.num_rows else {"min": None, "max": None}  # pyright: ignore[reportAttributeAccessIssue]
         same = (tbl.num_rows, bounds["min"], bounds["max"]) == (
             inspected.num_rows,
