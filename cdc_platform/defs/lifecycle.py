@@ -1,11 +1,11 @@
 """The table lifecycle jobs, from the Launchpad: ``truncate_table`` (Fivetran's Truncate),
-``adopt_table`` (an existing table switched to history mode) and ``resync_table`` (a re-sync
-from a snapshot).
+``adopt_table`` (an existing table switched to history mode), ``resync_table`` (a re-sync
+from a snapshot) and ``rekey_table`` (the history rebuilt under the key the config now names).
 
 ``truncate_table`` names the table, ``before`` (an ISO-8601 time; when left out, everything
 written up to the run, its catch-up merge included) and ``soft``; ``adopt_table`` the table and
 the source to adopt; ``resync_table`` the table, the snapshot folder and ``at``. The work is ``lib.operations.truncation``'s, ``lib.operations.adoption``'s
-and ``lib.operations.resync``'s; each run is reported and checked as ``defs.operations`` does for every
+``lib.operations.resync``'s and ``lib.operations.rekey``'s; each run is reported and checked as ``defs.operations`` does for every
 operator job, on the hour partition of the operation's time.
 """
 
@@ -18,7 +18,9 @@ from pydantic import Field
 from cdc_platform.defs.operations import TableRunConfig, operator_run, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
+from cdc_platform.lib.history.table_key import REKEY_JOB, named
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.rekey import RekeyError, rekey
 from cdc_platform.lib.operations.resync import ResyncError, resync
 from cdc_platform.lib.operations.truncation import truncate
 
@@ -80,7 +82,12 @@ def parse_before(text: str | None, default: datetime, name: str = "before") -> d
 
 
 def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
-    return [_truncate_job(platform), _adopt_job(platform), _resync_job(platform)]
+    return [
+        _truncate_job(platform),
+        _adopt_job(platform),
+        _resync_job(platform),
+        _rekey_job(platform),
+    ]
 
 
 def _truncate_job(platform: PlatformConfig) -> dg.JobDefinition:
@@ -241,3 +248,62 @@ def _resync_job(platform: PlatformConfig) -> dg.JobDefinition:
         resync_op()
 
     return resync_table
+
+
+def _rekey_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """The history rebuilt under the config's key from the change log (``lib.operations.rekey``),
+    reported on the hour of the table's last event."""
+
+    @dg.op(name="rekey")
+    def rekey_op(
+        context: dg.OpExecutionContext, config: TableRunConfig, spark: SparkResource
+    ) -> None:
+        refuse = (RekeyError, ValueError)
+        with operator_run(context, platform, config, spark, refuse=refuse, rekeying=True) as run:
+            r = rekey(run.session, run.table, run.paths, datetime.now(UTC))
+            if not r.changed:
+                context.log.info(
+                    f"{run.table.name}: the table is already folded under {named(r.new_key)}"
+                    " (or has no history yet): nothing to do"
+                )
+                return
+            c = r.counts
+            assert c is not None
+            meta = {
+                "operation": REKEY_JOB,
+                "old_key": named(r.old_key),
+                "new_key": named(r.new_key),
+                "events": c.events,
+                "keys_before": c.keys_before,
+                "keys_after": c.keys_after,
+                "keys_merged": c.merged,
+                "keys_split": c.split,
+                "events_counted_once": c.counted_once,
+                "versions": r.versions,
+                "versions_synced_kept": r.synced_kept,
+                "changelog_rewritten": r.changelog_rewritten,
+                "old_rows_at_version": r.from_version,
+                "delta_version": r.history_version,
+            }
+            hours = (
+                (c.last_event_at.replace(minute=0, second=0, microsecond=0),)
+                if c.last_event_at
+                else ()
+            )
+            run.done(
+                f"history rebuilt under {named(r.new_key)} (was {named(r.old_key)}): "
+                f"{c.keys_before} key(s) became {c.keys_after}, {c.merged} merged and {c.split} "
+                f"split; {r.versions} version(s); the old rows are version {r.from_version}",
+                hours,
+                meta,
+            )
+
+    @dg.job(
+        name=REKEY_JOB,
+        description="Rebuild a table's history under the key its config now names (columns "
+        "added to or removed from the key, keyed to keyless and back), from its change log.",
+    )
+    def rekey_table() -> None:
+        rekey_op()
+
+    return rekey_table

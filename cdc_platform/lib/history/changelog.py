@@ -144,8 +144,17 @@ def append(
         gone = _overlapping(ledger.files, lo, hi) if ledger is not None else []
         gone = [f for f in gone if removal_committed(path, f)]
         if ledger is not None and gone:
-            forgot = ledger.read(spark, gone).select(*cols([*pk, SEQ]))
-            new = new.join(joins.build_side(forgot, joins.records(gone)), [*pk, SEQ], "left_anti")
+            key = ledger_key(ledger, pk)
+            forgot = ledger.read(spark, gone).select(*cols([*key, SEQ]))
+            # A column of the ledger's key this batch's files lack is null in every event.
+            absent = {
+                c: F.lit(None).cast(forgot.schema[c].dataType) for c in key if c not in new.columns
+            }
+            new = (
+                new.withColumns(absent)
+                .join(joins.build_side(forgot, joins.records(gone)), [*key, SEQ], "left_anti")
+                .drop(*absent)
+            )
         # The table's columns and types: a column the table widened after this batch was read
         # (a concurrent append) is cast up, as the widening cast the rows already there.
         table_schema = log.arrow_schema
@@ -203,8 +212,8 @@ def forget(
     removal that lost its race, and was decided again, never count."""
     from pyspark.sql import functions as F
 
-    pk = list(primary_key)
-    rows = events.select(*cols([*pk, SEQ])).distinct()
+    ledger = Table.open(path)
+    rows = events.select(*cols([*ledger_key(ledger, primary_key), SEQ])).distinct()
     if removal is not None:
         rows = rows.withColumns(
             {
@@ -213,11 +222,21 @@ def forget(
             }
         )
     schema = delta.arrow_schema_of(rows)
-    ledger = Table.open(path).ensure(schema, "cdc_platform events removed for good")
+    ledger = ledger.ensure(schema, "cdc_platform events removed for good")
     ledger = ledger.widened(rows.sparkSession, schema)
     with ledger.committing() as add:
         add.write(rows.repartitionByRange(1, col(SEQ)))
         add.commit()
+
+
+def ledger_key(ledger: Table, primary_key: Sequence[str]) -> list[str]:
+    """The key columns of the forgotten-events ledger: the table's key when the ledger was
+    created. A ``rekey_table`` run leaves the ledger as it is: each column of the old key is
+    still a column of every event (a key column, or data), so the rows still name the events
+    they forgot, under any later key (``rekey`` refuses the one case where not)."""
+    if not ledger.exists:
+        return list(primary_key)
+    return [n for n in ledger.arrow_schema.names if n not in (SEQ, AFTER_LOG_VERSION, REMOVAL)]
 
 
 def unforget(path: Where, removal: str) -> None:

@@ -41,8 +41,7 @@ def check_protected_columns(changelog: Table, table: TableConfig) -> None:
     (before the run writes anything)."""
     if changelog.dt is None:
         return
-    text = changelog.dt.metadata().configuration.get(PROTECTED_COLUMNS_PROPERTY)
-    recorded = _NONE if text is None else _parsed(text, changelog)
+    recorded = _recorded(changelog)
     wanted = protected_columns(table)
     if recorded == wanted:
         return
@@ -55,13 +54,13 @@ def check_protected_columns(changelog: Table, table: TableConfig) -> None:
     )
 
 
-def _parsed(text: str, changelog: Table) -> dict[str, list[str]]:
-    raw = None
-    if len(text) <= 100_000:
-        try:
-            raw = json.loads(text)
-        except (ValueError, RecursionError):
-            raw = None
+def _recorded(changelog: Table) -> dict[str, list[str]]:
+    try:
+        raw = changelog.json_property(PROTECTED_COLUMNS_PROPERTY)
+    except ValueError:
+        raw = False  # not JSON: refused below
+    if raw is None:
+        return _NONE
     if (
         not isinstance(raw, dict)
         or sorted(raw) != ["block", "hash"]

@@ -10,6 +10,7 @@ failure leaves nothing half-applied (docs/HISTORY_MODE.md, guarantees).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from deltalake.transaction import AddAction, RemoveAction
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
+
+# The platform's table properties are short JSON values; anything longer was not written by it.
+MAX_PROPERTY_CHARS = 100_000
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,22 @@ class Table:
         """The version of ``app_id``'s input the table says it contains (a Delta app
         transaction), None if it says nothing or does not exist."""
         return self.dt.transaction_version(app_id) if self.dt is not None else None
+
+    def json_property(self, name: str, max_chars: int = MAX_PROPERTY_CHARS) -> object | None:
+        """The table property ``name`` as JSON (None: no table, or no such property). A value
+        that is not JSON within ``max_chars`` (or nests too deep) raises ``ValueError``:
+        another tool wrote it, and the caller says so rather than guessing."""
+        if self.dt is None:
+            return None
+        text = self.dt.metadata().configuration.get(name)
+        if text is None:
+            return None
+        if len(text) > max_chars:
+            raise ValueError(f"{self}: the table property {name} is too long")
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            raise ValueError(f"{self}: the table property {name} is not JSON") from None
 
     @cached_property
     def files(self) -> list[delta.DataFile]:
