@@ -291,3 +291,44 @@ def test_a_rekey_keeps_forgotten_events_forgotten(spark, tmp_path):
     ids = {r["id"] for r in Table.open(paths.history).read(spark).collect()}
     assert ids == {5}
     assert pa.types.is_integer(Table.open(paths.history).arrow_schema.field("id").type)
+
+
+def test_a_rekey_that_stopped_after_rewriting_the_change_log_completes_when_run_again(
+    spark, tmp_path
+):
+    """Keyless to keyed, stopped after step 2 (the log no longer has the old key's ids)."""
+    from cdc_platform.lib.operations import rekey as steps
+
+    keyless = config(tmp_path, "keyless: true")
+    paths = TablePaths.of(keyless.warehouse_root, "t")
+    events = [e for e in EVENTS if e["cdc_operation_type"] != "UPDATE"]
+    write_parquet_events(keyless.landing_root, "t", H0, events)
+    assert materialize_with_checks(keyless, "t", H0).success
+    by_id = config(tmp_path, "primary_key: [id]")
+    table = by_id.table("t")
+    history = Table.open(paths.history)
+    assert history.version is not None
+    steps._mark(history, table, Rekey(history.version, True, ("_fivetran_id",)))
+    log = Table.open(paths.changelog)
+    steps._rewrite_changelog(log, log.read(spark), table)
+    assert "_fivetran_id" not in Table.open(paths.changelog).arrow_schema.names
+
+    result = rekey_job(by_id)
+    assert result.success, failure_of(result)
+    meta = metadata_of(result)
+    assert (meta["keys_before"], meta["keys_after"]) == (3, 3)
+    assert checks_passed(materialize_with_checks(by_id, "t", H0))
+
+
+def test_a_config_the_rekey_cannot_follow_is_refused_before_its_first_commit(spark, tmp_path):
+    by_id = config(tmp_path, "primary_key: [id]")
+    paths = TablePaths.of(by_id.warehouse_root, "t")
+    write_parquet_events(by_id.landing_root, "t", H0, EVENTS)
+    assert materialize_with_checks(by_id, "t", H0).success
+    before = DeltaTable(str(paths.history)).version()
+    typo = config(tmp_path, "primary_key: [id, region]\n    track_history_columns: [stauts]")
+    result = rekey_job(typo)
+    assert not result.success and "stauts" in failure_of(result)
+    assert DeltaTable(str(paths.history)).version() == before
+    assert table_key.recorded_rekey(Table.open(paths.history)) is None
+    assert materialize_with_checks(by_id, "t", H0).success  # not left under way

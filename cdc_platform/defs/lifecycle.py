@@ -23,6 +23,7 @@ from cdc_platform.lib.operations.adoption import AdoptionError, adopt
 from cdc_platform.lib.operations.rekey import RekeyError, rekey
 from cdc_platform.lib.operations.resync import ResyncError, resync
 from cdc_platform.lib.operations.truncation import truncate
+from cdc_platform.lib.pipeline import to_ms
 
 TRUNCATE_JOB = "truncate_table"
 ADOPT_JOB = "adopt_table"
@@ -258,9 +259,9 @@ def _rekey_job(platform: PlatformConfig) -> dg.JobDefinition:
     def rekey_op(
         context: dg.OpExecutionContext, config: TableRunConfig, spark: SparkResource
     ) -> None:
-        refuse = (RekeyError, ValueError)
+        refuse = (RekeyError,)  # anything else after the first commit keeps its traceback
         with operator_run(context, platform, config, spark, refuse=refuse, rekeying=True) as run:
-            r = rekey(run.session, run.table, run.paths, datetime.now(UTC))
+            r = rekey(run.session, run.table, run.paths, to_ms(datetime.now(UTC)))
             if not r.changed:
                 context.log.info(
                     f"{run.table.name}: the table is already folded under {named(r.new_key)}"

@@ -115,7 +115,8 @@ class RekeyResult:
 def rekey(
     spark: SparkSession, table: TableConfig, paths: TablePaths, synced_at: datetime
 ) -> RekeyResult:
-    """Rebuild ``table``'s history under the key its config names, from the change log."""
+    """Rebuild ``table``'s history under the key its config names, from the change log. Every
+    refusal comes before the first commit (a rekey under way stays so until a run completes)."""
     history = Table.open(paths.history)
     new = tuple(table.key)
     state = recorded_rekey(history)
@@ -130,16 +131,12 @@ def rekey(
     pending = state is not None and state.pending
     if same_key(old, new) and not pending:
         return RekeyResult(tuple(old), new, changed=False)
+    assert history.version is not None
+    from_version = history.version
     if state is not None and pending:
         old, from_version = list(state.from_key), state.from_version
-    else:
-        assert history.version is not None
-        from_version = history.version
-    _refuse_forgotten_ledger(paths, table, old)
     log = Table.open(paths.changelog)
-    if not log.exists:
-        raise RekeyError(f"{paths.changelog}: the table has no change log to rebuild from")
-    _refuse_events(log, log.read(spark), table)  # before the first commit: a refusal writes nothing
+    _refuse(spark, paths, log, table, old, from_version, history.version)
     if not pending:
         _mark(history, table, Rekey(from_version, True, tuple(old)))
     result, _ = delta.with_commit_retries(
@@ -148,6 +145,41 @@ def rekey(
     )
     _mark(Table.open(paths.history), table, Rekey(from_version, False, tuple(old)))
     return result
+
+
+def _refuse(
+    spark: SparkSession,
+    paths: TablePaths,
+    log: Table,
+    table: TableConfig,
+    old: Sequence[str],
+    from_version: int,
+    latest: int,
+) -> None:
+    """Everything that stops a rekey, checked before its first commit: a table property that
+    does not hold together, a history-column list naming no column, a ledger the new key cannot
+    keep, and events the new key cannot take (``_refuse_events``)."""
+    if not log.exists:
+        raise RekeyError(f"{paths.changelog}: the table has no change log to rebuild from")
+    names = set(log.arrow_schema.names) | {ROW_ID}  # a keyless log's ids may be computed
+    if not 0 <= from_version <= latest or not set(old) <= names:
+        raise RekeyError(
+            f"{paths.history}: the table property {REKEY_PROPERTY} names a version or key the"
+            " table does not have; it was not written by cdc_platform. Nothing was written."
+        )
+    data = [
+        n
+        for n in changelog.key_and_data_of(log.arrow_schema).names
+        if n not in table.key and n != ROW_ID
+    ]
+    unknown = table.history_columns.unknown(data)
+    if unknown:
+        raise RekeyError(
+            f"{paths.history}: the config's track_history_columns / ignore_history_columns name"
+            f" {unknown}, which the table does not have. Nothing was written."
+        )
+    _refuse_forgotten_ledger(paths, table, old)
+    _refuse_events(log, log.read(spark), table)
 
 
 def _mark(history: Table, table: TableConfig, state: Rekey) -> None:
@@ -171,7 +203,7 @@ def _refuse_forgotten_ledger(paths: TablePaths, table: TableConfig, old: Sequenc
     """The forgotten-events ledger names events by the key it was created with
     (``changelog.ledger_key``); after a rekey each of its columns must still be a column of
     every event, which fails only for a keyless table becoming keyed (its ``_fivetran_id``
-    goes)."""
+    goes) while the ledger holds rows (an empty one takes the new key: ``_reset_empty_ledger``)."""
     ledger = Table.open(paths.forgotten_events)
     if not ledger.files or table.keyless:
         return
@@ -184,6 +216,20 @@ def _refuse_forgotten_ledger(paths: TablePaths, table: TableConfig, old: Sequenc
         )
 
 
+def _reset_empty_ledger(paths: TablePaths, log_schema: pa.Schema, key: Sequence[str]) -> None:
+    """An empty forgotten-events ledger (its rows all dropped again, ``changelog.unforget``)
+    takes the new key's columns: its old ones may not be columns of the events any more."""
+    ledger = Table.open(paths.forgotten_events)
+    if not ledger.exists or ledger.files:
+        return
+    have = ledger.arrow_schema
+    system = [f for f in have if f.name in (SEQ, changelog.AFTER_LOG_VERSION, changelog.REMOVAL)]
+    schema = pa.schema([*(log_schema.field(k) for k in key), *system])
+    if schema.names != have.names:
+        with ledger.committing() as empty:
+            empty.commit(schema=schema, strict=True, overwrite=True)
+
+
 def _rebuild(
     spark: SparkSession,
     table: TableConfig,
@@ -192,30 +238,25 @@ def _rebuild(
     from_version: int,
     synced_at: datetime,
 ) -> RekeyResult:
-    """Steps 2 to 4 (the module docstring), decided on the change log as it now is."""
+    """Steps 2 to 4 (the module docstring), decided on the change log as it now is. Each step
+    is idempotent: after a crash, a run finds the change log already rewritten, say."""
     new = tuple(table.key)
     log = Table.open(paths.changelog)
-    events = log.read(spark)
-    _refuse_events(log, events, table)  # again: events logged since are refused too
     rewritten = table.keyless != (ROW_ID in log.arrow_schema.names)
-    # Counted where the events hold both keys: before a rewrite that drops the old key's
-    # _fivetran_id, after one that adds the new key's.
-    counts = _key_counts(events, old, new) if rewritten and not table.keyless else None
     if rewritten:
+        events = log.read(spark)
         ids = _with_row_ids(events, log.arrow_schema) if table.keyless else events
         log = _rewrite_changelog(log, ids, table)
-        events = log.read(spark)
-    counts = counts or _key_counts(events, old, new)
+    events = log.read(spark)
+    # A keyless table's old key is each event's id: computed again once a rewrite dropped it.
+    if ROW_ID in old and ROW_ID not in events.columns:
+        counts = _key_counts(_with_row_ids(events, log.arrow_schema), old, new)
+    else:
+        counts = _key_counts(events, old, new)
     log_version = log.version
     assert log_version is not None
     schema = history_schema(new, changelog.key_and_data_of(log.arrow_schema))
     data = [f.name for f in schema if f.name not in new and f.name not in SYSTEM_COLUMNS]
-    unknown = table.history_columns.unknown(data)
-    if unknown:
-        raise RekeyError(
-            f"{paths.history}: the config's track_history_columns / ignore_history_columns name"
-            f" {unknown}, which the table does not have. Nothing was written."
-        )
     versions = build_versions(
         events, new, data, history_columns=table.history_columns, with_state=True
     )
@@ -238,7 +279,8 @@ def _rebuild(
                 strict=True,
                 overwrite=True,
             )
-    _replace_side_tables(paths, events, versions, list(new), log_version)
+        _replace_side_tables(paths, events, out, list(new), log_version)
+    _reset_empty_ledger(paths, log.arrow_schema, new)
     return RekeyResult(
         old_key=old,
         new_key=new,
