@@ -238,16 +238,26 @@ SUPPORTED: dict[str, tuple[pa.DataType, Any, Any, tuple[Any, Any] | None]] = {
         ([{"x": 1}], [{"x": 2}]),
     ),
     "dictionary": (pa.dictionary(pa.int32(), pa.string()), "a", "b", ("a", "b")),
+    "map": (
+        pa.map_(pa.int32(), pa.string()),
+        [(1, "a"), (2, None)],
+        [(2, None), (1, "b")],
+        ([(1, "a"), (2, None)], [(2, None), (1, "b")]),
+    ),
     # Durations are kept as int64 microseconds; nanoseconds floored, as timestamps' are.
     "duration_s": (pa.duration("s"), timedelta(seconds=1), timedelta(hours=2), (10**6, 72 * 10**8)),
     "duration_ns": (pa.duration("ns"), 5001, -1500, (5, -2)),
 }
 REJECTED: dict[str, tuple[pa.DataType, Any, str]] = {
-    "map": (pa.map_(pa.string(), pa.string()), [("k", "v")], "map columns are not supported"),
     "struct_map": (
         pa.struct([("m", pa.map_(pa.string(), pa.int32()))]),
         {"m": [("k", 1)]},
-        "map columns are not supported",
+        "a map inside a list, struct or map is not supported",
+    ),
+    "map_map": (
+        pa.map_(pa.string(), pa.map_(pa.string(), pa.int32())),
+        [("k", [("j", 1)])],
+        "a map inside a list, struct or map is not supported",
     ),
     "list_duration": (
         pa.list_(pa.duration("s")),

@@ -28,6 +28,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from deltalake import DeltaTable
     from pyspark.sql import Column
+    from pyspark.sql.types import StructType
 
 # -- CDC columns of a landing file ----------------------------------------------------------------
 OP = "cdc_operation_type"
@@ -96,6 +97,25 @@ def string_sql(value: str) -> str:
     in hex (quotes, backslashes and NULs are bytes like any other). Raises
     ``UnicodeEncodeError`` for a string that is not valid Unicode (a lone surrogate)."""
     return f"CAST(X'{value.encode('utf-8').hex()}' AS STRING)"
+
+
+def comparable_sql(expr: str, is_map: bool) -> str:
+    """SQL text for a value Spark can compare (``<=>``), group and sort: the value itself, but a
+    map as its entries sorted by key (Spark compares no map; two maps with the same entries are
+    the same value whatever order a file listed them in)."""
+    return f"array_sort(map_entries({expr}))" if is_map else expr
+
+
+def same_sql(a: str, b: str, is_map: bool = False) -> str:
+    """SQL text: ``a`` and ``b`` (expressions of one column's type) equal, two nulls included."""
+    return f"{comparable_sql(a, is_map)} <=> {comparable_sql(b, is_map)}"
+
+
+def map_columns(schema: StructType) -> frozenset[str]:
+    """The top-level columns of ``schema`` that are maps (``same_sql`` compares them so)."""
+    from pyspark.sql.types import MapType
+
+    return frozenset(f.name for f in schema.fields if isinstance(f.dataType, MapType))
 
 
 def window_sql(partition_by: Sequence[str], order_by: Sequence[str], frame: str = "") -> str:

@@ -27,7 +27,9 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    map_columns,
     quote,
+    same_sql,
     string_sql,
     window_sql,
 )
@@ -65,12 +67,13 @@ def with_neighbours(table: DataFrame, pk: list[str], tracked: Sequence[str]) -> 
     from pyspark.sql import functions as F
 
     by_start = window_sql(pk, [START])
+    maps = map_columns(table.schema)
     neighbours = [F.expr(f"lead({quote(START)}) OVER ({by_start})").alias(NEXT_START)]
     if CHANGED in table.columns:
         first = F.expr(f"lag({quote(START)}) OVER ({by_start})").isNull()
         differing = [
             F.expr(
-                f"CASE WHEN NOT ({quote(c)} <=> lag({quote(c)}) OVER ({by_start})) "
+                f"CASE WHEN NOT ({same_sql(quote(c), f'lag({quote(c)}) OVER ({by_start})', c in maps)}) "
                 f"THEN {string_sql(c)} END"
             )
             for c in tracked
@@ -132,6 +135,7 @@ def mismatched_keys(
         return table, f"columns {missing} are not in the change log"
     tracked = history_columns.tracked(data_columns)
     untracked = history_columns.untracked(data_columns)
+    maps = map_columns(table.schema)
     if whole_table:  # every keyed event: a key the table lost is caught too
         keyed_events = events.filter(~any_key_null(pk))
     else:
@@ -175,7 +179,7 @@ def mismatched_keys(
         "AS _cdc_tmp_next_image",
     )
     cov, has_image, ends_deleted = "_cdc_tmp_covering", f"{step}.has_image", f"{step}.ends_deleted"
-    same = _same_image(f"{cov}.img", f"{step}.img", tracked)
+    same = _same_image(f"{cov}.img", f"{step}.img", tracked, maps)
     # A version may end in the millisecond it covers (its successor starts 1 ms later).
     step_fails = f"""{kind} = 1 AND (
         ({has_image} AND NOT {ends_deleted}
@@ -186,7 +190,7 @@ def mismatched_keys(
     if untracked:
         # The last step with an image before the next version: its untracked cells are the
         # covering version's (every earlier one was overwritten in place).
-        same_untracked = _same_image(f"{cov}.img", f"{step}.img", untracked)
+        same_untracked = _same_image(f"{cov}.img", f"{step}.img", untracked, maps)
         step_fails = f"""({step_fails}) OR ({kind} = 1 AND {has_image}
             AND (_cdc_tmp_next_image IS NULL
                 OR coalesce(_cdc_tmp_next_image >= _cdc_tmp_next_start, false))
@@ -205,7 +209,7 @@ def mismatched_keys(
         OR (_cdc_tmp_previous IS NOT NULL
             AND coalesce(_cdc_tmp_previous.`end` = {one_ms_before}, false)
             AND NOT coalesce(_cdc_tmp_last_delete = {one_ms_before}, false)
-            AND {_same_image("_cdc_tmp_previous.img", f"{ver}.img", tracked)})
+            AND {_same_image("_cdc_tmp_previous.img", f"{ver}.img", tracked, maps)})
         OR NOT ({ver}.`end` <=> {expected_end})
         OR NOT ({ver}.active <=> ({expected_end} = {tmax})))"""
     failing = timeline.filter(f"({step_fails}) OR ({version_fails})").select(*cols(pk))
@@ -257,11 +261,11 @@ def _image(cells: list[Column]) -> Column:
     return F.struct(*cells) if cells else F.struct(F.lit(True).alias("_"))
 
 
-def _same_image(a: str, b: str, data_columns: Sequence[str]) -> str:
+def _same_image(a: str, b: str, data_columns: Sequence[str], maps: frozenset[str]) -> str:
     """SQL text: both images (expressions of working columns) present and equal column by
-    column, NULL-safe (``<=>``); never null."""
+    column, NULL-safe (``same_sql``: ``maps`` by their sorted entries); never null."""
     same = [f"{a} IS NOT NULL", f"{b} IS NOT NULL"]
-    same += [f"{a}.{quote(c)} <=> {b}.{quote(c)}" for c in data_columns]
+    same += [same_sql(f"{a}.{quote(c)}", f"{b}.{quote(c)}", c in maps) for c in data_columns]
     return f"coalesce({' AND '.join(same)}, false)"
 
 

@@ -42,7 +42,9 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    map_columns,
     quote,
+    same_sql,
     string_sql,
     window_sql,
 )
@@ -144,7 +146,7 @@ def build_versions(
     ``events`` must hold *all* events of the keys it covers (order does not matter). Column
     names are used verbatim (quoted), and the working columns live under the internal prefix,
     so a source column called ``_seq``, ``a.b`` or ``a`b`` is just data. Images are compared
-    with ``<=>``, which every supported column type allows (maps are set aside on reading).
+    with ``<=>``, a map by its entries sorted by key (``columns.same_sql``).
     ``deduplicated`` says each ``(key, cdc_change_seq)`` is there once already.
     ``history_columns`` says which columns open versions (the others update in place).
     """
@@ -187,7 +189,8 @@ def build_versions(
     steps = steps.withColumn(_PREV_IMG, F.lag(col(_IMG)).over(w_steps))
     tracked = history_columns.tracked(data_columns)
     untracked = history_columns.untracked(data_columns)
-    same_image = _images_equal(quote(_IMG), quote(_PREV_IMG), tracked)
+    maps = map_columns(events.schema)
+    same_image = _images_equal(quote(_IMG), quote(_PREV_IMG), tracked, maps)
     steps = steps.withColumn(_OPENS, col(_HAS_IMAGE) & ~(col(_LIVE_BEFORE) & same_image))
     if untracked:
         # A step that opens no version but has an image belongs to the live version: the
@@ -229,7 +232,7 @@ def build_versions(
     # Which columns differ from the key's previous version (null for the first one it folds).
     previous = f"(lag({quote(_IMG)}) OVER ({window_sql(pk, [_MS])}))"
     differing = [
-        f"CASE WHEN NOT ({quote(_IMG)}.{quote(c)} <=> {previous}.{quote(c)}) "
+        f"CASE WHEN NOT ({same_sql(f'{quote(_IMG)}.{quote(c)}', f'{previous}.{quote(c)}', c in maps)}) "
         f"THEN {string_sql(c)} END"
         for c in tracked
     ]
@@ -250,11 +253,18 @@ def build_versions(
     return versions.withColumn(ACTIVE, col(END) == tmax_literal())
 
 
-def _images_equal(a: str, b: str, data_columns: Sequence[str]) -> Column:
+def _images_equal(
+    a: str, b: str, data_columns: Sequence[str], maps: frozenset[str] = frozenset()
+) -> Column:
     """NULL-safe equality of two images (quoted names of struct columns), column by column
-    (``<=>``, never ``=``), as one SQL expression."""
+    (``<=>``, never ``=``; ``maps`` by their sorted entries, ``same_sql``), as one SQL
+    expression."""
     from pyspark.sql import functions as F
 
     if not data_columns:
         return F.expr(f"{b} IS NOT NULL")
-    return F.expr(" AND ".join(f"{a}.{quote(c)} <=> {b}.{quote(c)}" for c in data_columns))
+    return F.expr(
+        " AND ".join(
+            same_sql(f"{a}.{quote(c)}", f"{b}.{quote(c)}", c in maps) for c in data_columns
+        )
+    )

@@ -71,6 +71,8 @@ def _native_type(t: pa.DataType, top_level: bool = True) -> bool:
     (``_spark_widens``): narrower integers, 32-bit floats, large or dictionary strings."""
     if top_level and _spark_widens(t):
         return True
+    if pa.types.is_map(t):
+        return False  # its key and value types are normalized in Python
     if pa.types.is_timestamp(t):
         return t.unit == "us"
     if is_list(t):

@@ -275,6 +275,8 @@ class LandingReader:
                 )
             elif f.name not in CDC_COLUMNS:
                 why = unsupported_type(f.type)
+                if why is None and f.name in self.table.file_key and pa.types.is_map(f.type):
+                    why = "a key column cannot be a map (a key is compared and sorted as it is)"
                 if why:
                     raise LandingFileError(f"column {name} has type {f.type}: {why}")
 

@@ -72,6 +72,8 @@ def _as_integers(t: pa.DataType) -> pa.DataType:
         return pa.list_(_as_integers(t.value_type))
     if pa.types.is_struct(t):
         return pa.struct([pa.field(f.name, _as_integers(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(_as_integers(t.key_type), _as_integers(t.item_type))
     return t
 
 
@@ -105,6 +107,8 @@ def value_encoder(t: pa.DataType) -> Encoder:
         return _list_encoder(value_encoder(t.value_type))
     if pa.types.is_struct(t):
         return _struct_encoder(t)
+    if pa.types.is_map(t):
+        return _map_encoder(value_encoder(t.key_type), value_encoder(t.item_type))
     raise TypeError(f"no _fivetran_id encoding for type {t}")  # normalize_type never gives one
 
 
@@ -153,5 +157,19 @@ def _struct_encoder(t: pa.StructType) -> Encoder:
             x = v.get(key)
             out.append(name + (b"\x00" if x is None else b"\x01" + element(x)))
         return b"".join(out)
+
+    return encode
+
+
+def _map_encoder(key: Encoder, item: Encoder) -> Encoder:
+    """A map's entries in the byte order of their encoded keys: the order a file lists them in
+    is not part of the value (as the fold compares maps, ``columns.same_sql``)."""
+
+    def encode(v: object) -> bytes:
+        entries = sorted(
+            (key(k), b"\x00" if x is None else b"\x01" + item(x))
+            for k, x in v  # type: ignore[attr-defined]
+        )
+        return b"".join([b"m", struct.pack(">I", len(entries)), *(k + x for k, x in entries)])
 
     return encode

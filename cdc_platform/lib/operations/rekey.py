@@ -46,8 +46,10 @@ from cdc_platform.lib.columns import (
     UNMODIFIED,
     col,
     cols,
+    comparable_sql,
     from_unix_micros,
     internal,
+    map_columns,
     quote,
     timestamp_lit,
 )
@@ -446,21 +448,24 @@ def _with_synced(
     versions: DataFrame, priors: Sequence[DataFrame], compared: Sequence[str], at: datetime
 ) -> DataFrame:
     """Each version's ``_fivetran_synced``: that of a prior row equal to it in every compared
-    column (``<=>``; the earliest such), else ``at``; ``_KEPT`` says which."""
+    column (``<=>``, a map by its sorted entries; the earliest such), else ``at``; ``_KEPT``
+    says which."""
     from pyspark.sql import functions as F
 
     if not priors:
         return versions.withColumns({SYNCED: timestamp_lit(at), _KEPT: F.lit(False)})
     renamed = {c: internal(f"prior_{i}") for i, c in enumerate(compared)}
+    maps = map_columns(versions.schema)
     union = priors[0]
     for p in priors[1:]:
         union = union.unionByName(p)
-    prior = (
-        union.groupBy(*cols(list(compared)))
-        .agg(F.min(col(SYNCED)).alias(_PRIOR_SYNCED))
-        .select(*[col(c).alias(r) for c, r in renamed.items()], col(_PRIOR_SYNCED))
+    canonical = [F.expr(comparable_sql(quote(c), c in maps)).alias(r) for c, r in renamed.items()]
+    prior = union.groupBy(*canonical).agg(F.min(col(SYNCED)).alias(_PRIOR_SYNCED))
+    same = F.expr(
+        " AND ".join(
+            f"{comparable_sql(quote(c), c in maps)} <=> {quote(r)}" for c, r in renamed.items()
+        )
     )
-    same = F.expr(" AND ".join(f"{quote(c)} <=> {quote(r)}" for c, r in renamed.items()))
     joined = versions.join(prior, same, "left")
     return joined.withColumns(
         {

@@ -35,8 +35,8 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
     * timestamp of any unit, with or without zone -> timestamp[us, UTC] (naive means UTC,
       nanoseconds are truncated to microseconds);
     * list, large_list, fixed_size_list, list_view -> list of the normalized element type;
-      struct -> struct of normalized fields; dictionary -> its value type; null stays null
-      (no evidence of a type yet).
+      struct -> struct of normalized fields; map -> map of normalized key and value types;
+      dictionary -> its value type; null stays null (no evidence of a type yet).
 
     ``unsupported_type`` names the types that are set aside instead.
     """
@@ -69,15 +69,17 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
         return pa.list_(normalize_type(t.value_type))
     if pa.types.is_struct(t):
         return pa.struct([pa.field(f.name, normalize_type(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(normalize_type(t.key_type), normalize_type(t.item_type))
     return t
 
 
 def unsupported_type(t: pa.DataType, nested: bool = False) -> str | None:
     """Why a column of Arrow type ``t`` cannot be kept (the file is set aside), or None.
 
-    Decisions: a **map** (anywhere, also inside a list or struct) is rejected: Spark can
-    neither compare nor order maps, and the fold must compare images to find no-op updates (a
-    canonical form would change the column's type in the table). A **duration** column is
+    Decisions: a **map** is kept as a top-level column, compared by its entries sorted by key
+    (``columns.same_sql``); inside a list, a struct or another map it is rejected (Spark
+    compares no map, and the comparison is per column). A **duration** column is
     kept as its microseconds (``normalize_type``); inside a list or struct it is rejected (the
     conversion is per column). An Arrow **interval** has no Delta type (a Parquet INTERVAL
     column is read as its 12 bytes, a fixed-size binary, and kept so); **decimal** beyond 38
@@ -87,7 +89,11 @@ def unsupported_type(t: pa.DataType, nested: bool = False) -> str | None:
     if pa.types.is_dictionary(t):
         return unsupported_type(t.value_type, nested)
     if pa.types.is_map(t):
-        return "map columns are not supported (Spark cannot compare maps)"
+        if nested:
+            return "a map inside a list, struct or map is not supported (a top-level one is)"
+        return unsupported_type(t.key_type, nested=True) or unsupported_type(
+            t.item_type, nested=True
+        )
     if pa.types.is_duration(t) and nested:
         return "a duration inside a list or struct is not supported (a top-level one is)"
     if pa.types.is_interval(t):

@@ -20,7 +20,9 @@ from cdc_platform.lib.columns import (
     col,
     cols,
     internal,
+    map_columns,
     quote,
+    same_sql,
     timestamp_lit,
 )
 from cdc_platform.lib.history import joins
@@ -137,7 +139,8 @@ def _compare(
     ).drop(SLOW, CHECKPOINT)
     # SQL text, names quoted: one call into the JVM, where Column objects made a few a column.
     existed_sql = f"{quote(internal('prior_file'))} IS NOT NULL"
-    as_before = [f"{quote(c)} <=> {quote(renamed[c])}" for c in compared_columns]
+    maps = map_columns(versions.schema)
+    as_before = [same_sql(quote(c), quote(renamed[c]), c in maps) for c in compared_columns]
     same_version = F.expr(" AND ".join([existed_sql, *as_before[: len(data_columns) + 2]]))
     same_row = F.expr(" AND ".join([existed_sql, *as_before]))
     synced = F.when(same_version, col(OLD_SYNCED)).otherwise(timestamp_lit(synced_at))
