@@ -310,7 +310,7 @@ def test_a_rekey_that_stopped_after_rewriting_the_change_log_completes_when_run_
     assert history.version is not None
     steps._mark(history, table, Rekey(history.version, True, ("_fivetran_id",)))
     log = Table.open(paths.changelog)
-    steps._rewrite_changelog(log, log.read(spark), table)
+    steps._keyed_log(spark, table, log)
     assert "_fivetran_id" not in Table.open(paths.changelog).arrow_schema.names
 
     result = rekey_job(by_id)

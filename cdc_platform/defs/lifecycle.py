@@ -1,6 +1,7 @@
 """The table lifecycle jobs, from the Launchpad: ``truncate_table`` (Fivetran's Truncate),
 ``adopt_table`` (an existing table switched to history mode), ``resync_table`` (a re-sync
-from a snapshot) and ``rekey_table`` (the history rebuilt under the key the config now names).
+from a snapshot), ``rekey_table`` (the history rebuilt under the key the config now names) and
+``protect_columns`` (the table rewritten for the hashed and blocked columns it now names).
 
 ``truncate_table`` names the table, ``before`` (an ISO-8601 time; when left out, everything
 written up to the run, its catch-up merge included) and ``soft``; ``adopt_table`` the table and
@@ -20,6 +21,7 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.history.table_key import REKEY_JOB, named
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.protection import ProtectionError, reprotect
 from cdc_platform.lib.operations.rekey import RekeyError, rekey
 from cdc_platform.lib.operations.resync import ResyncError, resync
 from cdc_platform.lib.operations.truncation import truncate
@@ -88,6 +90,7 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         _adopt_job(platform),
         _resync_job(platform),
         _rekey_job(platform),
+        _protect_job(platform),
     ]
 
 
@@ -260,7 +263,7 @@ def _rekey_job(platform: PlatformConfig) -> dg.JobDefinition:
         context: dg.OpExecutionContext, config: TableRunConfig, spark: SparkResource
     ) -> None:
         refuse = (RekeyError,)  # anything else after the first commit keeps its traceback
-        with operator_run(context, platform, config, spark, refuse=refuse, rekeying=True) as run:
+        with operator_run(context, platform, config, spark, refuse=refuse, rebuilding=True) as run:
             r = rekey(run.session, run.table, run.paths, to_ms(datetime.now(UTC)))
             if not r.changed:
                 context.log.info(
@@ -308,3 +311,56 @@ def _rekey_job(platform: PlatformConfig) -> dg.JobDefinition:
         rekey_op()
 
     return rekey_table
+
+
+PROTECT_JOB = "protect_columns"
+
+
+def _protect_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """The table rewritten for the config's hash_columns and block_columns
+    (``lib.operations.protection``), reported as a rekey is."""
+
+    @dg.op(name="protect")
+    def protect_op(
+        context: dg.OpExecutionContext,
+        config: TableRunConfig,
+        spark: SparkResource,
+        keyring: KeyringResource,
+    ) -> None:
+        refuse = (ProtectionError, RekeyError)
+        with operator_run(
+            context, platform, config, spark, keyring, refuse=refuse, rebuilding=True
+        ) as run:
+            r = reprotect(
+                run.session, run.table, run.paths, run.keyring(), to_ms(datetime.now(UTC))
+            )
+            if not r.changed:
+                context.log.info(f"{run.table.name}: the table already follows its lists")
+                return
+            meta = {
+                "operation": PROTECT_JOB,
+                "hashed_before": dg.MetadataValue.json(r.before["hash"]),
+                "blocked_before": dg.MetadataValue.json(r.before["block"]),
+                "hashed": dg.MetadataValue.json(r.after["hash"]),
+                "blocked": dg.MetadataValue.json(r.after["block"]),
+                "old_rows_at_version": r.rebuild.from_version if r.rebuild else None,
+                "delta_version": r.rebuild.history_version if r.rebuild else None,
+            }
+            last = r.rebuild.last_event_at if r.rebuild else None
+            run.done(
+                f"rewritten hashing {r.after['hash']} and blocking {r.after['block']} (was "
+                f"{r.before['hash']} and {r.before['block']}); the cleartext stays in replaced "
+                "files until a VACUUM past the retention",
+                (last.replace(minute=0, second=0, microsecond=0),) if last else (),
+                meta,
+            )
+
+    @dg.job(
+        name=PROTECT_JOB,
+        description="Rewrite a table (change log, history, current table) for the hash_columns "
+        "and block_columns its config now names.",
+    )
+    def protect_columns() -> None:
+        protect_op()
+
+    return protect_columns

@@ -107,22 +107,23 @@ def operator_run(
     spark: SparkResource,
     keyring: KeyringResource | None = None,
     refuse: tuple[type[Exception], ...] = (ValueError,),
-    rekeying: bool = False,
+    rebuilding: bool = False,
 ) -> Iterator[OperatorRun]:
     """The skeleton every operator job shares: find the table the run names, hold its pool
-    slot, refuse a config whose key is not the table's (``table_key``; but for ``rekeying``,
-    the job that changes it), note the history version before the work (the checks after it
-    cover what changed since), and turn the library's refusals (``refuse``) into a failure
-    without a traceback."""
+    slot, refuse a config whose key or protected columns are not the table's (``table_key``,
+    ``protected_columns``; but for ``rebuilding``, the jobs that change them, which check what
+    they need), note the history version before the work (the checks after it cover what
+    changed since), and turn the library's refusals (``refuse``) into a failure without a
+    traceback."""
     table = table_named(platform, config.table)
     tag_run_with_table(context, table)
     refusals = (PrimaryKeyChangedError, ProtectedColumnsChangedError, KeyringError)
     with table_pool_slot(context, table), refused(*refuse, *refusals):
         paths = TablePaths.of(platform.warehouse_root, table.name)
         history = Table.open(paths.history)
-        if not rekeying:
-            check_key(history, table.key)  # before the job writes anything
-        check_protected_columns(Table.open(paths.changelog), table)
+        if not rebuilding:  # before the job writes anything
+            check_key(history, table.key)
+            check_protected_columns(Table.open(paths.changelog), table)
         yield OperatorRun(context, platform, table, spark, keyring, history.version)
 
 

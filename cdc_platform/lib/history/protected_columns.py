@@ -3,7 +3,8 @@ table an event reaches), so a config that changes them is refused instead of put
 values beside cleartext (docs/history-table.md, "Hashed and blocked columns").
 
 Changing them means rewriting every copy of the column (the change log, the history, the
-current table), which no job does yet (docs/limitations.md): a change is refused, naming both.
+current table): a run whose config names other lists is refused, naming both, and the job
+``protect_columns`` (``lib.operations.protection``) rewrites the table.
 A change log from before the property holds every column in the clear: only a config that
 hashes and blocks nothing matches it.
 """
@@ -41,7 +42,7 @@ def check_protected_columns(changelog: Table, table: TableConfig) -> None:
     (before the run writes anything)."""
     if changelog.dt is None:
         return
-    recorded = _recorded(changelog)
+    recorded = recorded_protected_columns(changelog)
     wanted = protected_columns(table)
     if recorded == wanted:
         return
@@ -49,12 +50,13 @@ def check_protected_columns(changelog: Table, table: TableConfig) -> None:
         f"{changelog}: the config hashes {wanted['hash']} and blocks {wanted['block']}, but the"
         f" table was built hashing {recorded['hash']} and blocking {recorded['block']} (its"
         f" property {PROTECTED_COLUMNS_PROPERTY}). Nothing was written. Set hash_columns and"
-        " block_columns back: changing them on a table is not supported yet"
-        " (docs/limitations.md)."
+        " block_columns back, or launch the protect_columns job for the table to rewrite it"
+        " with the config's lists."
     )
 
 
-def _recorded(changelog: Table) -> dict[str, list[str]]:
+def recorded_protected_columns(changelog: Table) -> dict[str, list[str]]:
+    """The lists the change log records (none hashed or blocked for a log from before)."""
     try:
         raw = changelog.json_property(PROTECTED_COLUMNS_PROPERTY)
     except ValueError:

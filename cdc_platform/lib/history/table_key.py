@@ -110,9 +110,10 @@ def check_key(history: Table, primary_key: Sequence[str]) -> None:
     rekey = recorded_rekey(history)
     if rekey is not None and rekey.pending:
         raise PrimaryKeyChangedError(
-            f"{history}: a {REKEY_JOB} run to {named(recorded or [])} did not finish (the table"
-            f" property {REKEY_PROPERTY}). Nothing was written. Launch {REKEY_JOB} for the table"
-            " again: it rebuilds the history from the change log."
+            f"{history}: a rebuild of the table under {named(recorded or [])} did not finish"
+            f" (the table property {REKEY_PROPERTY}). Nothing was written. Launch the job that"
+            f" started it ({REKEY_JOB} or protect_columns) for the table again: it rebuilds the"
+            " history from the change log."
         )
     if recorded is None or same_key(recorded, primary_key):
         return

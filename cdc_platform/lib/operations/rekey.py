@@ -22,9 +22,10 @@ way back give the identical table.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -139,14 +140,46 @@ def rekey(
         old, from_version = list(state.from_key), state.from_version
     log = Table.open(paths.changelog)
     _refuse(spark, paths, log, table, old, from_version, history.version)
-    if not pending:
-        _mark(history, table, Rekey(from_version, True, tuple(old)))
+    state = Rekey(from_version, pending, tuple(old))
+    return rebuild_table(spark, table, paths, state, synced_at, partial(_keyed_log, spark, table))
+
+
+def rebuild_table(
+    spark: SparkSession,
+    table: TableConfig,
+    paths: TablePaths,
+    state: Rekey,
+    synced_at: datetime,
+    rewrite_log: Callable[[Table], Table],
+) -> RekeyResult:
+    """Steps 1 to 4 (the module docstring), ``rewrite_log`` being step 2: the history rebuilt
+    under ``table``'s key from the change log as ``rewrite_log`` leaves it (it returns the log
+    as it is when there is nothing to rewrite, as after a crash that came later). ``state``
+    pending: step 1 was done by a run that did not finish. Also ``protect_columns``' rebuild."""
+    if not state.pending:
+        _mark(Table.open(paths.history), table, Rekey(state.from_version, True, state.from_key))
     result, _ = delta.with_commit_retries(
-        lambda: _rebuild(spark, table, paths, tuple(old), from_version, synced_at),
-        f"rekey of {paths.history}",
+        lambda: _rebuild(spark, table, paths, state, synced_at, rewrite_log),
+        f"rebuild of {paths.history}",
     )
-    _mark(Table.open(paths.history), table, Rekey(from_version, False, tuple(old)))
+    _mark(Table.open(paths.history), table, Rekey(state.from_version, False, state.from_key))
     return result
+
+
+def _keyed_log(spark: SparkSession, table: TableConfig, log: Table) -> Table:
+    """Step 2 of a rekey: the change log with each event's ``_fivetran_id`` (a table becoming
+    keyless) or without it (becoming keyed); as it is when it already is so."""
+    if table.keyless == (ROW_ID in log.arrow_schema.names):
+        return log
+    events = log.read(spark)
+    if table.keyless:
+        events = with_row_ids(events, log.arrow_schema)
+    names = [n for n in events.columns if table.keyless or n != ROW_ID]
+    fields = {f.name: f for f in log.arrow_schema}
+    schema = pa.schema([fields.get(n, pa.field(ROW_ID, pa.string())) for n in names])
+    return rewrite_changelog(
+        log, events, schema, table.key, {"cdc_platform.rekeyed_to": list(table.key)}
+    )
 
 
 def _refuse(
@@ -236,23 +269,20 @@ def _rebuild(
     spark: SparkSession,
     table: TableConfig,
     paths: TablePaths,
-    old: tuple[str, ...],
-    from_version: int,
+    state: Rekey,
     synced_at: datetime,
+    rewrite_log: Callable[[Table], Table],
 ) -> RekeyResult:
-    """Steps 2 to 4 (the module docstring), decided on the change log as it now is. Each step
-    is idempotent: after a crash, a run finds the change log already rewritten, say."""
-    new = tuple(table.key)
-    log = Table.open(paths.changelog)
-    rewritten = table.keyless != (ROW_ID in log.arrow_schema.names)
-    if rewritten:
-        events = log.read(spark)
-        ids = _with_row_ids(events, log.arrow_schema) if table.keyless else events
-        log = _rewrite_changelog(log, ids, table)
+    """Steps 2 to 4, decided on the change log as it now is. Each step is idempotent: after a
+    crash, a run finds the change log already rewritten, say."""
+    new, old, from_version = tuple(table.key), state.from_key, state.from_version
+    before = Table.open(paths.changelog)
+    log = rewrite_log(before)
+    rewritten = log.version != before.version
     events = log.read(spark)
     # A keyless table's old key is each event's id: computed again once a rewrite dropped it.
     if ROW_ID in old and ROW_ID not in events.columns:
-        counts = _key_counts(_with_row_ids(events, log.arrow_schema), old, new)
+        counts = _key_counts(with_row_ids(events, log.arrow_schema), old, new)
     else:
         counts = _key_counts(events, old, new)
     log_version = log.version
@@ -264,7 +294,7 @@ def _rebuild(
     )
     history = Table.open(paths.history)
     compared = [*new, START, *data, END, ACTIVE]
-    priors = _priors(spark, paths, history, from_version, schema, compared)
+    priors = _priors(spark, history, from_version, schema, compared)
     with persisted(_with_synced(versions, priors, compared, synced_at)) as out:
         rows, kept = _count_kept(out)
         with history.committing() as replace:
@@ -273,8 +303,8 @@ def _rebuild(
                 schema=schema,
                 app_transaction=(APP_ID, log_version),
                 metadata={
-                    "cdc_platform.rekeyed_from": list(old),
-                    "cdc_platform.rekeyed_to": list(new),
+                    "cdc_platform.rebuilt_from_key": list(old),
+                    "cdc_platform.rebuilt_under_key": list(new),
                     "cdc_platform.keys_merged": counts.merged,
                     "cdc_platform.keys_split": counts.split,
                 },
@@ -331,7 +361,7 @@ def _refuse_events(log: Table, events: DataFrame, table: TableConfig) -> None:
         )
 
 
-def _with_row_ids(events: DataFrame, log_schema: pa.Schema) -> DataFrame:
+def with_row_ids(events: DataFrame, log_schema: pa.Schema) -> DataFrame:
     """The events with their ``_fivetran_id`` first, computed from their data cells as the
     reader computes a new file's (``LandingReader.read_conformed``), in a Spark task."""
     from pyspark.sql.pandas.types import from_arrow_schema
@@ -379,31 +409,29 @@ def _one(aggregate: DataFrame) -> tuple:
     return tuple(row)
 
 
-def _rewrite_changelog(log: Table, events: DataFrame, table: TableConfig) -> Table:
-    """The change log with each event's ``_fivetran_id`` (a table becoming keyless) or without
-    it (becoming keyed): one strict overwrite commit, laid out as an append lays it out."""
-    names = [n for n in events.columns if table.keyless or n != ROW_ID]
-    fields = {f.name: f for f in log.arrow_schema}
-    schema = pa.schema([fields.get(n, pa.field(ROW_ID, pa.string())) for n in names])
+def rewrite_changelog(
+    log: Table,
+    events: DataFrame,
+    schema: pa.Schema,
+    key: Sequence[str],
+    metadata: dict[str, object],
+) -> Table:
+    """The change log replaced by ``events`` as ``schema``: one strict overwrite commit (the
+    table's properties kept), laid out as an append lays it out."""
     rows = sum(f.num_records or 0 for f in log.files)
     n = delta.file_count_for(rows, changelog.LOG_ROWS_PER_FILE)
-    key = cols(list(table.key))
-    shaped = events.select(*cols(names))
-    shaped = shaped.repartitionByRange(n, col(TS), *key) if n > 1 else shaped.coalesce(1)
+    shaped = events.select(*cols(schema.names))
+    shaped = (
+        shaped.repartitionByRange(n, col(TS), *cols(list(key))) if n > 1 else shaped.coalesce(1)
+    )
     with log.committing() as rewrite:
         rewrite.write(delta.arrow_cast(shaped, schema))
-        rewrite.commit(
-            schema=schema,
-            metadata={"cdc_platform.rekeyed_to": list(table.key)},
-            strict=True,
-            overwrite=True,
-        )
+        rewrite.commit(schema=schema, metadata=metadata, strict=True, overwrite=True)
     return log.reopened()
 
 
 def _priors(
     spark: SparkSession,
-    paths: TablePaths,
     history: Table,
     from_version: int,
     schema: pa.Schema,

@@ -1,0 +1,207 @@
+"""Changing a table's hashed and blocked columns: ``protect_columns`` (docs/history-table.md,
+"Hashed and blocked columns").
+
+The lists are recorded on the change log; a run whose config names others is refused
+(``protected_columns``). This job brings the table to the config's lists: the change log is
+rewritten with each newly hashed column hashed (as a new file's cell would be, salt and typed
+bytes) and each newly blocked column gone (a keyless table's ids computed again from the
+rows so left, as a new file's are), its property recording the lists, and the history
+is then rebuilt from it under the same key (``rekey.rebuild_table``: one overwrite commit,
+fenced by a rebuild under way). The current table is refreshed from it. The cleartext stays in
+the files those commits replaced, readable by time travel, until a VACUUM older than its
+retention removes them (``table_maintenance``, 168 hours by default).
+
+Refused, writing nothing: a column hashed before and not now (its cleartext is gone), a key
+column newly hashed (every key would change: configure it hashed from the start), and a run
+without the keyring's salt when a column is to be hashed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import partial
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from cdc_platform.lib.columns import ROW_ID, cols
+from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history import current_table
+from cdc_platform.lib.history.protected_columns import (
+    PROTECTED_COLUMNS_PROPERTY,
+    protected_columns,
+    recorded_protected_columns,
+)
+from cdc_platform.lib.history.table_key import Rekey, check_key, recorded_rekey
+from cdc_platform.lib.landing.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.pii import hash_column
+from cdc_platform.lib.operations.rekey import (
+    RekeyResult,
+    rebuild_table,
+    rewrite_changelog,
+    with_row_ids,
+)
+from cdc_platform.lib.storage.table import Table
+from cdc_platform.lib.storage.warehouse import TablePaths
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from pyspark.sql import DataFrame, SparkSession
+
+# What the change log's rewrite records in its commit, so a run after a crash knows the log
+# already follows the lists even before its property says so.
+REWRITTEN_TO = "cdc_platform.protected_columns"
+
+
+class ProtectionError(ValueError):
+    """The table cannot be brought to the config's lists; nothing was written."""
+
+
+@dataclass(frozen=True)
+class ProtectResult:
+    before: dict[str, list[str]]
+    after: dict[str, list[str]]
+    changed: bool
+    rebuild: RekeyResult | None = None
+
+
+def reprotect(
+    spark: SparkSession,
+    table: TableConfig,
+    paths: TablePaths,
+    keyring: Keyring | None,
+    synced_at: datetime,
+) -> ProtectResult:
+    """Rewrite ``table``'s change log, history and current table for the config's lists."""
+    log, history = Table.open(paths.changelog), Table.open(paths.history)
+    wanted = protected_columns(table)
+    if not log.exists:
+        return ProtectResult(wanted, wanted, changed=False)  # its first run records them
+    recorded = recorded_protected_columns(log)
+    state = recorded_rekey(history)
+    pending = state is not None and state.pending
+    if recorded == wanted and not pending:
+        return ProtectResult(recorded, wanted, changed=False)
+    if not pending:
+        check_key(history, table.key)  # a key change is rekey_table's
+    salt = _refuse(log, table, recorded, wanted, keyring)
+    if not history.exists:
+        _protected_log(spark, table, wanted, salt, log)
+        return ProtectResult(recorded, wanted, changed=True)
+    assert history.version is not None
+    if state is None or not pending:
+        state = Rekey(history.version, False, tuple(table.key))
+    rewrite = partial(_protected_log, spark, table, wanted, salt)
+    result = rebuild_table(spark, table, paths, state, synced_at, rewrite)
+    if table.current_table and Table.open(paths.current).exists:
+        current_table.refresh(spark, paths, table.key)
+    return ProtectResult(recorded, wanted, changed=True, rebuild=result)
+
+
+def _refuse(
+    log: Table,
+    table: TableConfig,
+    recorded: dict[str, list[str]],
+    wanted: dict[str, list[str]],
+    keyring: Keyring | None,
+) -> bytes | None:
+    """What stops the change, before anything is written; the salt a newly hashed column
+    needs (None: none is)."""
+    unhashed = sorted(set(recorded["hash"]) - set(wanted["hash"]) - set(wanted["block"]))
+    if unhashed:
+        raise ProtectionError(
+            f"{log}: the config no longer hashes {unhashed}, whose cleartext the table never"
+            " kept: a hashed column stays hashed (or is blocked). Nothing was written."
+        )
+    newly = _newly_hashed(log, recorded, wanted)
+    keys = sorted(c for c in newly if c.lower() in {k.lower() for k in table.key})
+    if keys:
+        raise ProtectionError(
+            f"{log}: the config newly hashes key column(s) {keys}: every key of the table would"
+            " change. Nothing was written; a key column is hashed from a table's first run."
+        )
+    if not newly:
+        return None
+    salt = keyring.hash_salt if keyring is not None else None
+    if salt is None:
+        raise KeyringError(
+            f"{log}: the config newly hashes {newly}, and the keyring has no hash_salt."
+            " Nothing was written."
+        )
+    return salt
+
+
+def _newly_hashed(
+    log: Table, recorded: dict[str, list[str]], wanted: dict[str, list[str]]
+) -> list[str]:
+    """The change log's columns the config hashes and the log holds in the clear."""
+    hashed = set(wanted["hash"]) - set(recorded["hash"])
+    return [n for n in log.arrow_schema.names if n.lower() in hashed]
+
+
+def _protected_log(
+    spark: SparkSession,
+    table: TableConfig,
+    wanted: dict[str, list[str]],
+    salt: bytes | None,
+    log: Table,
+) -> Table:
+    """Step 2 of the rebuild: the change log with the config's lists applied and recorded; as
+    it is when it already follows them (a run after a crash: the rewrite's commit says so)."""
+    from deltalake import CommitProperties
+
+    recorded = recorded_protected_columns(log)
+    if recorded == wanted:
+        return log
+    assert log.dt is not None
+    text = json.dumps(wanted)
+    last = log.dt.history(limit=1)[0]
+    if last.get(REWRITTEN_TO) != text:
+        blocked = [n for n in log.arrow_schema.names if n.lower() in set(wanted["block"])]
+        hashed = _newly_hashed(log, recorded, wanted)
+        schema = pa.schema(
+            [
+                f.with_type(pa.string()) if f.name in hashed else f
+                for f in log.arrow_schema
+                if f.name not in blocked
+            ]
+        )
+        events = _apply(log.read(spark).drop(*blocked), schema, hashed, salt)
+        if ROW_ID in schema.names:  # a keyless table's ids: of the image as a new file's is
+            rest = pa.schema([f for f in schema if f.name != ROW_ID])
+            events = with_row_ids(events.drop(ROW_ID), rest)
+        log = rewrite_changelog(log, events, schema, table.key, {REWRITTEN_TO: text})
+    assert log.dt is not None
+    log.dt.alter.set_table_properties(
+        {PROTECTED_COLUMNS_PROPERTY: text},
+        raise_if_not_exists=False,
+        commit_properties=CommitProperties(max_commit_retries=0),
+    )
+    return log.reopened()
+
+
+def _apply(
+    events: DataFrame, schema: pa.Schema, hashed: list[str], salt: bytes | None
+) -> DataFrame:
+    """``events`` with the ``hashed`` columns hashed as the reader hashes a file's
+    (``pii.hash_column``), in a Spark task."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    if not hashed:
+        return events
+    assert salt is not None
+    positions = {schema.get_field_index(n) for n in hashed}
+
+    def hash_batches(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            arrays = [
+                hash_column(batch.column(i), salt) if i in positions else batch.column(i)
+                for i in range(batch.num_columns)
+            ]
+            yield pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+    source = events.select(*cols(schema.names))
+    return source.mapInArrow(hash_batches, from_arrow_schema(schema))
