@@ -128,3 +128,35 @@ def materialize_with_checks(
         resources=dagster_resources(),
         raise_on_error=False,
     )
+
+
+def one_table_config(tmp_path: Path, table_lines: str) -> PlatformConfig:
+    """A config of one table ``t`` starting 2024-01-01, ``table_lines`` (YAML, each line indented
+    four spaces after the first) under it; landing and warehouse beside the file."""
+    from cdc_platform.lib.config import load_config
+
+    path = tmp_path / "cdc_platform.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        f'  - name: t\n    {table_lines}\n    start: "2024-01-01-00:00"\n'
+    )
+    return load_config(path)
+
+
+def run_operator_job(
+    platform: PlatformConfig, job: str, op: str, **config: Any
+) -> dg.ExecuteInProcessResult:
+    """Launch an operator job on table ``t`` as the Launchpad does; failures are returned."""
+    from cdc_platform.defs.factory import build_definitions
+
+    return (
+        build_definitions(platform)
+        .resolve_job_def(job)
+        .execute_in_process(
+            run_config={"ops": {op: {"config": {"table": "t", **config}}}},
+            resources=dagster_resources(),
+            instance=dg.DagsterInstance.ephemeral(),
+            raise_on_error=False,
+        )
+    )

@@ -7,29 +7,26 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib.config import PlatformConfig, load_config
+from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.landing.row_id import row_ids
 from cdc_platform.lib.storage.warehouse import TablePaths
-from cdc_platform_tests.helpers import dagster_resources, materialize_with_checks
+from cdc_platform_tests.helpers import (
+    materialize_with_checks,
+    one_table_config,
+    run_operator_job,
+)
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 MAP = pa.map_(pa.string(), pa.int64())
 
 
 def config(tmp_path: Path, key: str) -> PlatformConfig:
-    path = tmp_path / "cdc_platform.yaml"
-    path.write_text(
-        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
-        f'  - name: t\n    {key}\n    start: "2024-01-01-00:00"\n'
-    )
-    return load_config(path)
+    return one_table_config(tmp_path, key)
 
 
 def land(platform: PlatformConfig, rows: list[tuple[int, list, str, int, int]]) -> None:
@@ -78,16 +75,7 @@ def test_a_map_is_stored_and_compared_by_its_entries(spark, tmp_path):
     # A rekey folds and compares maps too, and a rekey back keeps every cell.
     before = sorted(map(str, history.to_pyarrow_table().to_pylist()))
     for key in ("keyless: true", "primary_key: [id]"):
-        rekeyed = (
-            build_definitions(config(tmp_path, key))
-            .resolve_job_def("rekey_table")
-            .execute_in_process(
-                run_config={"ops": {"rekey": {"config": {"table": "t"}}}},
-                resources=dagster_resources(),
-                instance=dg.DagsterInstance.ephemeral(),
-                raise_on_error=False,
-            )
-        )
+        rekeyed = run_operator_job(config(tmp_path, key), "rekey_table", "rekey")
         assert rekeyed.success
     after = DeltaTable(str(paths.history)).to_pyarrow_table().to_pylist()
     assert sorted(map(str, after)) == before

@@ -24,6 +24,7 @@ from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
     materialize_with_checks,
+    run_operator_job,
     write_parquet_events,
 )
 from cdc_platform_tests.helpers import event as ev
@@ -216,18 +217,7 @@ def test_a_csv_table_never_parses_a_blocked_column(spark, tmp_path, keyring):
 
 
 def protect_job(platform: PlatformConfig) -> dg.ExecuteInProcessResult:
-    from cdc_platform.defs.factory import build_definitions
-
-    return (
-        build_definitions(platform)
-        .resolve_job_def("protect_columns")
-        .execute_in_process(
-            run_config={"ops": {"protect": {"config": {"table": "t"}}}},
-            resources=dagster_resources(),
-            instance=dg.DagsterInstance.ephemeral(),
-            raise_on_error=False,
-        )
-    )
+    return run_operator_job(platform, "protect_columns", "protect")
 
 
 @pytest.mark.parametrize("keyless", [False, True], ids=["keyed", "keyless"])

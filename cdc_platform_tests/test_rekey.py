@@ -12,18 +12,18 @@ import dagster as dg
 import pyarrow as pa
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_definitions
-from cdc_platform.lib.config import PlatformConfig, load_config
+from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.history import table_key
 from cdc_platform.lib.history.table_key import REKEY_PROPERTY, Rekey
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
+from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import (
-    dagster_resources,
     materialize_with_checks,
+    one_table_config,
+    run_operator_job,
     write_parquet_events,
 )
-from cdc_platform_tests.helpers import event as ev
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1, H2 = H0 + timedelta(hours=1), H0 + timedelta(hours=2)
@@ -45,26 +45,11 @@ EVENTS = [
 
 
 def config(tmp_path: Path, key: str) -> PlatformConfig:
-    path = tmp_path / "cdc_platform.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
-        f'  - name: t\n    {key}\n    start: "2024-01-01-00:00"\n'
-    )
-    return load_config(path)
+    return one_table_config(tmp_path, key)
 
 
 def rekey_job(platform: PlatformConfig) -> dg.ExecuteInProcessResult:
-    return (
-        build_definitions(platform)
-        .resolve_job_def("rekey_table")
-        .execute_in_process(
-            run_config={"ops": {"rekey": {"config": {"table": "t"}}}},
-            resources=dagster_resources(),
-            instance=dg.DagsterInstance.ephemeral(),
-            raise_on_error=False,
-        )
-    )
+    return run_operator_job(platform, "rekey_table", "rekey")
 
 
 def metadata_of(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
@@ -269,16 +254,7 @@ def test_a_rekey_keeps_forgotten_events_forgotten(spark, tmp_path):
     paths = TablePaths.of(by_id.warehouse_root, "t")
     write_parquet_events(by_id.landing_root, "t", H0, EVENTS)
     assert materialize_with_checks(by_id, "t", H0).success
-    truncated = (
-        build_definitions(by_id)
-        .resolve_job_def("truncate_table")
-        .execute_in_process(
-            run_config={"ops": {"truncate": {"config": {"table": "t", "soft": False}}}},
-            resources=dagster_resources(),
-            instance=dg.DagsterInstance.ephemeral(),
-            raise_on_error=False,
-        )
-    )
+    truncated = run_operator_job(by_id, "truncate_table", "truncate", soft=False)
     assert truncated.success
     assert Table.open(paths.history).read(spark).count() == 0
     by_region = config(tmp_path, "primary_key: [id, region]")

@@ -13,7 +13,7 @@ import pytest
 from deltalake import DeltaTable
 
 from cdc_platform.defs.factory import build_definitions, build_table_definitions
-from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
+from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants, table_key
 from cdc_platform.lib.history.merge import apply, apply_pending
 from cdc_platform.lib.history.table_key import PRIMARY_KEY_PROPERTY, PrimaryKeyChangedError
@@ -21,7 +21,7 @@ from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
-from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
+from cdc_platform_tests.helpers import dagster_resources, one_table_config, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -34,12 +34,7 @@ LATER = [ev("UPDATE", 3, H1 + timedelta(minutes=1), 1, region="eu", status="paid
 
 
 def config_file(tmp_path: Path, key: str) -> PlatformConfig:
-    path = tmp_path / "cdc_platform.yaml"
-    path.write_text(
-        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
-        f'  - name: t\n    primary_key: {key}\n    start: "2024-01-01-00:00"\n'
-    )
-    return load_config(path)
+    return one_table_config(tmp_path, f"primary_key: {key}")
 
 
 def recorded(paths: TablePaths) -> list[str] | None:
