@@ -298,3 +298,34 @@ def test_protect_columns_refuses_what_it_cannot_undo(spark, tmp_path, keyring):
         assert not result.success and message in failure_of(result)
         assert "Nothing was written" in failure_of(result)
     assert DeltaTable(str(paths.changelog)).version() == before
+
+
+def test_a_protect_columns_run_that_stopped_is_finished_by_running_it_again(
+    spark, tmp_path, keyring
+):
+    """Stopped after recording the lists under way: every run is refused, another list too,
+    and the same job run again finishes it."""
+    from cdc_platform.lib.history.protected_columns import PROTECTING_PROPERTY
+
+    clear = config_file(tmp_path, protect="")
+    paths = TablePaths.of(clear.warehouse_root, "t")
+    write_parquet_events(
+        clear.landing_root, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
+    )
+    assert materialize_asset(clear, H0).success
+    lists = {"hash": ["email"], "block": []}
+    DeltaTable(str(paths.changelog)).alter.set_table_properties(
+        {PROTECTING_PROPERTY: json.dumps(lists)}, raise_if_not_exists=False
+    )
+    for platform in (clear, config_file(tmp_path, protect="    hash_columns: [email]\n")):
+        refused = materialize_asset(platform, H0)
+        assert not refused.success and "did not finish" in failure_of(refused)
+    other = protect_job(config_file(tmp_path, protect="    hash_columns: [email, name]\n"))
+    assert not other.success and "did not finish" in failure_of(other)
+    protected = config_file(tmp_path, protect="    hash_columns: [email]\n")
+    assert protect_job(protected).success
+    result = materialize_asset(protected, H0)
+    assert result.success and all(e.passed for e in result.get_asset_check_evaluations())
+    assert set(DeltaTable(str(paths.history)).to_pyarrow_table()["email"].to_pylist()) == {
+        hashed(EMAIL)
+    }

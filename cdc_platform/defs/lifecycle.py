@@ -19,7 +19,7 @@ from pydantic import Field
 from cdc_platform.defs.operations import TableRunConfig, operator_run, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.history.table_key import REKEY_JOB, named
+from cdc_platform.lib.history.table_key import PROTECT_JOB, REKEY_JOB, named
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
 from cdc_platform.lib.operations.protection import ProtectionError, reprotect
 from cdc_platform.lib.operations.rekey import RekeyError, rekey
@@ -311,9 +311,6 @@ def _rekey_job(platform: PlatformConfig) -> dg.JobDefinition:
         rekey_op()
 
     return rekey_table
-
-
-PROTECT_JOB = "protect_columns"
 
 
 def _protect_job(platform: PlatformConfig) -> dg.JobDefinition:

@@ -149,13 +149,14 @@ class TableConfig:
         default=None,
         description="Data or key columns stored as the salted SHA-256 of their value (hex): "
         "equal values stay equal, so joins work; the salt is the keyring's `hash_salt` and "
-        "never reaches the warehouse. Fixed by the table's first run.",
+        "never reaches the warehouse. Recorded by the table's first run; the `protect_columns` "
+        "job rewrites a table for a changed list.",
     )
     block_columns: ColumnList = Field(
         default=None,
         description="Columns dropped as each file is read: never in the change log, the "
-        "tables, a quarantine reason or metadata (never a key column). Fixed by the table's "
-        "first run.",
+        "tables, a quarantine reason or metadata (never a key column). Recorded by the table's "
+        "first run; the `protect_columns` job rewrites a table for a changed list.",
     )
     widen_types: WidenTypes = Field(
         default="data",

@@ -17,6 +17,9 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.storage.table import Table
 
 PROTECTED_COLUMNS_PROPERTY = "cdc_platform.protected_columns"
+# The lists a ``protect_columns`` run is bringing the change log to, set before it rewrites the
+# log and reset to JSON null once the lists are recorded: while set, every run is refused.
+PROTECTING_PROPERTY = "cdc_platform.protecting"
 _NONE = {"hash": [], "block": []}
 
 
@@ -42,6 +45,12 @@ def check_protected_columns(changelog: Table, table: TableConfig) -> None:
     (before the run writes anything)."""
     if changelog.dt is None:
         return
+    if protecting(changelog) is not None:
+        raise ProtectedColumnsChangedError(
+            f"{changelog}: a protect_columns run did not finish (the table property"
+            f" {PROTECTING_PROPERTY}). Nothing was written. Launch protect_columns for the table"
+            " again."
+        )
     recorded = recorded_protected_columns(changelog)
     wanted = protected_columns(table)
     if recorded == wanted:
@@ -57,19 +66,29 @@ def check_protected_columns(changelog: Table, table: TableConfig) -> None:
 
 def recorded_protected_columns(changelog: Table) -> dict[str, list[str]]:
     """The lists the change log records (none hashed or blocked for a log from before)."""
+    lists = _lists(changelog, PROTECTED_COLUMNS_PROPERTY)
+    return _NONE if lists is None else lists
+
+
+def protecting(changelog: Table) -> dict[str, list[str]] | None:
+    """The lists an unfinished ``protect_columns`` run is bringing the log to (None: none)."""
+    return _lists(changelog, PROTECTING_PROPERTY)
+
+
+def _lists(changelog: Table, name: str) -> dict[str, list[str]] | None:
     try:
-        raw = changelog.json_property(PROTECTED_COLUMNS_PROPERTY)
+        raw = changelog.json_property(name)
     except ValueError:
         raw = False  # not JSON: refused below
     if raw is None:
-        return _NONE
+        return None
     if (
         not isinstance(raw, dict)
         or sorted(raw) != ["block", "hash"]
         or not all(isinstance(v, list) and all(isinstance(c, str) for c in v) for v in raw.values())
     ):
         raise ProtectedColumnsChangedError(
-            f"{changelog}: the table property {PROTECTED_COLUMNS_PROPERTY} was not written by"
-            " cdc_platform. Nothing was written."
+            f"{changelog}: the table property {name} was not written by cdc_platform. Nothing"
+            " was written."
         )
     return {"hash": sorted(raw["hash"]), "block": sorted(raw["block"])}

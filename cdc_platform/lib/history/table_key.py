@@ -23,8 +23,11 @@ PRIMARY_KEY_PROPERTY = "cdc_platform.primary_key"
 MAX_KEY_CHARS = 10_000
 # The last rekey_table run: {"from_version": <history version before it>, "pending": <bool>}.
 REKEY_PROPERTY = "cdc_platform.rekey"
-# The operator job that changes a table's key (``lib.operations.rekey``).
+# The operator jobs that rebuild a table's history from its change log: changing its key
+# (``lib.operations.rekey``), and its hashed and blocked columns (``lib.operations.protection``).
 REKEY_JOB = "rekey_table"
+PROTECT_JOB = "protect_columns"
+REBUILD_JOBS = (REKEY_JOB, PROTECT_JOB)
 
 
 class PrimaryKeyChangedError(ValueError):
@@ -63,10 +66,16 @@ class Rekey:
     from_version: int
     pending: bool
     from_key: tuple[str, ...]
+    job: str = REKEY_JOB  # the job whose rebuild it is (``REBUILD_JOBS``)
 
     def to_json(self) -> str:
         return json.dumps(
-            {"from_version": self.from_version, "pending": self.pending, "from_key": self.from_key}
+            {
+                "from_version": self.from_version,
+                "pending": self.pending,
+                "from_key": self.from_key,
+                "job": self.job,
+            }
         )
 
 
@@ -80,7 +89,8 @@ def recorded_rekey(table: Table) -> Rekey | None:
         return None
     if (
         not isinstance(raw, dict)
-        or sorted(raw) != ["from_key", "from_version", "pending"]
+        or sorted(raw) != ["from_key", "from_version", "job", "pending"]
+        or raw["job"] not in REBUILD_JOBS
         or type(raw["from_version"]) is not int
         or type(raw["pending"]) is not bool
         or not isinstance(raw["from_key"], list)
@@ -91,7 +101,7 @@ def recorded_rekey(table: Table) -> Rekey | None:
             f"{table}: the table property {REKEY_PROPERTY} was not written by cdc_platform."
             " Nothing was written."
         )
-    return Rekey(raw["from_version"], raw["pending"], tuple(raw["from_key"]))
+    return Rekey(raw["from_version"], raw["pending"], tuple(raw["from_key"]), raw["job"])
 
 
 def same_key(a: Sequence[str], b: Sequence[str]) -> bool:
@@ -110,10 +120,9 @@ def check_key(history: Table, primary_key: Sequence[str]) -> None:
     rekey = recorded_rekey(history)
     if rekey is not None and rekey.pending:
         raise PrimaryKeyChangedError(
-            f"{history}: a rebuild of the table under {named(recorded or [])} did not finish"
-            f" (the table property {REKEY_PROPERTY}). Nothing was written. Launch the job that"
-            f" started it ({REKEY_JOB} or protect_columns) for the table again: it rebuilds the"
-            " history from the change log."
+            f"{history}: a {rekey.job} run (the history rebuilt under {named(recorded or [])})"
+            f" did not finish (the table property {REKEY_PROPERTY}). Nothing was written. Launch"
+            f" {rekey.job} for the table again: it rebuilds the history from the change log."
         )
     if recorded is None or same_key(recorded, primary_key):
         return

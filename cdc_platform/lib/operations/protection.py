@@ -28,17 +28,20 @@ import pyarrow as pa
 
 from cdc_platform.lib.columns import ROW_ID, cols
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.history import current_table
+from cdc_platform.lib.history import changelog, current_table
 from cdc_platform.lib.history.protected_columns import (
     PROTECTED_COLUMNS_PROPERTY,
+    PROTECTING_PROPERTY,
     protected_columns,
+    protecting,
     recorded_protected_columns,
 )
-from cdc_platform.lib.history.table_key import Rekey, check_key, recorded_rekey
+from cdc_platform.lib.history.table_key import PROTECT_JOB, Rekey, check_key, recorded_rekey
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.pii import hash_column
 from cdc_platform.lib.operations.rekey import (
     RekeyResult,
+    check_history_columns,
     rebuild_table,
     rewrite_changelog,
     with_row_ids,
@@ -83,26 +86,33 @@ def reprotect(
     recorded = recorded_protected_columns(log)
     state = recorded_rekey(history)
     pending = state is not None and state.pending
-    if recorded == wanted and not pending:
+    if recorded == wanted and protecting(log) is None and not pending:
+        _refresh_current(spark, table, paths)  # a run that stopped before it, if any
         return ProtectResult(recorded, wanted, changed=False)
-    if not pending:
-        check_key(history, table.key)  # a key change is rekey_table's
-    salt = _refuse(log, table, recorded, wanted, keyring)
-    if not history.exists:
-        _protected_log(spark, table, wanted, salt, log)
-        return ProtectResult(recorded, wanted, changed=True)
-    assert history.version is not None
+    salt = _refuse(paths, log, history, table, recorded, wanted, keyring)
     if state is None or not pending:
-        state = Rekey(history.version, False, tuple(table.key))
+        assert history.version is not None or not history.exists
+        state = Rekey(history.version or 0, False, tuple(table.key), PROTECT_JOB)
     rewrite = partial(_protected_log, spark, table, wanted, salt)
-    result = rebuild_table(spark, table, paths, state, synced_at, rewrite)
-    if table.current_table and Table.open(paths.current).exists:
-        current_table.refresh(spark, paths, table.key)
+    result = None
+    if history.exists:
+        result = rebuild_table(spark, table, paths, state, synced_at, rewrite)
+    else:
+        rewrite(log)
+    _refresh_current(spark, table, paths)
     return ProtectResult(recorded, wanted, changed=True, rebuild=result)
 
 
+def _refresh_current(spark: SparkSession, table: TableConfig, paths: TablePaths) -> None:
+    """The current table from the history as it now is (it holds the old cells until then)."""
+    if table.current_table and Table.open(paths.current).exists:
+        current_table.refresh(spark, paths, table.key)
+
+
 def _refuse(
+    paths: TablePaths,
     log: Table,
+    history: Table,
     table: TableConfig,
     recorded: dict[str, list[str]],
     wanted: dict[str, list[str]],
@@ -110,6 +120,21 @@ def _refuse(
 ) -> bytes | None:
     """What stops the change, before anything is written; the salt a newly hashed column
     needs (None: none is)."""
+    state = recorded_rekey(history)
+    if state is not None and state.pending and state.job != PROTECT_JOB:
+        raise ProtectionError(
+            f"{paths.history}: a {state.job} run did not finish; launch {state.job} for the"
+            " table again first. Nothing was written."
+        )
+    if state is None or not state.pending:
+        check_key(history, table.key)  # a key change is rekey_table's
+    under_way = protecting(log)
+    if under_way is not None and under_way != wanted:
+        raise ProtectionError(
+            f"{log}: a protect_columns run to hash {under_way['hash']} and block"
+            f" {under_way['block']} did not finish: set the config's lists to those and launch"
+            " protect_columns again (then change them). Nothing was written."
+        )
     unhashed = sorted(set(recorded["hash"]) - set(wanted["hash"]) - set(wanted["block"]))
     if unhashed:
         raise ProtectionError(
@@ -117,12 +142,15 @@ def _refuse(
             " kept: a hashed column stays hashed (or is blocked). Nothing was written."
         )
     newly = _newly_hashed(log, recorded, wanted)
+    blocked = [n for n in log.arrow_schema.names if n.lower() in set(wanted["block"])]
     keys = sorted(c for c in newly if c.lower() in {k.lower() for k in table.key})
     if keys:
         raise ProtectionError(
             f"{log}: the config newly hashes key column(s) {keys}: every key of the table would"
             " change. Nothing was written; a key column is hashed from a table's first run."
         )
+    _refuse_forgotten_ledger(paths, table, [*newly, *blocked])
+    check_history_columns(paths, log, table, blocked)
     if not newly:
         return None
     salt = keyring.hash_salt if keyring is not None else None
@@ -132,6 +160,22 @@ def _refuse(
             " Nothing was written."
         )
     return salt
+
+
+def _refuse_forgotten_ledger(paths: TablePaths, table: TableConfig, changed: list[str]) -> None:
+    """The forgotten-events ledger names events by their key and seq (``changelog.forget``): a
+    keyless table's ids all change, and a ledger column newly hashed or blocked would keep its
+    cleartext and match no event, so forgotten events could be logged again."""
+    ledger = Table.open(paths.forgotten_events)
+    if not ledger.files:
+        return
+    named = [c for c in changelog.ledger_key(ledger, table.key) if c in changed]
+    if table.keyless or named:
+        raise ProtectionError(
+            f"{paths.forgotten_events}: a hard truncate or a re-sync removed events of this table"
+            " for good, and the ledger that keeps them from being logged again names them by"
+            f" {named or [ROW_ID]}, which this change rewrites. Nothing was written."
+        )
 
 
 def _newly_hashed(
@@ -150,16 +194,18 @@ def _protected_log(
     log: Table,
 ) -> Table:
     """Step 2 of the rebuild: the change log with the config's lists applied and recorded; as
-    it is when it already follows them (a run after a crash: the rewrite's commit says so)."""
-    from deltalake import CommitProperties
-
+    it is when it already follows them. The lists under way are set first (``protecting``), so a
+    run after a crash finds them, and the rewrite's commit says it happened (never twice)."""
     recorded = recorded_protected_columns(log)
-    if recorded == wanted:
+    if recorded == wanted and protecting(log) is None:
         return log
     assert log.dt is not None
     text = json.dumps(wanted)
-    last = log.dt.history(limit=1)[0]
-    if last.get(REWRITTEN_TO) != text:
+    if protecting(log) is None:  # every run is refused from here until the lists are recorded
+        _set(log, {PROTECTING_PROPERTY: text})
+        log = log.reopened()
+        assert log.dt is not None
+    if log.dt.history(limit=1)[0].get(REWRITTEN_TO) != text:  # not rewritten yet
         blocked = [n for n in log.arrow_schema.names if n.lower() in set(wanted["block"])]
         hashed = _newly_hashed(log, recorded, wanted)
         schema = pa.schema(
@@ -174,13 +220,20 @@ def _protected_log(
             rest = pa.schema([f for f in schema if f.name != ROW_ID])
             events = with_row_ids(events.drop(ROW_ID), rest)
         log = rewrite_changelog(log, events, schema, table.key, {REWRITTEN_TO: text})
+    _set(log, {PROTECTED_COLUMNS_PROPERTY: text, PROTECTING_PROPERTY: "null"})
+    return log.reopened()
+
+
+def _set(log: Table, properties: dict[str, str]) -> None:
+    """The change log's properties, in one strict metadata commit."""
+    from deltalake import CommitProperties
+
     assert log.dt is not None
     log.dt.alter.set_table_properties(
-        {PROTECTED_COLUMNS_PROPERTY: text},
+        properties,
         raise_if_not_exists=False,
         commit_properties=CommitProperties(max_commit_retries=0),
     )
-    return log.reopened()
 
 
 def _apply(

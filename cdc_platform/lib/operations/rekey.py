@@ -23,7 +23,7 @@ way back give the identical table.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
 from typing import TYPE_CHECKING
@@ -60,6 +60,7 @@ from cdc_platform.lib.history.merge.columns import AFTER_LOG_VERSION, APP_ID, SY
 from cdc_platform.lib.history.merge.snapshot import history_properties, history_schema
 from cdc_platform.lib.history.merge.write import write_segments
 from cdc_platform.lib.history.table_key import (
+    REKEY_JOB,
     REKEY_PROPERTY,
     Rekey,
     recorded_key,
@@ -137,6 +138,11 @@ def rekey(
     assert history.version is not None
     from_version = history.version
     if state is not None and pending:
+        if state.job != REKEY_JOB:
+            raise RekeyError(
+                f"{paths.history}: a {state.job} run did not finish; launch {state.job} for the"
+                " table again before changing its key. Nothing was written."
+            )
         old, from_version = list(state.from_key), state.from_version
     log = Table.open(paths.changelog)
     _refuse(spark, paths, log, table, old, from_version, history.version)
@@ -157,12 +163,12 @@ def rebuild_table(
     as it is when there is nothing to rewrite, as after a crash that came later). ``state``
     pending: step 1 was done by a run that did not finish. Also ``protect_columns``' rebuild."""
     if not state.pending:
-        _mark(Table.open(paths.history), table, Rekey(state.from_version, True, state.from_key))
+        _mark(Table.open(paths.history), table, replace(state, pending=True))
     result, _ = delta.with_commit_retries(
         lambda: _rebuild(spark, table, paths, state, synced_at, rewrite_log),
         f"rebuild of {paths.history}",
     )
-    _mark(Table.open(paths.history), table, Rekey(state.from_version, False, state.from_key))
+    _mark(Table.open(paths.history), table, replace(state, pending=False))
     return result
 
 
@@ -202,10 +208,20 @@ def _refuse(
             f"{paths.history}: the table property {REKEY_PROPERTY} names a version or key the"
             " table does not have; it was not written by cdc_platform. Nothing was written."
         )
+    check_history_columns(paths, log, table)
+    _refuse_forgotten_ledger(paths, table, old)
+    _refuse_events(log, log.read(spark), table)
+
+
+def check_history_columns(
+    paths: TablePaths, log: Table, table: TableConfig, dropped: Sequence[str] = ()
+) -> None:
+    """Refuse a history-column list naming a column the rebuilt table will not have (the log's
+    data columns but ``dropped``): the rebuild would record it."""
     data = [
         n
         for n in changelog.key_and_data_of(log.arrow_schema).names
-        if n not in table.key and n != ROW_ID
+        if n not in table.key and n != ROW_ID and n not in dropped
     ]
     unknown = table.history_columns.unknown(data)
     if unknown:
@@ -213,8 +229,6 @@ def _refuse(
             f"{paths.history}: the config's track_history_columns / ignore_history_columns name"
             f" {unknown}, which the table does not have. Nothing was written."
         )
-    _refuse_forgotten_ledger(paths, table, old)
-    _refuse_events(log, log.read(spark), table)
 
 
 def _mark(history: Table, table: TableConfig, state: Rekey) -> None:
@@ -297,9 +311,9 @@ def _rebuild(
     priors = _priors(spark, history, from_version, schema, compared)
     with persisted(_with_synced(versions, priors, compared, synced_at)) as out:
         rows, kept = _count_kept(out)
-        with history.committing() as replace:
-            write_segments(out.select(*cols(schema.names)), replace, list(new), rows)
-            version = replace.commit(
+        with history.committing() as rebuilt:
+            write_segments(out.select(*cols(schema.names)), rebuilt, list(new), rows)
+            version = rebuilt.commit(
                 schema=schema,
                 app_transaction=(APP_ID, log_version),
                 metadata={
