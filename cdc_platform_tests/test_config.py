@@ -82,6 +82,11 @@ def test_valid_config_resolves_paths_against_its_folder(tmp_path):
             '{name: orders, primary_key: [id], start: "2024-01-01-00:00", columns: {id: int128}}',
             "table 'orders', field 'columns': column 'id' has unknown type",
         ),
+        (
+            '{name: orders, keyless: true, start: "2024-01-01-00:00", format: csv,'
+            " columns: {_fivetran_id: string, a: long}}",
+            "table 'orders', field 'columns': column '_fivetran_id' uses a reserved system prefix",
+        ),
         ('{name: 1orders, primary_key: [id], start: "2024-01-01-00:00"}', "field 'name'"),
         (
             '{name: _cdc, primary_key: [id], start: "2024-01-01-00:00"}',

@@ -182,6 +182,11 @@ def _columns(value: Any) -> dict[str, str]:
         raise ValueError("must be a mapping of column name to type")
     columns: dict[str, str] = {}
     for column, typ in (value or {}).items():
+        if is_reserved(str(column)):  # every file would be set aside as using a reserved name
+            raise ValueError(
+                f"column {column!r} uses a reserved system prefix (_fivetran_, _cdc_); a keyless"
+                " table's _fivetran_id is computed, never read"
+            )
         name = str(typ).strip().lower()
         if name not in CSV_TYPES and not _DECIMAL_RE.match(name):
             raise ValueError(

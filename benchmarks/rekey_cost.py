@@ -1,0 +1,115 @@
+"""What ``rekey_table`` costs (issue 34, step 3), against a first load of the same events.
+
+A rekey rebuilds the whole history from the whole change log (docs/HISTORY_MODE.md, "Changing the
+key"), so its reference is the one range ``materialize()`` that built the table from all its
+landing files: the same fold of the same events, plus reading and decoding the files. A table of
+``--events`` events is built once (``scale.py``'s generator and cache), copied, rekeyed from
+``[id]`` to ``[id, status]`` (every status change splits a key) and back; each rekey's seconds,
+the bytes it read (the change log) and wrote (its history commit, from the Delta log itself) and
+its key counts are printed, and whether the way back gave the identical table, every cell and
+``_fivetran_synced`` included.
+
+Run it alone (2 shared cores: seconds are indicative, bytes and counts exact)::
+
+    .venv/bin/python benchmarks/rekey_cost.py                    # 100k events
+    .venv/bin/python benchmarks/rekey_cost.py --events 20000 --keys 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from scale import (  # noqa: E402  (benchmarks/ is not a package)
+    TABLE,
+    build_cached_table,
+    cached_landing,
+    commit_bytes,
+    fmt_mb,
+    landing_params,
+    log,
+    table_bytes,
+)
+
+from cdc_platform.lib.operations.rekey import rekey  # noqa: E402
+from cdc_platform.lib.spark.session import build_spark_session  # noqa: E402
+from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
+
+EVENTS_PER_HOUR = 10_000
+
+
+def sorted_rows(path: Path) -> list[tuple]:
+    from deltalake import DeltaTable
+
+    tbl = DeltaTable(str(path)).to_pyarrow_table()
+    names = sorted(tbl.column_names)
+    return sorted((tuple(r[n] for n in names) for r in tbl.to_pylist()), key=str)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p.add_argument("--events", type=int, default=100_000)
+    p.add_argument("--keys", type=int, default=20_000, help="(at most --events)")
+    p.add_argument("--seed", type=int, default=8)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_rekey_bench"))
+    args = p.parse_args(argv)
+    keys = min(args.keys, args.events)
+    conf = {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"}
+    spark = build_spark_session("local[2]", conf, "rekey_bench")
+    cache = args.work_dir / "tables"
+    cache.mkdir(parents=True, exist_ok=True)
+    hours = max(1, -(-args.events // EVENTS_PER_HOUR))
+    landing = cached_landing(cache, landing_params(keys, args.events, hours, args.seed))
+    built, meta = build_cached_table(spark, cache, landing)
+    run = Path(tempfile.mkdtemp(prefix="run-", dir=args.work_dir))
+    warehouse = run / "warehouse"
+    shutil.copytree(built, warehouse)
+    paths = TablePaths.of(warehouse, TABLE.name)
+    history = paths.history.path
+    original = sorted_rows(history)
+    log_bytes = table_bytes(paths.changelog.path)
+    print(
+        f"table: {meta['events']:,} events, {meta['versions']:,} versions over {keys:,} keys; "
+        f"change log {fmt_mb(log_bytes)}, history {fmt_mb(meta['bytes'])}"
+    )
+    print(
+        f"reference: the first load of the same events (one range materialize): "
+        f"{meta['seconds']:.1f} s{' (from the cache)' if meta['cached'] else ''}"
+    )
+    for key in (("id", "status"), ("id",)):
+        table = replace(TABLE, primary_key=key)
+        from deltalake import DeltaTable
+
+        before = DeltaTable(str(history)).version()
+        t0 = time.perf_counter()
+        r = rekey(spark, table, paths, datetime.now(UTC).replace(microsecond=0))
+        seconds = time.perf_counter() - t0
+        after = DeltaTable(str(history)).version()
+        written = commit_bytes(history, range(before + 1, after + 1))
+        c = r.counts
+        assert c is not None
+        print(
+            f"rekey to {list(key)}: {seconds:.1f} s ({seconds / meta['seconds']:.2f}x the first "
+            f"load); keys {c.keys_before:,} -> {c.keys_after:,} ({c.split:,} split, "
+            f"{c.merged:,} merged); {r.versions:,} versions, {r.synced_kept:,} kept their synced "
+            f"time; read the change log ({fmt_mb(log_bytes)}), wrote {fmt_mb(written.added_bytes)}"
+            f" in {written.files_added} files, removed {written.files_removed} files"
+        )
+    log(f"work dir: {run}")
+    print(f"the way back gives the identical table: {sorted_rows(history) == original}")
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
