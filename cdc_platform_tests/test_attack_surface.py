@@ -111,6 +111,8 @@ OPS = {
         "plan_merge": {"config": {"table": "payments", "first_partition": "2024-01-01-00:00"}}
     },
     "table_maintenance": {"compact_and_vacuum": {"config": {"table": "orders"}}},
+    "rekey_table": {"rekey": {"config": {"table": "orders"}}},
+    "protect_columns": {"protect": {"config": {"table": "orders"}}},
 }
 
 

@@ -308,6 +308,13 @@ def test_kill_9_of_a_run_frees_its_slot_and_the_next_run_completes(spark, tmp_pa
     command = [str(dagster_cli), "asset", "materialize", "-m", "cdc_platform.definitions"]
     command += ["--select", KILLED, "--partition", "2024-01-01-00:00"]
     log = (tmp_path / "run.log").open("w+")
+    # The instance's storage is created here, before the CLI opens it: two processes creating
+    # one SQLite schema at once race ("table alembic_version already exists").
+    instance = dg.DagsterInstance.from_config(str(home))
+    assert (
+        instance.get_runs() == []
+        and not instance.event_log_storage.get_concurrency_info(pool).claimed_slots
+    )
     proc = subprocess.Popen(
         command,
         env=env,
@@ -316,7 +323,6 @@ def test_kill_9_of_a_run_frees_its_slot_and_the_next_run_completes(spark, tmp_pa
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    instance = dg.DagsterInstance.from_config(str(home))
     try:
         deadline = time.monotonic() + 300
         while not instance.event_log_storage.get_concurrency_info(pool).claimed_slots:

@@ -51,6 +51,8 @@ JOBS = {
     "truncate_table",
     "adopt_table",
     "resync_table",
+    "rekey_table",
+    "protect_columns",
 }
 POOL_OVERRIDES = {"concurrency": {"pools": {"default_limit": 1, "granularity": "op"}}}
 
