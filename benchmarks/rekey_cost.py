@@ -4,7 +4,9 @@ A rekey rebuilds the whole history from the whole change log (docs/HISTORY_MODE.
 key"), so its reference is the one range ``materialize()`` that built the table from all its
 landing files: the same fold of the same events, plus reading and decoding the files. A table of
 ``--events`` events is built once (``scale.py``'s generator and cache), copied, rekeyed from
-``[id]`` to ``[id, status]`` (every status change splits a key) and back; each rekey's seconds,
+``[id]`` to keyless (every event's ``_fivetran_id`` computed and the change log rewritten, the
+heaviest rekey; the generator's deletes carry the key only, so a key column cannot be added)
+and back; each rekey's seconds,
 the bytes it read (the change log) and wrote (its history commit, from the Delta log itself) and
 its key counts are printed, and whether the way back gave the identical table, every cell and
 ``_fivetran_synced`` included.
@@ -81,14 +83,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     log_bytes = table_bytes(paths.changelog.path)
     print(
         f"table: {meta['events']:,} events, {meta['versions']:,} versions over {keys:,} keys; "
-        f"change log {fmt_mb(log_bytes)}, history {fmt_mb(meta['bytes'])}"
+        f"change log {fmt_mb(log_bytes)} MB, history {fmt_mb(meta['bytes'])} MB"
     )
     print(
         f"reference: the first load of the same events (one range materialize): "
         f"{meta['seconds']:.1f} s{' (from the cache)' if meta['cached'] else ''}"
     )
-    for key in (("id", "status"), ("id",)):
-        table = replace(TABLE, primary_key=key)
+    for keyless in (True, False):
+        table = replace(TABLE, primary_key=None if keyless else ("id",), keyless=keyless)
         from deltalake import DeltaTable
 
         before = DeltaTable(str(history)).version()
@@ -100,10 +102,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         c = r.counts
         assert c is not None
         print(
-            f"rekey to {list(key)}: {seconds:.1f} s ({seconds / meta['seconds']:.2f}x the first "
+            f"rekey to {'keyless' if keyless else ['id']}: {seconds:.1f} s ({seconds / meta['seconds']:.2f}x the first "
             f"load); keys {c.keys_before:,} -> {c.keys_after:,} ({c.split:,} split, "
             f"{c.merged:,} merged); {r.versions:,} versions, {r.synced_kept:,} kept their synced "
-            f"time; read the change log ({fmt_mb(log_bytes)}), wrote {fmt_mb(written.added_bytes)}"
+            f"time; read the change log ({fmt_mb(log_bytes)} MB), wrote {fmt_mb(written.added_bytes)} MB"
             f" in {written.files_added} files, removed {written.files_removed} files"
         )
     log(f"work dir: {run}")
