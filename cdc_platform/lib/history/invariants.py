@@ -47,8 +47,6 @@ from cdc_platform.lib.spark.session import (
     interpreted,
     persisted,
 )
-from cdc_platform.lib.storage import delta
-from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
@@ -162,18 +160,11 @@ def _keys_in_files_since(
         return None
     added = [f for f in now if f.path not in before]
     removed = [f for f in old if f.path not in after]
-    if removed and not _all_stored(paths, removed):
+    if removed and not history.stored(removed):
         return None
     changed = added + removed
     keys = history.read(spark, changed).select(*cols(list(primary_key)))
     return Scope(keys.distinct() if changed else keys)
-
-
-def _all_stored(paths: TablePaths, files: Sequence[delta.DataFile]) -> bool:
-    import pyarrow.fs as pafs
-
-    infos = Location.of(paths.history).filesystem().get_file_info([f.path for f in files])
-    return all(i.type == pafs.FileType.File for i in infos)
 
 
 def _listed_keys(dt: DeltaTable, since_version: int | None, pk: list[str]) -> list[Any] | None:

@@ -202,7 +202,7 @@ def _protected_log(
     assert log.dt is not None
     text = json.dumps(wanted)
     if protecting(log) is None:  # every run is refused from here until the lists are recorded
-        _set(log, {PROTECTING_PROPERTY: text})
+        log.set_properties({PROTECTING_PROPERTY: text})
         log = log.reopened()
         assert log.dt is not None
     if log.dt.history(limit=1)[0].get(REWRITTEN_TO) != text:  # not rewritten yet
@@ -220,20 +220,8 @@ def _protected_log(
             rest = pa.schema([f for f in schema if f.name != ROW_ID])
             events = with_row_ids(events.drop(ROW_ID), rest)
         log = rewrite_changelog(log, events, schema, table.key, {REWRITTEN_TO: text})
-    _set(log, {PROTECTED_COLUMNS_PROPERTY: text, PROTECTING_PROPERTY: "null"})
+    log.set_properties({PROTECTED_COLUMNS_PROPERTY: text, PROTECTING_PROPERTY: "null"})
     return log.reopened()
-
-
-def _set(log: Table, properties: dict[str, str]) -> None:
-    """The change log's properties, in one strict metadata commit."""
-    from deltalake import CommitProperties
-
-    assert log.dt is not None
-    log.dt.alter.set_table_properties(
-        properties,
-        raise_if_not_exists=False,
-        commit_properties=CommitProperties(max_commit_retries=0),
-    )
 
 
 def _apply(

@@ -29,7 +29,6 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 from deltalake.exceptions import TableNotFoundError
 
 from cdc_platform.lib.columns import (
@@ -234,17 +233,8 @@ def check_history_columns(
 def _mark(history: Table, table: TableConfig, state: Rekey) -> None:
     """Record the new key, the selective-history setting the rebuild follows and the rekey's
     state on the history table: a strict metadata commit."""
-    from deltalake import CommitProperties
-
-    assert history.dt is not None
-    properties = {
-        **history_properties(table.key, table.history_columns),
-        REKEY_PROPERTY: state.to_json(),
-    }
-    history.dt.alter.set_table_properties(
-        properties,
-        raise_if_not_exists=False,  # the platform's own properties are not Delta's
-        commit_properties=CommitProperties(max_commit_retries=0),
+    history.set_properties(
+        {**history_properties(table.key, table.history_columns), REKEY_PROPERTY: state.to_json()}
     )
 
 
@@ -468,7 +458,7 @@ def _priors(
         if t is None:
             continue
         have = {f.name: f.type for f in t.arrow_schema}
-        if all(have.get(f.name) == f.type for f in wanted) and _stored(t):
+        if all(have.get(f.name) == f.type for f in wanted) and t.stored():
             found.append(t.read(spark).select(*cols([f.name for f in wanted])))
     return found
 
@@ -479,11 +469,6 @@ def _at(history: Table, version: int) -> Table | None:
         return history.at(version)
     except (TableNotFoundError, OSError):
         return None
-
-
-def _stored(t: Table) -> bool:
-    infos = t.location.filesystem().get_file_info([f.path for f in t.files])
-    return all(i.type == pafs.FileType.File for i in infos)
 
 
 def _with_synced(

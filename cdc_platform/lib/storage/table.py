@@ -93,6 +93,29 @@ class Table:
         except (ValueError, RecursionError):
             raise ValueError(f"{self}: the table property {name} is not JSON") from None
 
+    def set_properties(self, properties: Mapping[str, str]) -> None:
+        """Set table properties in one strict metadata commit against this snapshot (one made
+        meanwhile raises ``CommitFailedError``); the platform's own keys are not Delta's, which
+        delta-rs refuses unless told otherwise."""
+        from deltalake import CommitProperties
+
+        if self.dt is None:
+            raise ValueError(f"{self}: the table does not exist yet")
+        self.dt.alter.set_table_properties(
+            dict(properties),
+            raise_if_not_exists=False,
+            commit_properties=CommitProperties(max_commit_retries=0),
+        )
+
+    def stored(self, files: Sequence[delta.DataFile] | None = None) -> bool:
+        """Whether every one of ``files`` (default: the snapshot's) is still in storage (a
+        VACUUM removes the files of older versions)."""
+        import pyarrow.fs as pafs
+
+        paths = [f.path for f in (self.files if files is None else files)]
+        infos = self.location.filesystem().get_file_info(paths)
+        return all(i.type == pafs.FileType.File for i in infos)
+
     @cached_property
     def files(self) -> list[delta.DataFile]:
         """The snapshot's files with their statistics (none before the first commit)."""

@@ -96,7 +96,6 @@ def record_settings(
     old setting, so the next run recomputes it whole again. A crash in between has the same
     effect. (A new table is created with both: this records them on tables from before.)
     Returns whether anything was recorded now."""
-    from deltalake import CommitProperties
     from deltalake.exceptions import CommitFailedError
 
     history = Table.open(paths.history)
@@ -112,11 +111,7 @@ def record_settings(
     if not wanted or dt.version() != data_version:
         return False
     try:
-        dt.alter.set_table_properties(
-            wanted,
-            raise_if_not_exists=False,
-            commit_properties=CommitProperties(max_commit_retries=0),
-        )
+        history.set_properties(wanted)
     except CommitFailedError:
         return False
     return True
