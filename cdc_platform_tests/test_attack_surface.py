@@ -113,6 +113,7 @@ OPS = {
     "table_maintenance": {"compact_and_vacuum": {"config": {"table": "orders"}}},
     "rekey_table": {"rekey": {"config": {"table": "orders"}}},
     "protect_columns": {"protect": {"config": {"table": "orders"}}},
+    "erase_key": {"erase": {"config": {"table": "orders", "keys": [{"id": "1"}], "reason": "r"}}},
 }
 
 

@@ -53,6 +53,7 @@ JOBS = {
     "resync_table",
     "rekey_table",
     "protect_columns",
+    "erase_key",
 }
 POOL_OVERRIDES = {"concurrency": {"pools": {"default_limit": 1, "granularity": "op"}}}
 

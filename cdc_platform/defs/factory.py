@@ -46,7 +46,7 @@ from cdc_platform.lib.history.table_key import PrimaryKeyChangedError
 from cdc_platform.lib.landing.discovery import with_discovered_tables
 from cdc_platform.lib.landing.keyring import KeyringError
 from cdc_platform.lib.landing.layout import hours_between
-from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, needs_keyring
 from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
 
 if TYPE_CHECKING:  # what define_asset_job returns (not exported by name)
@@ -142,7 +142,7 @@ def _history_asset(
                 platform.landing_root,
                 platform.warehouse_root,
                 hours,
-                keyring.load() if table.needs_keyring else None,
+                keyring.load() if needs_keyring(table, platform.warehouse_root) else None,
                 run_id=context.run.run_id,
             )
         for q in result.quarantined:

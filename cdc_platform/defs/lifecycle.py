@@ -1,13 +1,15 @@
 """The table lifecycle jobs, from the Launchpad: ``truncate_table`` (Fivetran's Truncate),
 ``adopt_table`` (an existing table switched to history mode), ``resync_table`` (a re-sync
-from a snapshot), ``rekey_table`` (the history rebuilt under the key the config now names) and
-``protect_columns`` (the table rewritten for the hashed and blocked columns it now names).
+from a snapshot), ``rekey_table`` (the history rebuilt under the key the config now names),
+``protect_columns`` (the table rewritten for the hashed and blocked columns it now names) and
+``erase_key`` (a data subject's keys erased).
 
-``truncate_table`` names the table, ``before`` (an ISO-8601 time; when left out, everything
-written up to the run, its catch-up merge included) and ``soft``; ``adopt_table`` the table and
-the source to adopt; ``resync_table`` the table, the snapshot folder and ``at``. The work is ``lib.operations.truncation``'s, ``lib.operations.adoption``'s
-``lib.operations.resync``'s and ``lib.operations.rekey``'s; each run is reported and checked as ``defs.operations`` does for every
-operator job, on the hour partition of the operation's time.
+Each names its table in run config; ``truncate_table`` adds ``before`` (an ISO-8601 time; when
+left out, everything written up to the run, its catch-up merge included) and ``soft``;
+``adopt_table`` the source to adopt; ``resync_table`` the snapshot folder and ``at``;
+``erase_key`` the keys and a reason. The work is ``lib.operations``'; each run is reported and
+checked as ``defs.operations`` does for every operator job, on the hour partition of the
+operation's time (an erasure names none: it is reported as an observation).
 """
 
 from datetime import UTC, datetime
@@ -21,6 +23,7 @@ from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.history.table_key import PROTECT_JOB, REKEY_JOB, named
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.erasure import ErasureError, erase
 from cdc_platform.lib.operations.protection import ProtectionError, reprotect
 from cdc_platform.lib.operations.rekey import RekeyError, rekey
 from cdc_platform.lib.operations.resync import ResyncError, resync
@@ -30,6 +33,7 @@ from cdc_platform.lib.pipeline import to_ms
 TRUNCATE_JOB = "truncate_table"
 ADOPT_JOB = "adopt_table"
 RESYNC_JOB = "resync_table"
+ERASE_JOB = "erase_key"
 
 
 class TruncateConfig(TableRunConfig):
@@ -54,6 +58,19 @@ class AdoptConfig(TableRunConfig):
     )
     format: Literal["auto", "delta", "parquet"] = Field(
         default="auto", description="auto: Delta if the source has a _delta_log, else Parquet."
+    )
+
+
+class EraseConfig(TableRunConfig):
+    keys: list[dict[str, str]] = Field(
+        description="The keys to erase (at most 1000): each names every key column of the "
+        "table with its value as text, times with a zone ({id: '42'}; a keyless table's key is "
+        "{_fivetran_id: '...'}). Dagster keeps a run's config: delete the run afterwards if "
+        "its storage must not hold them."
+    )
+    reason: str = Field(
+        description="Why (recorded in the erased-keys ledger; 1 to 500 characters). Name the "
+        "request, not the person."
     )
 
 
@@ -91,6 +108,7 @@ def build_lifecycle_jobs(platform: PlatformConfig) -> list[dg.JobDefinition]:
         _resync_job(platform),
         _rekey_job(platform),
         _protect_job(platform),
+        _erase_job(platform),
     ]
 
 
@@ -152,9 +170,14 @@ def _adopt_job(platform: PlatformConfig) -> dg.JobDefinition:
     """An existing table switched to history mode (``lib.operations.adoption``)."""
 
     @dg.op(name="adopt")
-    def adopt_op(context: dg.OpExecutionContext, config: AdoptConfig, spark: SparkResource) -> None:
+    def adopt_op(
+        context: dg.OpExecutionContext,
+        config: AdoptConfig,
+        spark: SparkResource,
+        keyring: KeyringResource,
+    ) -> None:
         with operator_run(
-            context, platform, config, spark, refuse=(AdoptionError, ValueError)
+            context, platform, config, spark, keyring, refuse=(AdoptionError, ValueError)
         ) as run:
             r = adopt(
                 run.session,
@@ -164,6 +187,7 @@ def _adopt_job(platform: PlatformConfig) -> dg.JobDefinition:
                 config.format,
                 adoption_roots=platform.adoption_roots,
                 landing_root=platform.landing_root,
+                keyring=run.keyring(),
             )
             meta = {
                 "operation": ADOPT_JOB,
@@ -361,3 +385,56 @@ def _protect_job(platform: PlatformConfig) -> dg.JobDefinition:
         protect_op()
 
     return protect_columns
+
+
+def _erase_job(platform: PlatformConfig) -> dg.JobDefinition:
+    """A data subject's request: keys erased from every live file of the table
+    (``lib.operations.erasure``), reported as an observation (no hour is named)."""
+
+    @dg.op(name="erase")
+    def erase_op(
+        context: dg.OpExecutionContext,
+        config: EraseConfig,
+        spark: SparkResource,
+        keyring: KeyringResource,
+    ) -> None:
+        with operator_run(context, platform, config, spark, keyring, (ErasureError,)) as run:
+            r = erase(
+                run.session,
+                run.table,
+                run.paths,
+                config.keys,
+                config.reason,
+                context.run.run_id,
+                keyring.load(),  # the salt, whether or not the table's files need the keyring
+                to_ms(datetime.now(UTC)),
+            )
+            meta = {
+                "operation": ERASE_JOB,
+                "key_hashes": dg.MetadataValue.json(list(r.key_hashes)),
+                "keys_newly_recorded": r.newly_recorded,
+                "keys_found": r.keys_found,
+                "events_removed": r.events_removed,
+                "changelog_files_rewritten": r.changelog_files_rewritten,
+                "forgotten_rows_removed": r.forgotten_rows_removed,
+                "quarantine_reasons_withheld": r.reasons_withheld,
+                "delta_version": r.merge.history_version,
+            }
+            run.done(
+                f"erased {len(r.key_hashes)} key(s) ({r.keys_found} with events): "
+                f"{r.events_removed} event(s) removed; the replaced files stay until a VACUUM "
+                "past the retention",
+                (),
+                meta,
+            )
+
+    @dg.job(
+        name=ERASE_JOB,
+        description="Erase keys for a data subject's request: their rows and events leave the "
+        "change log, the history, the current table, the quarantine and the ledgers, and are "
+        "never logged again.",
+    )
+    def erase_key() -> None:
+        erase_op()
+
+    return erase_key

@@ -43,6 +43,7 @@ from cdc_platform.lib.history.protected_columns import (
 from cdc_platform.lib.history.table_key import PrimaryKeyChangedError, check_key
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.layout import hour_to_partition_key
+from cdc_platform.lib.pipeline import needs_keyring
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
@@ -85,8 +86,11 @@ class OperatorRun:
         return TablePaths.of(self.platform.warehouse_root, self.table.name)
 
     def keyring(self) -> Keyring | None:
-        """The keyring, loaded only for a table that needs it (decryption keys, the hash salt)."""
-        if not self.table.needs_keyring or self.keyring_resource is None:
+        """The keyring, loaded only for a table that needs it (decryption keys, the hash salt,
+        erased keys)."""
+        if self.keyring_resource is None or not needs_keyring(
+            self.table, self.platform.warehouse_root
+        ):
             return None
         return self.keyring_resource.load()
 

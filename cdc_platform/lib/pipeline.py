@@ -40,7 +40,7 @@ from cdc_platform.lib.landing.reading import (
     with_row_id,
 )
 from cdc_platform.lib.landing.safe_open import CHANGED
-from cdc_platform.lib.ledgers import applied_files, quarantine, revoked_files
+from cdc_platform.lib.ledgers import applied_files, erased_keys, quarantine, revoked_files
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored
 from cdc_platform.lib.storage.stores import Location, Where
@@ -87,6 +87,13 @@ def committed_tables(paths: TablePaths) -> dict[str, Location]:
         "quarantine": paths.quarantine,
         "delete_only_keys": paths.delete_only_keys,
     }
+
+
+def needs_keyring(table: TableConfig, warehouse_root: Where) -> bool:
+    """Whether reading ``table``'s files takes the keyring: its config's keys or hash salt
+    (``TableConfig.needs_keyring``), or keys erased from it, known by their salted hash."""
+    paths = TablePaths.of(warehouse_root, table.name)
+    return table.needs_keyring or erased_keys.recorded(paths.erased_keys)
 
 
 def materialize(
@@ -191,6 +198,8 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing_root, run.keyring)
+    erased = erased_keys.loader(run.paths.erased_keys, run.keyring)
+    erased()  # a table with erased keys is refused here without the salt, before any read
     listing = _list(run, reader)
     plan_whole_if_small(run.spark, sum(listing.size_of.values()))
 
@@ -201,7 +210,9 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     with_rows = [r for r in good if r.num_rows]
     if with_rows:
         lap("changelog_append")
-        append = _Append(run.spark, run.table, reader, run.paths, fields, synced_at, run.revoked)
+        append = _Append(
+            run.spark, run.table, reader, run.paths, fields, synced_at, run.revoked, erased
+        )
         appended, native, changed = append.run(with_rows)
         new_events = appended.new_events if appended is not None else 0
         events_read = sum(r.num_rows for r in with_rows if r.path not in changed)
@@ -339,6 +350,7 @@ class _Append:
     fields: Sequence[pa.Field]
     synced_at: datetime
     revoked: Callable[[], set[str]]
+    erased: Callable[[], erased_keys.ErasedKeys | None]
 
     def run(
         self, files: Sequence[FileReport]
@@ -431,6 +443,7 @@ class _Append:
             forgotten=self.paths.forgotten_events,
             before_commit=before_commit,
             properties=changelog_properties(self.table),
+            erased=self.erased,
         )
 
 

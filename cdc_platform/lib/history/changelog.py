@@ -30,6 +30,7 @@ from cdc_platform.lib.columns import (
     timestamp_lit,
 )
 from cdc_platform.lib.history import joins
+from cdc_platform.lib.ledgers.erased_keys import ErasedKeys
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.schema import normalize_type, spark_schema
 from cdc_platform.lib.storage.stores import Location, Where
@@ -93,6 +94,7 @@ def append(
     before_commit: Callable[[], None] | None = None,
     fence: Fence | None = None,
     properties: Mapping[str, str] | None = None,
+    erased: Callable[[], ErasedKeys | None] | None = None,
 ) -> AppendResult:
     """Add the events not already logged; one Spark job, one Delta commit (or none).
 
@@ -106,6 +108,8 @@ def append(
     a materialization passes it, so those ``(key, seq)`` are never logged again when an hour
     is read again; an operation a user runs (truncate, adopt, re-sync) logs what it is asked.
     ``properties``: what a change log this append creates records (``protected_columns``).
+    ``erased`` gives the keys a data subject's request erased (``ledgers.erased_keys``); asked
+    again on every attempt, as ``revoked`` is: no event of theirs is ever logged, whoever asks.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -168,6 +172,9 @@ def append(
             ),
             table_schema,
         )
+        erasures = erased() if erased is not None else None
+        if erasures is not None:  # hashed in the table's types, as the erasure hashed them
+            new = erasures.drop(new, pk)
         # A big append (a backfill) is split by commit time, so that a late key, refolded from
         # its recent past (``merge.gather``), skips the files of earlier times.
         n = delta.file_count_for(expected_rows, LOG_ROWS_PER_FILE)

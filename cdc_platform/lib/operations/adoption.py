@@ -45,9 +45,10 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending
+from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.reading import event_schema
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
-from cdc_platform.lib.ledgers import revoked_files
+from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.roots import SourceRootError, adoption_source
@@ -119,6 +120,7 @@ def adopt(
     *,
     adoption_roots: Sequence[Where],
     landing_root: Where,
+    keyring: Keyring | None = None,
 ) -> AdoptResult:
     """Adopt the table at ``source`` into ``table``'s history (see the module docstring).
 
@@ -130,7 +132,7 @@ def adopt(
     ``now`` is the adoption's time when the source has no ``_fivetran_synced`` value, and the
     run's ``_fivetran_synced``. Raises AdoptionError, naming the rows, for a source that cannot
     be adopted: a missing or null primary-key column, a key on two rows, a column whose type
-    contradicts the table's.
+    contradicts the table's. An erased key's rows are not adopted (``keyring``: its salt).
     """
     from pyspark.sql import functions as F
 
@@ -178,6 +180,7 @@ def adopt(
 
     typed = _normalized(rows.select(*cols(data), deleted.alias(DELETED)), data)
     paths = TablePaths.of(warehouse_root, table.name)
+    erased_keys.load(paths.erased_keys, keyring)  # without the salt: refused, nothing written
     typed = _widened(paths, typed, where, table.may_widen)
     is_deleted = col(DELETED)
     # A string literal: Python's year-1 datetime reaches the JVM shifted by the calendar change.
@@ -218,6 +221,7 @@ def adopt(
             total + deleted_rows,
             now,
             revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
+            erased=erased_keys.loader(paths.erased_keys, keyring),
         ).new_events
     merge = apply_pending(spark, paths, pk, now, table.history_columns)
     return AdoptResult(

@@ -18,7 +18,7 @@ no row changed.
 VACUUM (``vacuum``):
 
 Each table has several Delta tables (``warehouse.TablePaths``): the history table, its change
-log, its quarantine, its delete-only keys and, if configured, its current table (every refresh
+log, its quarantine, its ledgers and side tables and, if configured, its current table (every refresh
 of which replaces all its files). ``vacuum`` cleans each of them that exists:
 
 - ``DeltaTable.vacuum(full=True)``: every data file the log does not reference any more (replaced
@@ -194,7 +194,7 @@ def vacuum(
     current_table: bool = False,
 ) -> list[str]:
     """VACUUM the history table and every side table (change log, quarantine, delete-only,
-    revoked files, retracted keys) of one table, and
+    revoked files, retracted keys, forgotten events, erased keys) of one table, and
     its current table if it has one (``current_table``: only then, since without the config
     flag that folder name may be another table's); the paths removed (or, with ``dry_run``,
     that would be)."""
@@ -206,6 +206,8 @@ def vacuum(
         paths.delete_only_keys,
         paths.revoked_files,
         paths.retracted_keys,
+        paths.forgotten_events,  # an erasure rewrites it: the old files hold the key
+        paths.erased_keys,
     ]
     if current_table:
         tables.append(paths.current)

@@ -70,7 +70,7 @@ from cdc_platform.lib.landing.reading import (
 )
 from cdc_platform.lib.landing.safe_open import FileId
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
-from cdc_platform.lib.ledgers import revoked_files
+from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.storage import delta
@@ -237,6 +237,7 @@ def resync(
         )
     pk = list(table.key)
     paths = TablePaths.of(warehouse_root, table.name)
+    erased_keys.load(paths.erased_keys, keyring)  # without the salt: refused, nothing written
     insert_seq, delete_seq = resync_seqs(at)
     logged_fields = changelog.key_and_data_fields(Table.open(paths.changelog))
     known = logged_fields.names if logged_fields is not None else ()
@@ -308,6 +309,7 @@ def resync(
                 revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
                 fence=changelog.Fence(version),
                 properties=changelog_properties(table),
+                erased=erased_keys.loader(paths.erased_keys, keyring),
             ).new_events
         return keys_closed, new_events
 

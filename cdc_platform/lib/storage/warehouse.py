@@ -7,7 +7,8 @@ recomputed), ``quarantine`` (files set aside, with the reason), ``delete_only_ke
 (keys whose every event so far is a delete: they have no row in the history table),
 ``revoked_files`` (landing files a user un-applied: never applied again unless re-admitted),
 ``retracted_keys`` (keys whose events an un-apply removed, until the merge recomputed them)
-and ``forgotten_events`` (the events a hard truncate or a re-sync removed: never logged again).
+``forgotten_events`` (the events a hard truncate or a re-sync removed: never logged again)
+and ``erased_keys`` (the keys a data subject's request erased, by salted hash: never logged again).
 The warehouse root may be a local folder or an object store (``lib.storage.stores``).
 
 ``<warehouse_root>/<table>_current`` is the table's optional current table (``current_table:
@@ -32,6 +33,7 @@ class TablePaths:
     revoked_files: Location
     retracted_keys: Location
     forgotten_events: Location
+    erased_keys: Location
     current: Location
 
     @classmethod
@@ -46,6 +48,7 @@ class TablePaths:
             revoked_files=system / "revoked_files",
             retracted_keys=system / "retracted_keys",
             forgotten_events=system / "forgotten_events",
+            erased_keys=system / "erased_keys",
             current=root / current_table_name(table),
         )
 

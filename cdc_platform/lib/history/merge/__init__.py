@@ -44,7 +44,11 @@ from cdc_platform.lib.history.merge.columns import (
     HISTORY_ROWS_PER_FILE,
     TOUCHED_KEYS,
 )
-from cdc_platform.lib.history.merge.side_tables import record_retracted_keys, stamp_delete_only_keys
+from cdc_platform.lib.history.merge.side_tables import (
+    drop_caught_up_retractions,
+    record_retracted_keys,
+    stamp_delete_only_keys,
+)
 from cdc_platform.lib.history.merge.snapshot import (
     HistoryColumnsError,
     MergeResult,
@@ -64,6 +68,7 @@ __all__ = [
     "MergeResult",
     "apply_pending",
     "caught_up",
+    "drop_caught_up_retractions",
     "fault_point",
     "is_closed_file",
     "record_retracted_keys",

@@ -130,11 +130,26 @@ def record_retracted_keys(
     side = Table.open(paths.retracted_keys).ensure(
         delta.arrow_schema_of(rows), "cdc_platform keys an un-apply recomputes"
     )
-    done = [
+    with side.committing() as record:
+        record.write(rows.coalesce(1))
+        record.commit(delta.removes_for(_caught_up(side, applied)))
+
+
+def drop_caught_up_retractions(paths: TablePaths) -> int:
+    """Remove the retracted keys the history table has caught up with, in one commit (an
+    erasure's: they name its key in the clear); returns how many files went."""
+    side = Table.open(paths.retracted_keys)
+    done = _caught_up(side, Table.open(paths.history).watermark(APP_ID))
+    if done:
+        with side.committing() as drop:
+            drop.commit(delta.removes_for(done))
+    return len(done)
+
+
+def _caught_up(side: Table, applied: int | None) -> list[delta.DataFile]:
+    """The side table's files whose removals the history table (at ``applied``) reflects."""
+    return [
         f
         for f in side.files
         if applied is not None and f.max_values.get(AFTER_LOG_VERSION, applied) < applied
     ]
-    with side.committing() as record:
-        record.write(rows.coalesce(1))
-        record.commit(delta.removes_for(done))
