@@ -221,3 +221,23 @@ def test_erase_key_on_a_keyless_table(spark, tmp_path, keyring):
     for table in (paths.history, paths.changelog):
         live = repr(DeltaTable(str(table)).to_pyarrow_table().to_pylist())
         assert NAME not in live and "'b'" in live
+
+
+def test_erase_key_by_a_hashed_key_columns_cleartext(spark, tmp_path, keyring):
+    """A hashed key column holds hashes: the request may give the cleartext (a string) or the
+    hash the table shows; both name the same key."""
+    platform = one_table_config(tmp_path, "primary_key: [email]\n    hash_columns: [email]")
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    rows = [
+        ev("INSERT", i, H0 + timedelta(minutes=i), email, "email", name=name)
+        for i, (email, name) in enumerate([("zq@example.com", NAME), ("b@x", "b"), ("c@x", "c")], 1)
+    ]
+    write_parquet_events(platform.landing_root, "t", H0, rows)
+    assert checks_pass(materialize_with_checks(platform, "t", H0))
+    history = DeltaTable(str(paths.history)).to_pyarrow_table().to_pylist()
+    (c_hash,) = [r["email"] for r in history if r["name"] == "c"]
+    result = erase_job(platform, [{"email": "zq@example.com"}, {"email": c_hash}])
+    assert result.success, failure_of(result)
+    assert checks_pass(materialize_with_checks(platform, "t", H0))
+    names = {r["name"] for r in DeltaTable(str(paths.history)).to_pyarrow_table().to_pylist()}
+    assert names == {"b"}

@@ -23,7 +23,7 @@ commits above; the ledger records the hashes, the reason and the run.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -41,6 +41,7 @@ from cdc_platform.lib.history.merge import (
     table_relative,
 )
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.pii import hash_column
 from cdc_platform.lib.ledgers import erased_keys, quarantine
 from cdc_platform.lib.ledgers.erased_keys import ErasedKeys, key_hashes
 from cdc_platform.lib.ledgers.ledger import Ledger
@@ -57,6 +58,7 @@ MAX_KEYS = 1000
 MAX_REASON = 500
 # What a quarantine reason that quoted an erased value says instead.
 _FILE = "_cdc_tmp_ledger_file"
+_HASH = re.compile(r"[0-9a-f]{64}")
 WITHHELD = "reason withheld: it quoted a value of an erased key (materialize the hour again)"
 
 
@@ -99,7 +101,7 @@ def erase(
     log = Table.open(paths.changelog)
     if not log.exists:
         raise ErasureError(f"{paths.changelog}: the table has no events yet, nothing to erase")
-    typed = typed_keys(log.arrow_schema, table.key, keys)
+    typed = typed_keys(log.arrow_schema, table.key, keys, _hashed_keys(table), salt)
     hashes = key_hashes({c: typed.column(c).combine_chunks() for c in table.key}, len(keys), salt)
     new = erased_keys.add(paths.erased_keys, hashes.to_pylist(), reason, run_id, now)
     erased = erased_keys.load(paths.erased_keys, keyring)  # all of them: a re-run finishes
@@ -133,12 +135,22 @@ def erase(
     )
 
 
+def _hashed_keys(table: TableConfig) -> set[str]:
+    hashed = {c.lower() for c in table.hash_columns or ()}
+    return {c for c in table.key if c.lower() in hashed}
+
+
 def typed_keys(
-    schema: pa.Schema, key: Sequence[str], given: Sequence[Mapping[str, str]]
+    schema: pa.Schema,
+    key: Sequence[str],
+    given: Sequence[Mapping[str, str]],
+    hashed: Collection[str] = (),
+    salt: bytes = b"",
 ) -> pa.Table:
     """The request's keys in the change log's types, one row each. A key naming other columns
     than the table's key, or a value that is not of its column's type, is refused, naming the
-    key by its position and the column, never the value."""
+    key by its position and the column, never the value. A ``hashed`` key column's value is
+    its stored hash (64 hex digits), or a string value, hashed as a file's string cell is."""
     if not given or len(given) > MAX_KEYS:
         raise ErasureError(f"name 1 to {MAX_KEYS} keys to erase (got {len(given)})")
     by_lower = {c.lower(): c for c in key}
@@ -155,7 +167,12 @@ def typed_keys(
     arrays = {}
     for column in key:
         field = schema.field(column)
-        arrays[column] = _cast(values[column], field)
+        texts = values[column]
+        if column in hashed:
+            clear = pa.array([None if _HASH.fullmatch(t) else t for t in texts], pa.string())
+            hashes = hash_column(clear, salt).to_pylist()
+            texts = [t if h is None else h for t, h in zip(texts, hashes, strict=True)]
+        arrays[column] = _cast(texts, field)
     return pa.table(arrays)
 
 
