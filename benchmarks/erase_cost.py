@@ -1,0 +1,143 @@
+"""What ``erase_key`` costs (issue 34, step 5), and what its filter adds to every later load.
+
+An erasure reads and hashes every event of the change log to find the keys' (docs/limitations.md),
+rewrites the change-log files holding them and recomputes the keys; its reference is the one
+range ``materialize()`` that built the same table from its landing files, measured here in the
+same sitting, after a warm-up load. A table with erased keys hashes each new event's key in a Python task before it is
+logged: the same first load into a warehouse whose erased-keys ledger already holds ``--erase``
+keys is measured beside the plain one, and both must give the same table but the erased keys.
+
+Run it alone (2 shared cores: seconds are indicative, bytes and counts exact)::
+
+    .venv/bin/python benchmarks/erase_cost.py --events 20000 --keys 5000
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from scale import (  # noqa: E402  (benchmarks/ is not a package)
+    TABLE,
+    cached_landing,
+    commit_bytes,
+    fmt_mb,
+    hour_at,
+    landing_params,
+    log,
+    table_bytes,
+)
+
+from cdc_platform.lib.landing.keyring import Keyring  # noqa: E402
+from cdc_platform.lib.ledgers import erased_keys  # noqa: E402
+from cdc_platform.lib.operations.erasure import erase  # noqa: E402
+from cdc_platform.lib.pipeline import materialize  # noqa: E402
+from cdc_platform.lib.spark.session import build_spark_session  # noqa: E402
+from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
+
+EVENTS_PER_HOUR = 10_000
+KEYRING = Keyring.from_mapping({"hash_salt": base64.b64encode(b"benchmark-salt-0123456").decode()})
+
+
+def keys_of(path: Path) -> set[int]:
+    from deltalake import DeltaTable
+
+    return set(DeltaTable(str(path)).to_pyarrow_table(columns=["id"]).column(0).to_pylist())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
+    p.add_argument("--events", type=int, default=100_000)
+    p.add_argument("--keys", type=int, default=20_000, help="(at most --events)")
+    p.add_argument("--erase", type=int, default=10, help="keys erased")
+    p.add_argument("--seed", type=int, default=8)
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_erase_bench"))
+    args = p.parse_args(argv)
+    keys = min(args.keys, args.events)
+    conf = {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"}
+    spark = build_spark_session("local[2]", conf, "erase_bench")
+    cache = args.work_dir / "tables"
+    cache.mkdir(parents=True, exist_ok=True)
+    n_hours = max(1, -(-args.events // EVENTS_PER_HOUR))
+    landing = cached_landing(cache, landing_params(keys, args.events, n_hours, args.seed))
+    hours = [hour_at(i) for i in range(n_hours)]
+    run = Path(tempfile.mkdtemp(prefix="run-", dir=args.work_dir))
+    plain, filtered = run / "plain", run / "filtered"
+    erased = list(range(1, args.erase + 1))  # ids the generator gives (1..keys)
+    salt = KEYRING.hash_salt
+    assert salt is not None
+    hashes = erased_keys.key_hashes({"id": pa.array(erased, pa.int64())}, len(erased), salt)
+    now = datetime.now(UTC).replace(microsecond=0)
+
+    materialize(spark, TABLE, landing.root, run / "warm-up", hours, KEYRING)  # JIT, caches
+    t0 = time.perf_counter()
+    loaded = materialize(spark, TABLE, landing.root, plain, hours, KEYRING)
+    load_s = time.perf_counter() - t0
+    paths = TablePaths.of(filtered, TABLE.name)
+    erased_keys.add(paths.erased_keys, hashes.to_pylist(), "benchmark", "bench", now)
+    t0 = time.perf_counter()
+    materialize(spark, TABLE, landing.root, filtered, hours, KEYRING)
+    filtered_s = time.perf_counter() - t0
+    print(
+        f"table: {loaded.events_read:,} events over {keys:,} keys in {n_hours} hours; change log "
+        f"{fmt_mb(table_bytes(TablePaths.of(plain, TABLE.name).changelog.path))} MB"
+    )
+    print(f"reference: the first load (one range materialize): {load_s:.1f} s")
+    print(
+        f"the same load with {len(erased)} erased keys in the ledger: {filtered_s:.1f} s "
+        f"({filtered_s / load_s:.2f}x)"
+    )
+
+    from deltalake import DeltaTable
+
+    plain_paths = TablePaths.of(plain, TABLE.name)
+    log_path, history = plain_paths.changelog.path, plain_paths.history.path
+    before = {t: DeltaTable(str(t)).version() for t in (log_path, history)}
+    t0 = time.perf_counter()
+    r = erase(
+        spark,
+        TABLE,
+        plain_paths,
+        [{"id": str(k)} for k in erased],
+        "benchmark",
+        "bench",
+        KEYRING,
+        now,
+    )
+    erase_s = time.perf_counter() - t0
+    written = {
+        name: commit_bytes(t, range(before[t] + 1, DeltaTable(str(t)).version() + 1))
+        for name, t in (("change log", log_path), ("history", history))
+    }
+    print(
+        f"erase_key of {len(erased)} keys: {erase_s:.1f} s ({erase_s / load_s:.2f}x the first "
+        f"load); {r.events_removed:,} events of {r.keys_found} keys removed; "
+        + "; ".join(
+            f"{name}: wrote {fmt_mb(w.added_bytes)} MB in {w.files_added} files, removed "
+            f"{w.files_removed} files ({fmt_mb(w.removed_bytes)} MB)"
+            for name, w in written.items()
+        )
+    )
+    same = keys_of(history) == keys_of(TablePaths.of(filtered, TABLE.name).history.path)
+    print(f"erased then, or filtered from the start, give the same keys: {same}")
+    print(f"no erased key left: {not keys_of(history) & set(erased)}")
+    log(f"work dir: {run}")
+    shutil.rmtree(run, ignore_errors=True)
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
