@@ -7,13 +7,17 @@ and maintain the tables with it; ``make test`` fetches the jars first (``make ja
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.lib.spark.session import build_spark_session, delta_conf
+from cdc_platform_tests.helpers import HASH_SALT
 from cdc_platform_tests.webhook import Webhook, serve_webhook
 
 
@@ -110,3 +114,13 @@ def webhook() -> Iterator[Webhook]:
     """A loopback HTTP server standing in for the alert webhook (records every POST)."""
     with serve_webhook() as hook:
         yield hook
+
+
+@pytest.fixture()
+def keyring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A keyring holding only a hash salt (``helpers.HASH_SALT``), named by ``$CDC_KEYRING``."""
+    path = tmp_path / "keyring.json"
+    path.write_text(json.dumps({"hash_salt": base64.b64encode(HASH_SALT).decode()}))
+    path.chmod(0o600)
+    monkeypatch.setenv(KEYRING_ENV_VAR, str(path))
+    return path

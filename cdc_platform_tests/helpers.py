@@ -19,6 +19,9 @@ from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.storage.stores import Where
 
+# The ``keyring`` fixture's hash salt (conftest.py).
+HASH_SALT = b"0123456789abcdef-salt-for-tests!"
+
 CDC_FIELDS = [
     pa.field("cdc_operation_type", pa.string()),
     pa.field("cdc_change_seq", pa.int64()),

@@ -3,13 +3,10 @@ file of the warehouse, are never logged again, and are gone from storage after a
 
 from __future__ import annotations
 
-import base64
-import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import dagster as dg
-import pytest
 from deltalake import DeltaTable
 
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
@@ -27,19 +24,9 @@ from cdc_platform_tests.test_pii import every_value_in, failure_of
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = H0 + timedelta(hours=1)
-SALT = b"erasure-salt-for-the-tests-0123"
 # Distinctive values: the erased key, its data, a key whose every event is a delete.
 TARGET, ONLY_DELETED, OTHER = 918273645, 918273600, 2
 NAME, LATER_NAME = "Zelda Quux-Erasure", "Zelda Quux-Later"
-
-
-@pytest.fixture
-def keyring(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "keyring.json"
-    path.write_text(json.dumps({"hash_salt": base64.b64encode(SALT).decode()}))
-    path.chmod(0o600)
-    monkeypatch.setenv(KEYRING_ENV_VAR, str(path))
-    return path
 
 
 def erase_job(platform, keys, reason: str = "request DSR-1") -> dg.ExecuteInProcessResult:

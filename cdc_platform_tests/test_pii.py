@@ -22,6 +22,7 @@ from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
+    HASH_SALT,
     dagster_resources,
     materialize_with_checks,
     run_operator_job,
@@ -31,7 +32,7 @@ from cdc_platform_tests.helpers import event as ev
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = H0 + timedelta(hours=1)
-SALT = b"0123456789abcdef-salt-for-tests!"
+SALT = HASH_SALT
 EMAIL, SSN, BAD = "alice@example.com", "123-45-6789", 2**64 - 1
 PROTECTED = "    hash_columns: [email, code]\n    block_columns: [ssn]\n"
 
@@ -45,15 +46,6 @@ def config_file(tmp_path: Path, protect: str = PROTECTED, keyless: bool = False)
         + protect
     )
     return load_config(path)
-
-
-@pytest.fixture
-def keyring(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "keyring.json"
-    path.write_text(json.dumps({"hash_salt": base64.b64encode(SALT).decode()}))
-    path.chmod(0o600)
-    monkeypatch.setenv(KEYRING_ENV_VAR, str(path))
-    return path
 
 
 def materialize_asset(platform: PlatformConfig, hour: datetime) -> dg.ExecuteInProcessResult:
