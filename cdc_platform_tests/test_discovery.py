@@ -236,12 +236,16 @@ def test_discover_template_parses_and_tables_may_be_absent(lake) -> None:
     cfg = parse_config(
         _raw(lake, 'discover: {primary_key: [id], start: "2024-01-01-05:00"}\n'), lake["root"]
     )
-    assert cfg.tables == () and cfg.discover == DiscoverTemplate(("id",), H5)
+    assert cfg.tables == () and cfg.discover == DiscoverTemplate(("id",), start=H5)
     cfg = parse_config(
         _raw(lake, 'tables: []\ndiscover: {primary_key: id, start: "2024-01-01-05:00"}\n'),
         lake["root"],
     )
     assert cfg.tables == () and cfg.discover is not None and cfg.discover.primary_key == ("id",)
+    keyless = parse_config(
+        _raw(lake, 'discover: {keyless: true, start: "2024-01-01-05:00"}\n'), lake["root"]
+    ).discover
+    assert keyless is not None and keyless.keyless and keyless.primary_key is None
     assert (
         parse_config(
             _raw(lake, 'tables:\n  - {name: a, primary_key: [id], start: "2024-01-01-00:00"}\n'),
@@ -261,6 +265,10 @@ def test_discover_template_parses_and_tables_may_be_absent(lake) -> None:
             "discover, field 'format': unknown key",
         ),
         ('discover: {start: "2024-01-01-00:00"}\n', "discover, field 'primary_key': required"),
+        (
+            'discover: {primary_key: [id], keyless: true, start: "2024-01-01-00:00"}\n',
+            "discover, field 'keyless': give primary_key or keyless: true, not both",
+        ),
         ("discover: {primary_key: [id]}\n", "discover, field 'start': required"),
         ('discover: {primary_key: [id], start: "2024-01-01-05:30"}\n', "must be on the hour"),
         (
@@ -286,7 +294,7 @@ def test_with_discovered_tables_adds_plain_parquet_folders_from_the_template(lak
     listed = TableConfig(name="orders", primary_key=("id",), start=H5, current_table=True)
     plain = PlatformConfig(landing, lake["warehouse"], (listed,))
     assert with_discovered_tables(plain) is plain  # no template: nothing added
-    template = DiscoverTemplate(("id",), H5 - timedelta(hours=5))
+    template = DiscoverTemplate(("id",), start=H5 - timedelta(hours=5))
     platform = with_discovered_tables(
         PlatformConfig(landing, lake["warehouse"], (listed,), discover=template)
     )
@@ -300,6 +308,11 @@ def test_with_discovered_tables_adds_plain_parquet_folders_from_the_template(lak
             expected_delivery_hours=24,  # a discovered table's default cadence
         ),
     )
+    keyless = DiscoverTemplate(start=H5, keyless=True)
+    found = with_discovered_tables(
+        PlatformConfig(landing, lake["warehouse"], (listed,), discover=keyless)
+    )
+    assert [t.key for t in found.tables] == [("id",), ("_fivetran_id",)]
 
 
 # --- the sensor -------------------------------------------------------------------------------

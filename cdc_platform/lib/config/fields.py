@@ -342,11 +342,6 @@ TableName = Annotated[
     str, BeforeValidator(_table_name), _string(format="name", pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
 ]
 GroupName = Annotated[str, BeforeValidator(_group), _string(format="name", **_NAME_SCHEMA)]
-PrimaryKey = Annotated[
-    tuple[str, ...],
-    BeforeValidator(_primary_key),
-    WithJsonSchema({"anyOf": [_COLUMN, _COLUMN_LIST]}),
-]
 OptionalPrimaryKey = Annotated[
     tuple[str, ...] | None,
     BeforeValidator(_optional_primary_key),

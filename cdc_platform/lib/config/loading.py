@@ -116,9 +116,9 @@ def _message(error: ErrorDetails, raw: dict[str, Any], where: str) -> str:
         name = raw["tables"][loc[1]].get("name")
         label = f"table '{name}', " if isinstance(name, str) else f"tables[{loc[1]}], "
         loc = loc[2:]
-    elif loc[:1] == ["discover"] and len(loc) > 1:
-        label, loc = "discover, ", loc[1:]
     problem = error.get("ctx", {}).get("error")
+    if loc[:1] == ["discover"] and (len(loc) > 1 or isinstance(problem, FieldProblem)):
+        label, loc = "discover, ", loc[1:]
     key = str(loc[0]) if loc else None
     if isinstance(problem, FieldProblem) and problem.field is not None:
         key = problem.field or None

@@ -36,7 +36,6 @@ from cdc_platform.lib.config.fields import (
     OptionalPrimaryKey,
     OptionalString,
     PositiveInt,
-    PrimaryKey,
     RootLocation,
     SnapshotRoots,
     Start,
@@ -327,8 +326,15 @@ class TableConfig:
 class DiscoverTemplate:
     """``discover:``: what an unlisted table folder gets (everything else is the default)."""
 
-    primary_key: PrimaryKey = Field(description="Every discovered table's primary key.")
-    start: Start = Field(description="Every discovered table's first partition.")
+    primary_key: OptionalPrimaryKey = Field(
+        default=None, description="Every discovered table's primary key (or `keyless: true`)."
+    )
+    start: Start = Field(kw_only=True, description="Every discovered table's first partition.")
+    keyless: Boolean = Field(
+        default=False,
+        kw_only=True,
+        description="Every discovered table is keyless (`_fivetran_id`), instead of `primary_key`.",
+    )
     expected_delivery_hours: PositiveInt = Field(
         default=DEFAULT_DELIVERY_HOURS,
         description="Every discovered table's expected delivery cadence (freshness).",
@@ -337,6 +343,15 @@ class DiscoverTemplate:
     @property
     def start_partition_key(self) -> str:
         return self.start.strftime(PARTITION_FORMAT)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> DiscoverTemplate:
+        """A key or ``keyless``, one of them, as a listed table's."""
+        if self.primary_key is None and not self.keyless:
+            raise FieldProblem(KEY_REQUIRED, "primary_key")
+        if self.primary_key is not None and self.keyless:
+            raise FieldProblem("give primary_key or keyless: true, not both", "keyless")
+        return self
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -379,6 +379,7 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
             TableConfig(
                 name=name,
                 primary_key=template.primary_key,
+                keyless=template.keyless,
                 start=template.start,
                 expected_delivery_hours=template.expected_delivery_hours,
             )
