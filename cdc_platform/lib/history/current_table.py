@@ -87,8 +87,11 @@ def _refresh_once(
             f"table of {paths.history} ({dt.metadata().description or 'no description'}): it "
             "is not overwritten. Turn current_table off for the table, or move that table away"
         )
-    # Columns are only ever added, as in the history table: the table's own, then new ones.
-    existing = current.arrow_schema
+    # Columns are only ever added, as in the history table: the table's own, then new ones; but
+    # a keyless table's id, once it is keyed again (``rekey_table``): the history has none.
+    existing = pa.schema(
+        [f for f in current.arrow_schema if f.name != ROW_ID or ROW_ID in user.names]
+    )
     # A column the history table widened takes its wider type (the commit below sets it).
     schema = pa.schema(
         [
