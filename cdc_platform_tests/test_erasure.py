@@ -228,3 +228,38 @@ def test_erase_key_by_a_hashed_key_columns_cleartext(spark, tmp_path, keyring):
     assert checks_pass(materialize_with_checks(platform, "t", H0))
     names = {r["name"] for r in DeltaTable(str(paths.history)).to_pyarrow_table().to_pylist()}
     assert names == {"b"}
+
+
+def test_a_key_widened_after_its_erasure_stays_out_and_a_rekey_is_refused(spark, tmp_path, keyring):
+    """The ledger hashes a key in the types it had: a key column widened later (an integer id
+    delivered as text) is cast back before it is hashed; a rekey, which would change every
+    key's hash, is refused."""
+    platform = one_table_config(tmp_path, "primary_key: [id]\n    widen_types: all")
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    write_parquet_events(
+        platform.landing_root,
+        "t",
+        H0,
+        [
+            ev("INSERT", 1, H0 + timedelta(minutes=1), TARGET, name=NAME),
+            ev("INSERT", 2, H0 + timedelta(minutes=2), OTHER, name="b"),
+        ],
+    )
+    assert checks_pass(materialize_with_checks(platform, "t", H0))
+    assert erase_job(platform, [{"id": str(TARGET)}]).success
+    write_parquet_events(
+        platform.landing_root,
+        "t",
+        H1,
+        [
+            ev("UPDATE", 3, H1 + timedelta(minutes=1), str(TARGET), name=LATER_NAME),
+            ev("INSERT", 4, H1 + timedelta(minutes=2), "x-1", name="c"),
+        ],
+    )
+    assert checks_pass(materialize_with_checks(platform, "t", H1))
+    live = repr(DeltaTable(str(paths.changelog)).to_pyarrow_table().to_pylist())
+    assert "x-1" in live and not secrets_in(live)  # widened to text, and still kept out
+
+    rekeyed = one_table_config(tmp_path, "primary_key: [id, name]\n    widen_types: all")
+    refused = run_operator_job(rekeyed, "rekey_table", "rekey")
+    assert not refused.success and "keys of this table were erased" in failure_of(refused)

@@ -199,7 +199,8 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing_root, run.keyring)
     erased = erased_keys.loader(run.paths.erased_keys, run.keyring)
-    erased()  # a table with erased keys is refused here without the salt, before any read
+    if erased() is not None:  # refused here without the salt, before any read
+        reader.hide_values = True  # a reason could quote a cell of an erased key's row
     listing = _list(run, reader)
     plan_whole_if_small(run.spark, sum(listing.size_of.values()))
 

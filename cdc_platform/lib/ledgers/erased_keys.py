@@ -11,9 +11,10 @@ could come back).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 SCHEMA = pa.schema(
     [
         pa.field("key_hash", pa.string()),
+        # The key columns' types it was hashed in (an Arrow schema, IPC, base64): a key column
+        # widened since (``schema.widest``) is cast back to them before it is hashed.
+        pa.field("key_types", pa.string()),
         pa.field("reason", pa.string()),
         pa.field("run_id", pa.string()),
         pa.field("erased_at", pa.timestamp("us", tz="UTC")),
@@ -66,19 +70,31 @@ def _canonical(column: pa.Array) -> pa.Array:
 
 @dataclass(frozen=True)
 class ErasedKeys:
-    """The erased keys' hashes and the salt they are keyed with. Picklable: Spark ships it to
-    the tasks, as it ships a reader's keys (inside the task closure, never in conf or logs)."""
+    """The erased keys' hashes, by the key types they were hashed in, and the salt they are
+    keyed with. Picklable: Spark ships it to the tasks, as it ships a reader's keys (inside the
+    task closure, never in conf or logs)."""
 
-    hashes: frozenset[str]
+    groups: tuple[tuple[pa.Schema, pa.Array], ...]  # key types, and the hashes in them
     salt: bytes
 
+    @classmethod
+    def of(cls, hashes: Mapping[pa.Schema, Collection[str]], salt: bytes) -> ErasedKeys:
+        return cls(
+            tuple((types, pa.array(sorted(h), pa.string())) for types, h in hashes.items()), salt
+        )
+
     def __repr__(self) -> str:
-        return f"ErasedKeys({len(self.hashes)} key(s))"
+        return f"ErasedKeys({sum(len(h) for _, h in self.groups)} key(s))"
 
     def matches(self, batch: pa.RecordBatch, key: Sequence[str]) -> pa.Array:
-        """True for each row of ``batch`` whose key is erased."""
-        hashes = key_hashes({c: batch.column(c) for c in key}, batch.num_rows, self.salt)
-        return pc.is_in(hashes, value_set=pa.array(sorted(self.hashes), pa.string()))  # pyright: ignore[reportAttributeAccessIssue]
+        """True for each row of ``batch`` whose key is erased: its key cells, in the types the
+        erasure hashed them in, hash to a recorded hash."""
+        hit = pa.array([False] * batch.num_rows, pa.bool_())
+        for types, hashes in self.groups:
+            cells = {c: _as_type(batch.column(c), types.field(c).type) for c in key}
+            found = pc.is_in(key_hashes(cells, batch.num_rows, self.salt), value_set=hashes)  # pyright: ignore[reportAttributeAccessIssue]
+            hit = pc.or_(hit, found)  # pyright: ignore[reportAttributeAccessIssue]
+        return hit
 
     def drop(self, events: DataFrame, key: Sequence[str]) -> DataFrame:
         """``events`` without the rows of an erased key, in a Spark task."""
@@ -87,6 +103,24 @@ class ErasedKeys:
     def flag(self, events: DataFrame, key: Sequence[str], name: str) -> DataFrame:
         """``events`` with a boolean column ``name``: true where the key is erased."""
         return _map(events, key, self, keep=False, name=name)
+
+
+def _as_type(column: pa.Array, t: pa.DataType) -> pa.Array:
+    """``column`` in type ``t``, as the erasure saw its key: a widened key column (a string
+    now, a timestamp, a wider decimal) cast back; a value that does not cast is no erased key."""
+    if column.type == t:
+        return column
+    try:
+        return pc.cast(column, t)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+    out = []
+    for i in range(len(column)):
+        try:
+            out.append(pc.cast(column.slice(i, 1), t)[0].as_py())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            out.append(None)
+    return pa.array(out, t)
 
 
 def _map(
@@ -125,16 +159,23 @@ def load(path: Where, keyring: Keyring | None) -> ErasedKeys | None:
     ledger = Ledger(path, SCHEMA)
     if not ledger.exists():
         return None
-    hashes = frozenset(h for h in ledger.read(["key_hash"]).column(0).to_pylist() if h)
-    if not hashes:
+    rows = ledger.read(["key_hash", "key_types"]).to_pylist()
+    if not rows:
         return None
+    by_types: dict[str, set[str]] = {}
+    for r in rows:
+        by_types.setdefault(r["key_types"], set()).add(r["key_hash"])
     salt = keyring.hash_salt if keyring is not None else None
     if salt is None:
         raise KeyringError(
             f"{path}: keys of this table were erased, and the keyring (CDC_KEYRING) has no "
             "hash_salt to recognise them: nothing is read without it"
         )
-    return ErasedKeys(hashes, salt)
+    return ErasedKeys.of({_schema(t): h for t, h in by_types.items()}, salt)
+
+
+def _schema(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
 def loader(path: Where, keyring: Keyring | None) -> Callable[[], ErasedKeys | None]:
@@ -142,12 +183,24 @@ def loader(path: Where, keyring: Keyring | None) -> Callable[[], ErasedKeys | No
     return lambda: load(path, keyring)
 
 
-def add(path: Where, hashes: Sequence[str], reason: str, run_id: str, at: datetime) -> int:
-    """Record the key hashes not recorded yet, in one commit; returns how many were new."""
+def add(
+    path: Where,
+    hashes: Sequence[str],
+    key_types: pa.Schema,
+    reason: str,
+    run_id: str,
+    at: datetime,
+) -> int:
+    """Record the key hashes (of keys in ``key_types``) not recorded yet, in one commit;
+    returns how many were new."""
+    types = base64.b64encode(key_types.serialize().to_pybytes()).decode("ascii")
     ledger = Ledger(path, SCHEMA)
     known = set(ledger.read(["key_hash"]).column(0).to_pylist()) if ledger.exists() else set()
     new = sorted(set(hashes) - known)
     ledger.append(
-        [{"key_hash": h, "reason": reason, "run_id": run_id, "erased_at": at} for h in new]
+        [
+            {"key_hash": h, "key_types": types, "reason": reason, "run_id": run_id, "erased_at": at}
+            for h in new
+        ]
     )
     return len(new)

@@ -103,7 +103,7 @@ def erase(
         raise ErasureError(f"{paths.changelog}: the table has no events yet, nothing to erase")
     typed = typed_keys(log.arrow_schema, table.key, keys, _hashed_keys(table), salt)
     hashes = key_hashes({c: typed.column(c).combine_chunks() for c in table.key}, len(keys), salt)
-    new = erased_keys.add(paths.erased_keys, hashes.to_pylist(), reason, run_id, now)
+    new = erased_keys.add(paths.erased_keys, hashes.to_pylist(), typed.schema, reason, run_id, now)
     erased = erased_keys.load(paths.erased_keys, keyring)  # all of them: a re-run finishes
     assert erased is not None
     pk = list(table.key)
@@ -210,7 +210,8 @@ def _scrub_forgotten(
     if not shared:
         return 0
     cells = {c: typed.column(c).combine_chunks() for c in shared}
-    mine = ErasedKeys(frozenset(key_hashes(cells, typed.num_rows, salt).to_pylist()), salt)
+    types = pa.schema([typed.schema.field(c) for c in shared])
+    mine = ErasedKeys.of({types: key_hashes(cells, typed.num_rows, salt).to_pylist()}, salt)
     rows = ledger.read(spark).withColumn(
         _FILE, table_relative(F.input_file_name(), ledger.location)
     )
@@ -233,8 +234,9 @@ def _scrub_quarantine(
 ) -> int:
     """Withhold every quarantine reason quoting one of the keys' values (as given, or as the
     column's type prints it): a reason quotes a cell as its file held it."""
-    texts = {t for k in given for t in k.values() if t}
+    texts = {t for k in given for t in k.values()}
     texts |= {str(v) for c in typed.column_names for v in typed.column(c).to_pylist()}
+    texts = {t for t in texts if t.strip()}  # an empty value would match between any words
     # A value as a word of its own: an id 1 is quoted as "1" or "'1'", not inside "row 12".
     quotes = [re.compile(r"(?<![\w.])" + re.escape(t) + r"(?![\w.])") for t in texts]
     rows = Ledger(paths.quarantine, quarantine.SCHEMA).rows()

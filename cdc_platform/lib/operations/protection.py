@@ -43,6 +43,7 @@ from cdc_platform.lib.operations.rekey import (
     RekeyResult,
     check_history_columns,
     rebuild_table,
+    refuse_erased_keys,
     rewrite_changelog,
     with_row_ids,
 )
@@ -150,6 +151,8 @@ def _refuse(
             " change. Nothing was written; a key column is hashed from a table's first run."
         )
     _refuse_forgotten_ledger(paths, table, [*newly, *blocked])
+    if table.keyless and (newly or blocked):  # every id is computed again
+        refuse_erased_keys(paths, ProtectionError, "rewriting a keyless table's ids")
     check_history_columns(paths, log, table, blocked)
     if not newly:
         return None

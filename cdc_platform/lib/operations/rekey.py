@@ -68,6 +68,7 @@ from cdc_platform.lib.history.table_key import (
 )
 from cdc_platform.lib.history.versions import build_versions
 from cdc_platform.lib.landing.row_id import row_ids
+from cdc_platform.lib.ledgers import erased_keys
 from cdc_platform.lib.spark.session import persisted
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
@@ -209,7 +210,19 @@ def _refuse(
         )
     check_history_columns(paths, log, table)
     _refuse_forgotten_ledger(paths, table, old)
+    refuse_erased_keys(paths, RekeyError, "a rekey")
     _refuse_events(log, log.read(spark), table)
+
+
+def refuse_erased_keys(paths: TablePaths, error: type[Exception], what: str) -> None:
+    """Erased keys are recorded by the hash of their key (``ledgers.erased_keys``), whose values
+    are gone: a change of the key, or of a keyless table's ids, would let them be logged again."""
+    if erased_keys.recorded(paths.erased_keys):
+        raise error(
+            f"{paths.erased_keys}: keys of this table were erased, and are recognised by the hash"
+            f" of their key as it is now; {what} would change it and let them back. Nothing was"
+            " written."
+        )
 
 
 def check_history_columns(
