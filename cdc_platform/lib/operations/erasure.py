@@ -144,8 +144,8 @@ def typed_keys(
     schema: pa.Schema,
     key: Sequence[str],
     given: Sequence[Mapping[str, str]],
-    hashed: Collection[str] = (),
-    salt: bytes = b"",
+    hashed: Collection[str],
+    salt: bytes,
 ) -> pa.Table:
     """The request's keys in the change log's types, one row each. A key naming other columns
     than the table's key, or a value that is not of its column's type, is refused, naming the
