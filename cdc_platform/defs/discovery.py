@@ -15,10 +15,8 @@ the code location is reloaded.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -27,6 +25,7 @@ from cdc_platform.defs.alerts import AlertWebhookResource, deliver
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.fleet.alerts import new_table_alert
 from cdc_platform.lib.landing.discovery import DiscoveredTable, describe, unlisted_tables
+from cdc_platform.lib.landing.zone import LandingUnavailableError, LandingZone
 
 NEW_TABLES_SENSOR_NAME = "cdc_new_tables"
 
@@ -106,7 +105,8 @@ def build_new_tables_sensor(
 ) -> dg.SensorDefinition:
     """The sensor for ``platform`` as written (its listed tables); ``discovered`` names the
     tables the Definitions added from its ``discover:`` template (reported as such)."""
-    landing_root = Path(platform.landing_root)
+    landing = LandingZone.of(platform.landing_root)
+    landing_root = landing.root
     listed = [t.name for t in platform.tables]
     added = set(discovered)
 
@@ -124,7 +124,7 @@ def build_new_tables_sensor(
         context: dg.SensorEvaluationContext, alert_webhook: AlertWebhookResource
     ) -> dg.SensorResult:
         state = NewTablesCursor.from_json(context.cursor)
-        if not landing_root.is_dir():
+        if not landing.exists():
             # An unmounted landing root is not "every table gone": keep what was reported.
             state.pending, delivered = deliver(context, alert_webhook, state.pending)
             return dg.SensorResult(
@@ -132,15 +132,18 @@ def build_new_tables_sensor(
                 skip_reason=f"landing root {landing_root} does not exist; "
                 f"{delivered} alert(s) sent, {len(state.pending)} pending",
             )
-        names = unlisted_tables(landing_root, listed)
+        names = unlisted_tables(landing, listed)
         reported = set(state.reported)
         new = []
         for name in names:
             if name in reported:
                 continue
             try:
-                table = describe(landing_root, name)
-            except OSError as exc:  # the folder went away meanwhile: try again next tick
+                table = describe(landing, name)
+            except (
+                OSError,
+                LandingUnavailableError,
+            ) as exc:  # the folder went away meanwhile: try again next tick
                 context.log.info(f"{name}: not described this tick ({type(exc).__name__})")
                 continue
             status = status_line(table, platform, added)
@@ -155,7 +158,7 @@ def build_new_tables_sensor(
                 columns=table.columns,
                 primary_key=list(table.primary_key),
                 first_hour=table.start,
-                sample_file=os.path.relpath(table.sample_file, landing_root),
+                sample_file=landing.relative(table.sample_file),
                 snippet=snippet,
                 status=status,
                 notes=list(table.notes),

@@ -33,7 +33,6 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import dagster as dg
 
@@ -51,6 +50,7 @@ from cdc_platform.defs.sensors import (
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import BatchRequest, CursorState, batch
+from cdc_platform.lib.landing.zone import Landing
 from cdc_platform.lib.storage.stores import Where
 
 FLEET_SENSOR = "cdc_landing"
@@ -155,7 +155,7 @@ def _stored_state(
 
 def build_fleet_landing_sensor(
     tables: Sequence[TableConfig],
-    landing_root: Path,
+    landing_root: Landing,
     warehouse_root: Where | None,
     assets: Mapping[str, dg.AssetsDefinition],
     tables_per_run: int,
@@ -182,7 +182,7 @@ def build_fleet_landing_sensor(
         ),
     )
     def _fleet_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        check_landing_root(Path(landing_root), FLEET_SENSOR)
+        check_landing_root(landing_root, FLEET_SENSOR)
         now = clock()
         cursor = FleetCursor.from_json(context.cursor)
         if cursor.is_new:
@@ -233,7 +233,7 @@ def build_fleet_landing_sensor(
                 ticks[name] = tick_table(
                     context,
                     table,
-                    Path(landing_root),
+                    landing_root,
                     warehouse_root,
                     state,
                     now,

@@ -12,12 +12,10 @@ Dagster 1.13). The target asset should use ``BackfillPolicy.single_run()`` so th
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -40,6 +38,7 @@ from cdc_platform.lib.landing.layout import (
     hours_between,
     partition_key_to_hour,
 )
+from cdc_platform.lib.landing.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Where
 
@@ -92,7 +91,7 @@ class TableTick:
 def tick_table(
     context: dg.SensorEvaluationContext,
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     warehouse_root: Where | None,
     state: CursorState | None,
     now: datetime,
@@ -131,7 +130,7 @@ def tick_table(
 
 def build_landing_sensor(
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     target: dg.AssetsDefinition,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
     *,
@@ -156,12 +155,12 @@ def build_landing_sensor(
         tags={TABLE_TAG: table.name},
     )
     def _landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-        check_landing_root(Path(landing_root), table.name)
+        check_landing_root(landing_root, table.name)
         state = CursorState.from_json(context.cursor) if context.cursor else None
         tick = tick_table(
             context,
             table,
-            Path(landing_root),
+            landing_root,
             warehouse_root,
             state,
             clock(),
@@ -191,24 +190,23 @@ class LandingRootUnavailableError(RuntimeError):
     """The landing root is missing or cannot be listed: the tick fails, saying so."""
 
 
-def check_landing_root(root: Path, who: str) -> None:
+def check_landing_root(root: Landing, who: str) -> None:
     """Fail the tick when the landing root is gone or unreadable (an unmounted volume, lost
-    permissions): an empty listing would look exactly like a quiet source. Dagster shows the
-    failed ticks on the sensor's page."""
-    try:
-        with os.scandir(root):
-            pass
-    except OSError as exc:
+    permissions, a bucket that does not answer): an empty listing would look exactly like a
+    quiet source. Dagster shows the failed ticks on the sensor's page."""
+    landing = LandingZone.of(root)
+    if not landing.exists():
         raise LandingRootUnavailableError(
-            f"{who}: the landing root {root} cannot be listed ({exc.strerror}): is the "
-            "landing volume mounted and readable? No hour is requested until it is back."
-        ) from None
+            f"{who}: the landing root {landing.root} cannot be listed: is the landing volume"
+            " mounted and readable (the bucket reachable, its credentials valid)? No hour is"
+            " requested until it is back."
+        )
 
 
 def _reconcile(
     context: dg.SensorEvaluationContext,
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     warehouse_root: Where,
     state: CursorState,
     now: datetime,
@@ -228,7 +226,7 @@ def _reconcile(
         )
         return [], postponed(state, due, now)
     flying = in_flight(table.name)
-    requests, state = reconcile(table, Path(landing_root), now, state, applied, flying)
+    requests, state = reconcile(table, landing_root, now, state, applied, flying)
     if requests:
         keys = [k for r in requests for k in r.partition_keys]
         context.log.warning(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
-from cdc_platform.lib.landing.layout import all_hour_folders, hour_to_partition_key
+from cdc_platform.lib.landing.layout import hour_to_partition_key
+from cdc_platform.lib.landing.object_store import S3Landing
+from cdc_platform.lib.landing.zone import LandingZone, LocalZone
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Where
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -37,17 +40,41 @@ def prepare_instance() -> Path:
 
 
 def prepare_landing(platform: PlatformConfig) -> None:
-    """Generate the sample landing zone unless it is already there (delete data/ to start over)."""
+    """Generate the sample landing zone unless it is already there (delete data/ to start
+    over). On an ``s3://`` landing root it is generated in a temporary folder and uploaded."""
     keyring = Path(os.environ.setdefault("CDC_KEYRING", str(REPO_ROOT / "data" / "keyring.json")))
-    if any(platform.landing_root.glob("*/year=*")):
+    landing = LandingZone.of(platform.landing_root)
+    if any(landing.hours(t.name) for t in platform.tables):
         return
-    counts = generate_landing_zone(platform.landing_root, hours=HOURS)
+    if isinstance(landing, LocalZone):
+        counts = generate_sample(Path(landing.root), keyring, platform)
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            counts = generate_sample(Path(folder), keyring, platform)
+            uploaded = upload_folder(Path(folder), landing)
+        print(f"uploaded {uploaded} landing file(s) to {landing.root}")
+    print("sample landing zone:", ", ".join(f"{t}: {n} events" for t, n in sorted(counts.items())))
+
+
+def generate_sample(folder: Path, keyring: Path, platform: PlatformConfig) -> dict[str, int]:
+    counts = generate_landing_zone(folder, hours=HOURS)
     for table in platform.tables:
         if table.format == "csv" and table.encryption != "none":
-            counts[table.name] = write_encrypted_csv_table(
-                platform.landing_root, keyring, table, hours=HOURS
-            )
-    print("sample landing zone:", ", ".join(f"{t}: {n} events" for t, n in sorted(counts.items())))
+            counts[table.name] = write_encrypted_csv_table(folder, keyring, table, hours=HOURS)
+    return counts
+
+
+def upload_folder(folder: Path, landing: LandingZone) -> int:
+    """Every file under ``folder`` put at the same relative key under the bucket's root."""
+    if not isinstance(landing, S3Landing):
+        raise TypeError(f"{landing.root}: not a bucket")
+    count = 0
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            key = landing.key_of(path.relative_to(folder).as_posix())
+            landing.client.put_object(Bucket=landing.bucket, Key=key, Body=path.read_bytes())
+            count += 1
+    return count
 
 
 def history_summary(history: Where) -> tuple[int, int, int]:
@@ -62,6 +89,7 @@ def main() -> None:
     prepare_instance()
     platform = load_config()
     prepare_landing(platform)
+    landing = LandingZone.of(platform.landing_root)
     instance = dg.DagsterInstance.get()
     spark = SparkResource(stop_at_end_of_run=False)
     resources = {
@@ -74,11 +102,7 @@ def main() -> None:
     )
     try:
         for table in platform.tables:
-            hours = [
-                h
-                for h, _ in all_hour_folders(platform.landing_root, table.name)
-                if h >= table.start
-            ]
+            hours = [h for h in landing.hours(table.name) if h >= table.start]
             if not hours:
                 print(f"{table.name:<10} no landing folders")
                 continue

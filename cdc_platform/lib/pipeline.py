@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib.config import TableConfig
@@ -29,7 +28,7 @@ from cdc_platform.lib.history.protected_columns import (
 )
 from cdc_platform.lib.history.table_key import check_key
 from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import files_in_hour, hour_to_partition_key
+from cdc_platform.lib.landing.layout import hour_to_partition_key
 from cdc_platform.lib.landing.native import NativeGuard, NativeReadChangedError
 from cdc_platform.lib.landing.reader import FileReport, LandingReader, changed_files_named
 from cdc_platform.lib.landing.reading import (
@@ -40,6 +39,7 @@ from cdc_platform.lib.landing.reading import (
     with_row_id,
 )
 from cdc_platform.lib.landing.safe_open import CHANGED
+from cdc_platform.lib.landing.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers import applied_files, erased_keys, quarantine, revoked_files
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored
@@ -99,7 +99,7 @@ def needs_keyring(table: TableConfig, warehouse_root: Where) -> bool:
 def materialize(
     spark: SparkSession,
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     warehouse_root: Where,
     hours: Sequence[datetime],
     keyring: Keyring | None = None,
@@ -113,13 +113,15 @@ def materialize(
     Raises LandingRootMissingError if ``landing_root`` does not exist; a missing table or hour
     folder inside it is just an hour with no files.
     """
-    if not Path(landing_root).is_dir():
+    landing = LandingZone.of(landing_root)
+    if not landing.exists():
         raise LandingRootMissingError(
-            f"landing_root {landing_root} does not exist or is not a folder: check the config"
-            f" (or mount the landing volume); table {table.name!r} was not materialized"
+            f"landing_root {landing.root} does not exist, is not a folder or does not answer:"
+            f" check the config (or mount the landing volume); table {table.name!r} was not"
+            " materialized"
         )
     paths = TablePaths.of(warehouse_root, table.name)
-    run = _Run(spark, table, Path(landing_root), warehouse_root, hours, keyring, synced_at)
+    run = _Run(spark, table, landing, warehouse_root, hours, keyring, synced_at)
     with RunCost(spark, committed_tables(paths)) as cost, conf_restored(spark, ADAPTIVE):
         outcome, listing = _apply_hours(run)
     if run_id is not None:
@@ -151,7 +153,7 @@ class _Run:
 
     spark: SparkSession
     table: TableConfig
-    landing_root: Path
+    landing: LandingZone
     warehouse_root: Where
     hours: Sequence[datetime]
     keyring: Keyring | None
@@ -197,7 +199,7 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     check_protected_columns(log, run.table)
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
-    reader = LandingReader(run.table, run.landing_root, run.keyring)
+    reader = LandingReader(run.table, run.landing, run.keyring)
     erased = erased_keys.loader(run.paths.erased_keys, run.keyring)
     if erased() is not None:  # refused here without the salt, before any read
         reader.hide_values = True  # a reason could quote a cell of an erased key's row
@@ -262,7 +264,7 @@ def _list(run: _Run, reader: LandingReader) -> _Listing:
     listing = _Listing([], {}, {}, {}, [])
     for hour in run.hours:
         partition = hour_to_partition_key(hour)
-        for f in files_in_hour(run.landing_root, run.table.name, hour):
+        for f in run.landing.files_in_hour(run.table.name, hour):
             listing.listed.append(applied_files.AppliedFile(partition, f))
             if reader.relative(f.path) in revoked:
                 listing.skipped.append(reader.relative(f.path))
@@ -321,13 +323,11 @@ def _record_applied(
     hour stays pending, so the landing sensor asks for it again."""
     changed = {q.file for q in outcome.quarantined if q.reason == CHANGED}
     kept = [
-        a
-        for a in listing.listed
-        if applied_files.identity(run.landing_root, a.file)[0] not in changed
+        a for a in listing.listed if applied_files.identity(run.landing, a.file)[0] not in changed
     ]
     applied_files.record(
         applied_files.ledger_path(run.warehouse_root, run.table.name),
-        run.landing_root,
+        run.landing,
         run.partitions,
         kept,
         run_id,

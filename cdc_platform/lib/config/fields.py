@@ -221,14 +221,21 @@ def _path(value: Any, info: ValidationInfo) -> Path:
     return path if path.is_absolute() else (_base_dir(info) / path).resolve()
 
 
-def _landing_root(value: Any, info: ValidationInfo) -> Path:
-    """A local or mounted folder (a plain path or ``file://``)."""
+def _landing_root(value: Any, info: ValidationInfo) -> Path | Location:
+    """A local or mounted folder (a plain path or ``file://``), or an S3 prefix
+    (``s3://bucket/prefix``, ``s3a://`` alike) without ``.``/``..`` segments."""
+    if isinstance(value, Location):
+        return value if not value.is_local else value.path
     if is_object_store(value):
-        raise ValueError(
-            f"{value} is an object store; landing files must be on a local or mounted file"
-            " system (the sensors list hour folders and compare file modification times there):"
-            " mount the bucket or copy its files to a folder"
-        )
+        location = checked_root(Location.of(value), "root")
+        if location.scheme != "s3":
+            raise ValueError(
+                f"{value}: a landing zone on an object store is read through S3's API; "
+                "gs:// and abfss:// are not supported for landing_root (for Google Cloud "
+                "Storage, use s3://<bucket> with aws_endpoint_url: "
+                "https://storage.googleapis.com and HMAC keys in landing_storage_options)"
+            )
+        return location
     if isinstance(value, str) and "://" in value:  # file:///..., or an unsupported scheme
         return Location.of(value).path
     return _path(value, info)
@@ -388,7 +395,9 @@ CsvColumns = Annotated[
     ),
 ]
 Cron = Annotated[str, BeforeValidator(_cron), _string(format="cron", pattern=r"^\S+( \S+){4}$")]
-FolderPath = Annotated[Path, BeforeValidator(_landing_root), _string(format="path", minLength=1)]
+LandingRoot = Annotated[
+    Path | Location, BeforeValidator(_landing_root), _string(format="uri-reference", minLength=1)
+]
 RootLocation = Annotated[
     Location, BeforeValidator(_location), _string(format="uri-reference", minLength=1)
 ]

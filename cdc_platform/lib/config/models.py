@@ -29,8 +29,8 @@ from cdc_platform.lib.config.fields import (
     CsvColumns,
     Encryption,
     FieldProblem,
-    FolderPath,
     GroupName,
+    LandingRoot,
     LandingSensor,
     Minutes,
     OptionalPrimaryKey,
@@ -358,10 +358,11 @@ class DiscoverTemplate:
 class PlatformConfig:
     """The whole config file, with paths already resolved against the file's folder."""
 
-    landing_root: FolderPath = Field(
+    landing_root: LandingRoot = Field(
         description="The landing zone: `<landing_root>/<table>/year=YYYY/month=MM/day=DD/"
-        "hour=HH/<file>`. A local or mounted folder (or `file://`); relative to the config "
-        "file's folder."
+        "hour=HH/<file>`. A local or mounted folder (or `file://`), relative to the config "
+        "file's folder, or an S3 prefix `s3://bucket/prefix` (`s3a://`; any S3-compatible "
+        "store through `aws_endpoint_url`). Never the warehouse root, inside it or around it."
     )
     warehouse_root: RootLocation = Field(
         description="Where the history tables are written: a folder, `file://`, `s3://` "
@@ -426,12 +427,30 @@ class PlatformConfig:
         "`*_token`, ...) must be. Read into `warehouse_root`.",
     )
 
+    landing_storage_options: StorageOptions = Field(
+        default=None,
+        repr=False,
+        description="For an `s3://` `landing_root`: the same options, with the same names and "
+        "`{env: NAME}` rule, as `warehouse_storage_options` (`aws_access_key_id`, "
+        "`aws_secret_access_key`, `aws_session_token`, `aws_region`, `aws_endpoint_url`, "
+        "`aws_virtual_hosted_style_request`). Without them the AWS SDK's own chain is used "
+        "(environment, profile, instance role). Read into `landing_root`.",
+    )
+
     @model_validator(mode="after")
     def _keys_agree(self) -> PlatformConfig:
         self._attach_storage_options()
+        self._attach_landing_options()
         self._check_table_names()
-        if self.warehouse_root.is_local:
+        if self.warehouse_root.is_local and isinstance(self.landing_root, Path):
             self._check_roots_apart()
+        elif isinstance(self.landing_root, Location) and overlaps(
+            self.landing_root, self.warehouse_root
+        ):
+            raise FieldProblem(
+                f"{self.landing_root} and warehouse_root {self.warehouse_root} overlap",
+                "landing_root",
+            )
         self._check_source_roots()
         if self.tables_per_run > 1 and self.landing_sensor != "fleet":
             raise FieldProblem(
@@ -463,6 +482,19 @@ class PlatformConfig:
         root = Location(self.warehouse_root.uri, options)
         object.__setattr__(self, "warehouse_root", root)  # still in validation
 
+    def _attach_landing_options(self) -> None:
+        """The landing options travel with its root, as the warehouse's do."""
+        options = self.landing_storage_options
+        if options is None:
+            return
+        if not isinstance(self.landing_root, Location):
+            raise FieldProblem(
+                "storage options are for an s3:// landing_root, not a local folder",
+                "landing_storage_options",
+            )
+        root = Location(self.landing_root.uri, options)
+        object.__setattr__(self, "landing_root", root)  # still in validation
+
     def _check_table_names(self) -> None:
         names = [t.name.lower() for t in self.tables]
         dupes = sorted({t.name for t in self.tables if names.count(t.name.lower()) > 1})
@@ -481,6 +513,7 @@ class PlatformConfig:
     def _check_roots_apart(self) -> None:
         """The roots must not overlap: a VACUUM of a table would see landing files as its own
         stray files, and a landing folder would see the platform's files as data."""
+        assert isinstance(self.landing_root, Path)  # a local landing root: the caller's check
         landing, warehouse = self.landing_root.resolve(), self.warehouse_root.path.resolve()
         if landing == warehouse:
             raise FieldProblem("the same folder as landing_root", "warehouse_root")

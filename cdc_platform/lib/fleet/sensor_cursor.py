@@ -23,26 +23,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.layout import (
     HOUR,
     LandingFile,
-    all_hour_folders,
-    files_in_hour,
     fingerprint,
     hour_to_partition_key,
     hours_between,
-    is_data_file,
     partition_key_to_hour,
 )
+from cdc_platform.lib.landing.zone import Landing, LandingUnavailableError, LandingZone
 from cdc_platform.lib.ledgers import applied_files
 
 REASON_NEW_FOLDER = "new folder"
@@ -143,7 +139,7 @@ def due_for_check(table: TableConfig, state: CursorState, now: datetime) -> list
 
 def reconcile(
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     now: datetime,
     state: CursorState,
     applied: Mapping[str, Collection[tuple[str, int, int]]],
@@ -155,6 +151,7 @@ def reconcile(
     the hour (``applied``: partition -> (file, size, mtime_ns)) cover every file in its folder,
     left waiting when a run for it is ``in_flight``, else requested again (backoff doubled)."""
     at = _as_utc(now).timestamp()
+    landing = LandingZone.of(landing_root)
     pending = dict(state.pending)
     wanted: dict[str, tuple[str, str]] = {}
     for key in due_for_check(table, state, now):
@@ -163,11 +160,11 @@ def reconcile(
             del pending[key]
             continue
         try:
-            files = files_in_hour(landing_root, table.name, partition_key_to_hour(key))
-        except OSError:  # the folder cannot be read now: looked at again after the backoff
+            files = landing.files_in_hour(table.name, partition_key_to_hour(key))
+        except (OSError, LandingUnavailableError):  # looked at again after the backoff
             pending[key] = p._replace(last_checked=at)
             continue
-        done = {applied_files.identity(landing_root, f) for f in files} <= set(applied.get(key, ()))
+        done = {applied_files.identity(landing, f) for f in files} <= set(applied.get(key, ()))
         if not files or done:
             del pending[key]
         elif key in in_flight:
@@ -267,7 +264,7 @@ def lookback_window(
 
 def seed_state(
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     now: datetime,
     applied: Collection[tuple[str, int, int]],
     *,
@@ -279,15 +276,14 @@ def seed_state(
     then requests only folders holding a file never read. One walk of the table's tree.
     """
     done = set(applied)
+    landing = LandingZone.of(landing_root)
     folders: dict[str, str] = {}
     _, last = lookback_window(table, now, end_offset)
-    for hour in sorted({h for h, _ in all_hour_folders(landing_root, table.name)}):
+    for hour in landing.hours(table.name):
         if hour < table.start or hour > last:
             continue
-        files = files_in_hour(landing_root, table.name, hour)
-        if files and all(
-            (os.path.relpath(f.path, landing_root), f.size, f.mtime_ns) in done for f in files
-        ):
+        files = landing.files_in_hour(table.name, hour)
+        if files and all(applied_files.identity(landing, f) in done for f in files):
             folders[hour_to_partition_key(hour)] = fingerprint(files)
     return CursorState(folders=folders)
 
@@ -302,7 +298,7 @@ def sweep_due(table: TableConfig, now: datetime, state: CursorState) -> bool:
 
 def evaluate(
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     now: datetime,
     state: CursorState,
     *,
@@ -311,21 +307,24 @@ def evaluate(
 ) -> tuple[list[PartitionRequest], CursorState]:
     """One sensor tick: the partitions to (re)request and the cursor to persist.
 
-    Cost is ``lookback_hours`` folder listings, plus one walk of the table's tree when a full
-    sweep is due (``full_sweep_minutes``, or on the very first tick, which requests everything
-    that exists as an initial backfill).
+    Cost is ``lookback_hours`` folder listings (on a bucket, one listing from the window's
+    first key on: ``LandingZone.files_in_hours``), plus one walk (listing) of the table's tree
+    when a full sweep is due (``full_sweep_minutes``, or on the very first tick, which requests
+    everything that exists as an initial backfill).
     """
     if max_range_hours < 1:
         raise ValueError(f"max_range_hours must be >= 1, got {max_range_hours}")
     now = _as_utc(now)
+    landing = LandingZone.of(landing_root)
     folders = dict(state.folders)
     wanted: dict[str, tuple[str, str]] = {}  # key -> (reason, fingerprint)
 
     window = lookback_window(table, now, end_offset)
     window_newest: dict[str, int] = {}  # key -> newest mtime, for the sweep's high-water mark
+    listed = landing.files_in_hours(table.name, *window) if window[0] <= window[1] else {}
     for hour in hours_between(*window):
         key = hour_to_partition_key(hour)
-        files = files_in_hour(landing_root, table.name, hour)
+        files = listed.get(hour, [])
         window_newest[key] = _newest(files)
         if not files:
             folders.pop(key, None)
@@ -343,7 +342,7 @@ def evaluate(
         initial = state.last_sweep_started is None
         last_sweep_started = now.isoformat()
         folders, swept_mtime_ns, late = _full_sweep(
-            table, landing_root, window, window_newest, folders, state.swept_mtime_ns
+            table, landing, window, window_newest, folders, state.swept_mtime_ns
         )
         reason = REASON_INITIAL if initial else REASON_LATE_FILES
         for key, fp in late.items():
@@ -361,7 +360,7 @@ def evaluate(
 
 def _full_sweep(
     table: TableConfig,
-    landing_root: Path,
+    landing: LandingZone,
     window: tuple[datetime, datetime],
     window_newest: dict[str, int],
     folders: dict[str, str],
@@ -379,17 +378,14 @@ def _full_sweep(
     sweep_wall_ns = time.time_ns()
     first, last = window
     seen_max_ns = max(window_newest.values(), default=0)
-    # Pass 1: newest mtime per hour, straight from the walked folder (cheap: no fingerprint).
-    # An hour spelled both padded and unpadded appears twice; keep the newer.
-    newest_by_hour: dict[datetime, int] = {}
-    for hour, path in all_hour_folders(landing_root, table.name):
-        # Skip the window (compared above), the open hour / future folders (not valid
-        # partitions yet) and folders before the table's start.
-        if hour >= first or hour < table.start:
-            continue
-        newest = _newest_in_folder(path)
-        if newest:
-            newest_by_hour[hour] = max(newest, newest_by_hour.get(hour, 0))
+    # Pass 1: newest mtime per hour, straight from the walked folder (cheap: no fingerprint),
+    # skipping the window (compared above), the open hour / future folders (not valid
+    # partitions yet) and folders before the table's start.
+    newest_by_hour = {
+        hour: newest
+        for hour, newest in landing.newest_by_hour(table.name).items()
+        if table.start <= hour < first
+    }
     # Pass 2: only folders touched since the previous mark get a full listing and fingerprint.
     old_folders: list[tuple[str, str, int]] = []  # (key, fingerprint, newest mtime)
     late: dict[str, str] = {}
@@ -397,7 +393,7 @@ def _full_sweep(
         seen_max_ns = max(seen_max_ns, newest)
         if newest <= previous_mark_ns:
             continue
-        files = files_in_hour(landing_root, table.name, hour)
+        files = landing.files_in_hour(table.name, hour)
         if not files:
             continue
         key = hour_to_partition_key(hour)
@@ -416,23 +412,6 @@ def _full_sweep(
 
 def _newest(files: Iterable[LandingFile]) -> int:
     return max((f.mtime_ns for f in files), default=0)
-
-
-def _newest_in_folder(folder: Path) -> int:
-    """Newest mtime of the data files (and links, set aside when read) directly in one folder
-    (0 if none, gone or unlistable: a symlink loop or a folder without permission never
-    stops the sweep). Links are never followed."""
-    newest = 0
-    try:
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if not is_data_file(entry.name):
-                    continue
-                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
-                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
-    except OSError:
-        return 0
-    return newest
 
 
 def _group(

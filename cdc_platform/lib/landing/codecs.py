@@ -320,7 +320,8 @@ def _candidate_keys(
     for i, key in enumerate(keys):
         _check_key(key, i)
     with _opened(path) as fh:
-        size = os.fstat(fh.fileno()).st_size
+        size = fh.seek(0, os.SEEK_END)  # a file or an object's bytes (no descriptor)
+        fh.seek(0)
         if size < 2 * BLOCK:
             raise LandingFileError(
                 f"truncated: the file is {size} bytes, shorter than the {BLOCK}-byte IV plus one "

@@ -36,8 +36,8 @@ from cdc_platform.lib.landing.codecs import (
     open_decoded_stream,
 )
 from cdc_platform.lib.landing.formats import FORMATS, format_of_head, format_of_name
-from cdc_platform.lib.landing.layout import LandingFile, all_hour_folders, files_in_hour
-from cdc_platform.lib.landing.safe_open import open_beneath
+from cdc_platform.lib.landing.layout import LandingFile
+from cdc_platform.lib.landing.zone import Landing, LandingUnavailableError, LandingZone
 from cdc_platform.lib.storage.warehouse import current_table_name
 
 __all__ = [
@@ -146,7 +146,7 @@ class DiscoveredTable:
 # -- listing ---------------------------------------------------------------------------------------
 
 
-def unlisted_tables(landing_root: Path, known_names: Iterable[str]) -> list[str]:
+def unlisted_tables(landing_root: Landing, known_names: Iterable[str]) -> list[str]:
     """Table folders under ``landing_root`` that ``known_names`` does not list, sorted.
 
     A table folder is a folder (not a symlink: the landing zone's links are never followed)
@@ -155,38 +155,34 @@ def unlisted_tables(landing_root: Path, known_names: Iterable[str]) -> list[str]
     landing file are not. Names compare case-insensitively, as the config's do.
     """
     known = {n.lower() for n in known_names}
-    try:
-        entries = sorted(os.scandir(landing_root), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    landing = LandingZone.of(landing_root)
     found = []
-    for entry in entries:
-        if not _TABLE_NAME_RE.match(entry.name) or entry.name.lower() in known:
-            continue
-        if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+    for name in landing.table_names():
+        if not _TABLE_NAME_RE.match(name) or name.lower() in known:
             continue
         try:
-            landed = first_landing_file(landing_root, entry.name) is not None
+            landed = first_landing_file(landing, name) is not None
         except OSError:  # unreadable (permissions): not a table folder this platform can read
             landed = False
         if landed:
-            found.append(entry.name)
+            found.append(name)
     return found
 
 
-def first_landing_file(landing_root: Path, table: str) -> tuple[datetime, str] | None:
+def first_landing_file(landing_root: Landing, table: str) -> tuple[datetime, str] | None:
     """(hour, absolute path) of the first landing file of the table's earliest hour with one."""
     first = _first_file(landing_root, table)
     return (first[0], first[1].path) if first is not None else None
 
 
-def _first_file(landing_root: Path, table: str) -> tuple[datetime, LandingFile, int] | None:
+def _first_file(landing_root: Landing, table: str) -> tuple[datetime, LandingFile, int] | None:
     """(hour, listing, files skipped) of the first landing file of the earliest hour with one.
     A file whose name has a control character (a newline, say) is skipped and counted: its
     name would go into the snippet, the log and the alert."""
     skipped = 0
-    for hour, _folder in all_hour_folders(landing_root, table):
-        readable = [f for f in files_in_hour(landing_root, table, hour) if f.set_aside is None]
+    landing = LandingZone.of(landing_root)
+    for hour in landing.hours(table):
+        readable = [f for f in landing.files_in_hour(table, hour) if f.set_aside is None]
         named = [f for f in readable if os.path.basename(f.path).isprintable()]
         skipped += len(readable) - len(named)
         if named:
@@ -238,22 +234,23 @@ def _suffixes(path: str | Path) -> list[str]:
     return [s.lower() for s in Path(path).suffixes]
 
 
-def describe(landing_root: Path, name: str) -> DiscoveredTable:
+def describe(landing_root: Landing, name: str) -> DiscoveredTable:
     """What the table's first landing file says: encoding, columns, a primary key guess.
 
     Raises FileNotFoundError when the table has no landing file (any more). A file that cannot
     be read is described with unknown columns and a note saying why, never an exception.
     """
-    first = _first_file(landing_root, name)
+    landing = LandingZone.of(landing_root)
+    first = _first_file(landing, name)
     if first is None:
-        raise FileNotFoundError(f"{Path(landing_root) / name}: no landing file in an hour folder")
+        raise FileNotFoundError(f"{landing.root}/{name}: no landing file in an hour folder")
     hour, listed, skipped = first
     path = listed.path
 
     def opener() -> BinaryIO:
         # Through the checked descriptor: a file swapped for a symlink since the listing is
         # refused, never read (its first line would go into the alert).
-        return open_beneath(str(landing_root), path, listed.file_id)
+        return landing.open(path, listed.file_id)
 
     notes: list[str] = []
     if skipped:
@@ -359,18 +356,16 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
             _refuse_if_written(platform, name, owner)
             _log.warning(derived_name_reason(name, owner))
             continue
-        first = _first_file(platform.landing_root, name)
+        landing = LandingZone.of(platform.landing_root)
+        first = _first_file(landing, name)
         try:
             plain = (
                 first is not None
                 and sniff_encoding(
-                    first[1].path,
-                    partial(
-                        open_beneath, str(platform.landing_root), first[1].path, first[1].file_id
-                    ),
+                    first[1].path, partial(landing.open, first[1].path, first[1].file_id)
                 ).is_plain_parquet
             )
-        except (OSError, LandingFileError):  # unreadable or changing now: not added yet
+        except (OSError, LandingFileError, LandingUnavailableError):  # not added yet
             plain = False
         if not plain:
             continue

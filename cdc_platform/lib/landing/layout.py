@@ -40,15 +40,21 @@ class LandingFile:
     # The inode's change time when listed: a rewrite in place keeps the inode but moves it
     # (nobody can set it back), so the reader refuses a file rewritten since the listing.
     ctime_ns: int = 0
+    # On a bucket, the object's ETag when listed: every read is pinned to it.
+    etag: str = ""
 
     @property
     def file_id(self) -> FileId:
-        return FileId(self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns)
+        return FileId(self.dev, self.ino, self.size, self.mtime_ns, self.ctime_ns, etag=self.etag)
 
 
 SYMLINK = "symlink: links in the landing zone are not followed"
 IN_SUBFOLDER = "in a sub-folder of the hour folder: only files directly in an hour folder are read"
 NOT_A_FILE = "not a regular file"
+BAD_KEY = (
+    "the object's key has an empty, '.' or '..' segment: it cannot be named safely; rename it"
+    " at the source"
+)
 UNLISTABLE = "the hour folder cannot be listed"
 UNLISTABLE_FILE = "the file cannot be examined (gone since the listing, or no permission)"
 BAD_NAME = (
@@ -57,7 +63,7 @@ BAD_NAME = (
 )
 # ``year=``, ``month=``, ``day=``, ``hour=`` take this many digits at most: anything longer is
 # not an hour folder (``year=10000000000`` would overflow a date).
-_DIGITS = {"year": 4, "month": 2, "day": 2, "hour": 2}
+DIGITS = {"year": 4, "month": 2, "day": 2, "hour": 2}
 
 
 def partition_key_to_hour(key: str) -> datetime:
@@ -242,7 +248,7 @@ def all_hour_folders(landing_root: Path, table: str) -> Iterator[tuple[datetime,
 
 
 def _date_parts(folder: Path, part: str) -> list[tuple[int, Path]]:
-    """The ``<part>=N`` sub-folders of ``folder`` (N of at most ``_DIGITS[part]`` digits)."""
+    """The ``<part>=N`` sub-folders of ``folder`` (N of at most ``DIGITS[part]`` digits)."""
     out = []
     try:
         entries = list(os.scandir(folder))
@@ -252,7 +258,7 @@ def _date_parts(folder: Path, part: str) -> list[tuple[int, Path]]:
         name, _, digits = entry.name.partition("=")
         if name != part or not (digits.isascii() and digits.isdigit()):
             continue
-        if len(digits) > _DIGITS[part]:
+        if len(digits) > DIGITS[part]:
             continue
         try:
             is_folder = entry.is_dir() or entry.is_symlink()
@@ -269,5 +275,8 @@ def fingerprint(files: Iterable[LandingFile]) -> str:
     for f in sorted(files):
         # fsencode: a name that is not UTF-8 is hashed as its bytes (the same as before for
         # every UTF-8 name, so no cursor changes).
-        digest.update(os.fsencode(f.path) + f"\0{f.size}\0{f.mtime_ns}\n".encode())
+        # An object's ETag too (a rewrite within the second of its last-modified time): a
+        # local file has none, so its digest is the same as before objects were landed.
+        etag = f"\0{f.etag}" if f.etag else ""
+        digest.update(os.fsencode(f.path) + f"\0{f.size}\0{f.mtime_ns}{etag}\n".encode())
     return digest.hexdigest()[:16]

@@ -8,12 +8,9 @@ holds its rows to ``rows``' rules. ``FileReport`` is what inspecting one file fo
 from __future__ import annotations
 
 import io
-import os
 import re
-import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 import pyarrow as pa
@@ -36,7 +33,6 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.codecs import LandingFileError, decode_file
 from cdc_platform.lib.landing.formats import FileToRead, LandingFormat, format_named
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
-from cdc_platform.lib.landing.layout import printable_path
 from cdc_platform.lib.landing.pii import hash_column
 from cdc_platform.lib.landing.row_id import row_ids
 from cdc_platform.lib.landing.rows import (
@@ -48,13 +44,9 @@ from cdc_platform.lib.landing.rows import (
     unmodified_rows,
     validate_rows,
 )
-from cdc_platform.lib.landing.safe_open import (
-    CHANGED,
-    FileId,
-    check_unchanged,
-    open_beneath,
-)
+from cdc_platform.lib.landing.safe_open import CHANGED, FileId
 from cdc_platform.lib.landing.timestamps import CAST_ERRORS, first_failure, parse_timestamps
+from cdc_platform.lib.landing.zone import Landing, LandingUnavailableError, LandingZone
 from cdc_platform.lib.storage.schema import (
     normalize_type,
     unsupported_type,
@@ -101,12 +93,14 @@ class LandingReader:
     """
 
     def __init__(
-        self, table: TableConfig, landing_root: Path, keyring: Keyring | None = None
+        self, table: TableConfig, landing_root: Landing, keyring: Keyring | None = None
     ) -> None:
         self.table = table
-        self.landing_root = str(landing_root)
-        # Files are opened only below this folder, never through a symlink (``lib.landing.safe_open``).
-        self.root = self.landing_root
+        # Names files (``relative``) and, unless ``source`` says otherwise, opens them.
+        self.zone = LandingZone.of(landing_root)
+        # Where files are opened: never outside it, never through a symlink, never another
+        # file than the one listed (``LandingZone.open``). A snapshot reader's is its folder.
+        self.source = self.zone
         self.keyring = (keyring or Keyring.empty()).for_table(table.name)
         # A table with hashed or blocked columns quotes no cell either: a reason could quote one.
         self.hide_values = table.encryption != "none" or table.protects_columns
@@ -122,33 +116,32 @@ class LandingReader:
         # The file each path was when listed: a path holding another file since is not read.
         self.expected: dict[str, FileId] = {}
 
+    @property
+    def root(self) -> str:
+        """The folder (or bucket prefix) files are opened below."""
+        return self.source.root
+
+    @property
+    def landing_root(self) -> str:
+        return self.zone.root
+
     def expect(self, listed: Mapping[str, FileId]) -> None:
         """Read each of these paths only if it is still the file the listing saw."""
-        self.expected.update({os.path.abspath(p): i for p, i in listed.items()})
+        self.expected.update({self.source.normalized(p): i for p, i in listed.items()})
 
     def listed(self, path: str) -> FileId | None:
         """The file the listing saw at ``path`` (None: not listed, nothing to compare)."""
-        return self.expected.get(os.path.abspath(path))
+        return self.expected.get(self.source.normalized(path))
 
     def open(self, path: str) -> BinaryIO:
-        """``path`` opened through ``safe_open.open_beneath``: below the root, no symlink, a
-        regular file, the one listed. Every read of a file's bytes goes through this."""
-        return open_beneath(self.root, path, self.listed(path))
+        """``path`` opened through ``LandingZone.open``: below the root, no symlink, the file
+        (or object version) listed. Every read of a file's bytes goes through this."""
+        return self.source.open(path, self.listed(path))
 
     def changed_since_listed(self, paths: Sequence[str]) -> set[str]:
         """The paths that are no longer the file the listing saw (gone, a symlink or another
-        file now, or rewritten in place: size or times moved), by ``lstat`` from the driver."""
-        changed = set()
-        for path in paths:
-            listed = self.listed(path)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                changed.add(path)
-                continue
-            if not stat.S_ISREG(st.st_mode) or (listed is not None and not listed.matches(st)):
-                changed.add(path)
-        return changed
+        file now, rewritten in place, or an object overwritten), asked from the driver."""
+        return {p for p in paths if self.source.changed_since_listed(p, self.listed(p))}
 
     @property
     def format(self) -> LandingFormat:
@@ -163,7 +156,7 @@ class LandingReader:
     def relative(self, path: str) -> str:
         """A file's name as the change log, the quarantine and the ledgers record it (a name
         that is not UTF-8, only ever set aside, with ``\\x`` escapes)."""
-        return printable_path(os.path.relpath(path, self.landing_root))
+        return self.zone.relative(path)
 
     def show(self, value: object) -> str:
         """A cell as a reason may quote it: never for an encrypted table."""
@@ -179,19 +172,27 @@ class LandingReader:
         """The file's rows as Arrow, types normalized; raises LandingFileError with a reason."""
         t, fmt = self.table, self.format
         file = FileToRead(path, t, self.hide_values, columns)
+        listed = self.listed(path)
         try:
-            with self.open(path) as fh:
+            opened = self.open(path)
+        except OSError as exc:  # gone since the listing, or unreadable
+            raise LandingFileError(f"not a readable {fmt.title} file{self._detail(exc)}") from None
+        with opened as fh:
+            try:
                 if t.is_encoded:  # decoded first, bounded by max_file_bytes as it decodes
                     plain = io.BytesIO(self._decoded(fh, path))
-                    check_unchanged(fh, self.listed(path))
+                    self.source.check_unchanged(fh, listed)
                     tbl = fmt.read(plain, file)
                 else:  # read in place: the format bounds what it reads (a Parquet footer)
                     tbl = fmt.read(fh, file)
-                    check_unchanged(fh, self.listed(path))
-        except LandingFileError:
-            raise
-        except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-            raise LandingFileError(f"not a readable {fmt.title} file{self._detail(exc)}") from None
+                    self.source.check_unchanged(fh, listed)
+            except LandingFileError:
+                raise
+            except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+                self.source.check_unchanged(fh, listed)  # an object overwritten mid-read
+                raise LandingFileError(
+                    f"not a readable {fmt.title} file{self._detail(exc)}"
+                ) from None
         tbl = tbl.drop_columns([n for n in tbl.column_names if n.lower() in self.blocked])
         self._check_names(tbl.schema)
         self._check_utf8(tbl)
@@ -364,6 +365,8 @@ class LandingReader:
             )
         except LandingFileError as exc:
             return FileReport(path, 0, None, str(exc), getattr(exc, "row", None))
+        except LandingUnavailableError:
+            raise  # the store, not the file: the run fails and its hour is asked for again
         except Exception as exc:  # a reader bug or an exotic file must still name the file
             return FileReport(
                 path,

@@ -65,12 +65,13 @@ def inspect_files(
     starting Python workers) and its rows are validated in Spark SQL (``validate_native``), so
     pass 2 can read it with Spark's vectorized reader. Every other file is inspected in Python
     in Spark tasks, one per file (up to a cap). ``native`` False inspects every file in Python
-    (the reference behaviour, for tests and benchmarks).
+    (the reference behaviour, for tests and benchmarks), as does a landing zone Spark must not
+    read by path (``LandingZone.native_reads``: a bucket, whose reads are pinned to an ETag).
     """
     if not paths:
         return []
     footers: dict[str, FileReport | None] = {}
-    if native and reader.reads_footer_first():
+    if native and reader.source.native_reads and reader.reads_footer_first():
         with ThreadPoolExecutor(max_workers=FOOTER_THREADS) as pool:
             footers = dict(zip(paths, pool.map(partial(native_report, reader), paths), strict=True))
     rest = [p for p in paths if footers.get(p) is None]

@@ -48,6 +48,7 @@ class FileId:
     mtime_ns: int = 0
     ctime_ns: int = 0
     host: str = _HOST
+    etag: str = ""  # an object's (``landing.object_store``): what every read of it is pinned to
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileId:

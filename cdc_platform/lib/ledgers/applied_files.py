@@ -13,15 +13,14 @@ the size and mtime the sensor fingerprints, so "applied" means exactly "this con
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import pyarrow as pa
 
-from cdc_platform.lib.landing.layout import LandingFile, printable_path
+from cdc_platform.lib.landing.layout import LandingFile
+from cdc_platform.lib.landing.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
@@ -51,15 +50,15 @@ def ledger_path(warehouse_root: Where, table: str) -> Location:
     return TablePaths.of(warehouse_root, table).changelog.parent / "applied_files"
 
 
-def identity(landing_root: Path, f: LandingFile) -> FileIdentity:
+def identity(landing_root: Landing, f: LandingFile) -> FileIdentity:
     """A file as the ledger records it: a name that is not UTF-8 with ``\\x`` escapes (a Delta
     string holds UTF-8 only), as the quarantine names it."""
-    return (printable_path(os.path.relpath(f.path, landing_root)), f.size, f.mtime_ns)
+    return (LandingZone.of(landing_root).relative(f.path), f.size, f.mtime_ns)
 
 
 def record(
     path: Where,
-    landing_root: Path,
+    landing_root: Landing,
     partitions: Sequence[str],
     files: Iterable[AppliedFile],
     run_id: str,

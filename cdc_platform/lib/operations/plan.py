@@ -55,7 +55,7 @@ class MergePlan:
 def plan(
     spark: SparkSession,
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Where,
     warehouse_root: Where,
     hours: Sequence[datetime],
     keyring: Keyring | None = None,

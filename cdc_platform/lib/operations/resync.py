@@ -70,6 +70,7 @@ from cdc_platform.lib.landing.reading import (
 )
 from cdc_platform.lib.landing.safe_open import FileId
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
+from cdc_platform.lib.landing.zone import LocalZone
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
 from cdc_platform.lib.pipeline import to_ms
@@ -134,7 +135,7 @@ class SnapshotReader(LandingReader):
     def __init__(
         self,
         table: TableConfig,
-        landing_root: Path,
+        landing_root: Where,
         keyring: Keyring | None,
         at: datetime,
         seq: int,
@@ -146,7 +147,7 @@ class SnapshotReader(LandingReader):
         self.seq = seq
         self.hide_values = True
         if folder is not None:
-            self.root = str(folder)
+            self.source = LocalZone(folder)
         self.known = frozenset([*table.key, *table.columns, *CDC_COLUMNS, UNMODIFIED, *known])
 
     def label(self, name: str, position: int) -> str:
@@ -196,7 +197,7 @@ def snapshot_files(folder: Path) -> dict[str, FileId]:
 def resync(
     spark: SparkSession,
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Where,
     warehouse_root: Where,
     snapshot: Path | str,
     at: datetime | None = None,

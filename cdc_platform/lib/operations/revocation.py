@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deltalake.exceptions import CommitFailedError
@@ -43,6 +42,7 @@ from cdc_platform.lib.history.merge import APP_ID, MergeResult, apply_pending, r
 from cdc_platform.lib.history.merge import table_relative as _table_relative
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import is_data_file
+from cdc_platform.lib.landing.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers import revoked_files
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, to_ms
 from cdc_platform.lib.storage import delta
@@ -127,25 +127,27 @@ def operation_of(name: str) -> str:
 
 
 def match(
-    patterns: Sequence[str], candidates: set[str], table: str, landing_root: Path
+    patterns: Sequence[str], candidates: set[str], table: str, landing_root: Landing
 ) -> list[str]:
     """The candidates each pattern names: a path or glob relative to the landing root
     (``orders/year=2024/*/*/*/bad-*.parquet``), to the table's folder (``year=2024/...``), or
-    absolute under the landing root. ``*`` also matches ``/``. An operation's own source
+    absolute under the landing root (a path, or on a bucket its ``s3://`` URI). ``*`` also
+    matches ``/``. An operation's own source
     (``adopt:...``, ``resync:at=...``, ``truncate:before=...``, a snapshot file) is matched only
     when named exactly, never by a glob: taking it back cannot be undone by re-admitting it.
     Raises if one matches nothing."""
     if not patterns:
         raise NoMatchingFileError(f"no file given for table {table!r}")
-    root = os.path.abspath(landing_root)
+    zone = LandingZone.of(landing_root)
+    root = zone.root
     landing = {c for c in candidates if is_landing_file(c, table)}
     operations = candidates - landing
     out: set[str] = set()
     for raw in patterns:
         exact = raw.strip()
         p = exact
-        if os.path.isabs(p):
-            p = os.path.relpath(os.path.abspath(p), root)
+        if os.path.isabs(p) or "://" in p:
+            p = zone.relative(p)
         p = p.removeprefix("./")
         forms = {p, f"{table}/{p}"}
         hit = {c for c in landing if any(fnmatch.fnmatchcase(c, f) for f in forms)}
@@ -165,14 +167,10 @@ def match(
     return sorted(out)
 
 
-def _landing_files(landing_root: Path, table: str) -> set[str]:
+def _landing_files(landing_root: Landing, table: str) -> set[str]:
     """Every data file under the table's landing folder, relative to the landing root."""
-    found: set[str] = set()
-    for folder, _, files in os.walk(Path(landing_root) / table):
-        for name in files:
-            if is_data_file(name):
-                found.add(os.path.relpath(os.path.join(folder, name), landing_root))
-    return found
+    files = LandingZone.of(landing_root).table_files(table)
+    return {f for f in files if is_data_file(f.rsplit("/", 1)[-1])}
 
 
 def _logged_files(spark: SparkSession, paths: TablePaths) -> set[str]:
@@ -187,7 +185,7 @@ def _logged_files(spark: SparkSession, paths: TablePaths) -> set[str]:
 def unapply(
     spark: SparkSession,
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     warehouse_root: Where,
     patterns: Sequence[str],
     reason: str,
@@ -340,7 +338,7 @@ def _fenced(log: Table, fence: bool, metadata_key: str) -> tuple[int, int, int]:
 def readmit(
     spark: SparkSession,
     table: TableConfig,
-    landing_root: Path,
+    landing_root: Landing,
     warehouse_root: Where,
     patterns: Sequence[str],
     keyring: Keyring | None = None,

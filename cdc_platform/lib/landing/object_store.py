@@ -1,0 +1,303 @@
+"""A landing zone on S3 (or any S3-compatible store): listed by prefix, read pinned by ETag.
+
+Why boto3 and not ``obstore`` (delta-rs' ``object_store``) or ``pyarrow.fs``: the landing zone
+is written by someone else, so a key may be anything S3 allows. ``object_store`` refuses a whole
+listing when one key has a ``..`` or empty segment (one hostile key would stop a table's
+sensor), and ``pyarrow.fs`` gives no ETag and no ``start-after``. boto3 is S3's own client:
+``ListObjectsV2`` with ``StartAfter`` (a tick lists what is new, not the history), the ETag
+of every object, and ``GetObject`` with ``If-Match`` and ``Range``.
+
+The options are ``landing_storage_options``, the same names as ``warehouse_storage_options``
+(``aws_access_key_id``, ``aws_endpoint_url``, ...; secrets as ``{env: NAME}``); without them
+boto3 finds credentials as every AWS tool does (environment, profile, instance role).
+
+A file's path is its URI (``s3://bucket/prefix/<table>/year=.../<file>``), its name the key
+below the root. Every request is counted in ``requests`` (the sensor benchmark prints them).
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any, BinaryIO
+
+from cdc_platform.lib.landing import layout
+from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.layout import BAD_KEY, IN_SUBFOLDER, LandingFile
+from cdc_platform.lib.landing.safe_open import CHANGED, FileId
+from cdc_platform.lib.landing.zone import (
+    LandingUnavailableError,
+    LandingZone,
+    PinnedObject,
+    hour_of_key,
+    refuse_outside,
+)
+from cdc_platform.lib.storage.stores import Location, hadoop_conf
+
+# An object at most this big is fetched whole, in one pinned GET; a bigger one is read by
+# pinned ranged GETs of this size as the format asks for its bytes (a Parquet footer first).
+WHOLE_OBJECT_BYTES = 8 * 1024 * 1024
+# The page size of a listing (S3's own maximum).
+PAGE_KEYS = 1000
+
+# Hadoop S3A setting (``stores.hadoop_conf``: the options' one reading) -> boto3 client argument.
+_CLIENT_ARGS = {
+    "fs.s3a.access.key": "aws_access_key_id",
+    "fs.s3a.secret.key": "aws_secret_access_key",
+    "fs.s3a.session.token": "aws_session_token",
+    "fs.s3a.endpoint.region": "region_name",
+    "fs.s3a.endpoint": "endpoint_url",
+}
+
+
+class S3Landing(LandingZone):
+    """The landing zone below ``s3://bucket/prefix``; picklable (the client is made per process)."""
+
+    native_reads = False  # Spark would read by path, unpinned: every file is read in Python
+
+    def __init__(self, location: Location) -> None:
+        if location.scheme != "s3":
+            raise ValueError(
+                f"{location.uri}: a landing zone on an object store must be on S3 or an "
+                "S3-compatible store (s3://, with aws_endpoint_url for MinIO, Ceph or GCS's "
+                "interoperability endpoint)"
+            )
+        self.location = location
+        self.root = location.uri
+        bucket, _, prefix = location.uri.removeprefix("s3://").partition("/")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.requests = 0
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"], state["_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._lock = threading.Lock()
+
+    # -- the client ---------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = _client(self.location)
+            return self._client
+
+    def _call(self, operation: str, **kwargs: Any) -> dict[str, Any]:
+        """One request, counted; an unreachable store raises LandingUnavailableError."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.requests += 1
+        try:
+            return getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            if code in ("PreconditionFailed", "412"):
+                raise LandingFileError(CHANGED) from None
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise FileNotFoundError(f"{self.root}: {kwargs.get('Key', '')} is gone") from None
+            raise LandingUnavailableError(
+                f"{operation} on {self.root} failed: {code} {error.get('Message', '')}".strip()
+            ) from None
+        except BotoCoreError as exc:
+            raise LandingUnavailableError(f"{operation} on {self.root} failed: {exc}") from None
+
+    def key_of(self, relative: str) -> str:
+        """The bucket key of a name relative to the root."""
+        return f"{self.prefix}/{relative}" if self.prefix else relative
+
+    def _list(self, prefix: str, start_after: str = "") -> Iterator[dict[str, Any]]:
+        """Every object whose key starts with ``prefix`` (relative), after ``start_after``."""
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {"Prefix": self.key_of(prefix), "MaxKeys": PAGE_KEYS}
+            if token:
+                args["ContinuationToken"] = token
+            elif start_after:
+                args["StartAfter"] = self.key_of(start_after)
+            page = self._call("list_objects_v2", **args)
+            yield from page.get("Contents", ())
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def _relative_key(self, key: str) -> str:
+        return key[len(self.prefix) + 1 :] if self.prefix else key
+
+    def _file(self, obj: dict[str, Any], set_aside: str | None = None) -> LandingFile:
+        modified: datetime = obj["LastModified"]
+        return LandingFile(
+            f"{self.root}/{self._relative_key(obj['Key'])}",
+            int(obj.get("Size", 0)),
+            int(modified.timestamp() * 1_000_000) * 1000,
+            set_aside,
+            etag=str(obj.get("ETag", "")),
+        )
+
+    # -- listing ------------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        try:
+            self._call("list_objects_v2", Prefix=self.key_of(""), MaxKeys=1)
+        except LandingUnavailableError:
+            return False
+        return True
+
+    def files_in_hour(self, table: str, hour: datetime) -> list[LandingFile]:
+        found: list[LandingFile] = []
+        for folder in _spellings(table, hour):
+            for obj in self._list(folder + "/"):
+                file = self._hour_file(obj, len(folder) + 1)
+                if file is not None:
+                    found.append(file)
+        return sorted(found)
+
+    def files_in_hours(
+        self, table: str, first: datetime, last: datetime
+    ) -> dict[datetime, list[LandingFile]]:
+        """One listing from the window's first key on (S3 lists in key order, and a padded
+        hour folder sorts by time): a tick costs a page per 1000 recent objects."""
+        hours = list(layout.hours_between(first, last))
+        if not hours:
+            return {}
+        start = min(s for h in hours for s in _spellings(table, h))
+        wanted = set(hours)
+        out: dict[datetime, list[LandingFile]] = {}
+        for obj in self._list(table + "/", start_after=start):
+            parts = self._relative_key(obj["Key"]).split("/")
+            hour = hour_of_key(parts[1:5])
+            if hour not in wanted or hour is None:
+                continue
+            file = self._hour_file(obj, len("/".join(parts[:5])) + 1)
+            if file is not None:
+                out.setdefault(hour, []).append(file)
+        return {h: sorted(files) for h, files in sorted(out.items())}
+
+    def _hour_file(self, obj: dict[str, Any], folder_length: int) -> LandingFile | None:
+        """A listed object of an hour folder (``folder_length``: its folder's relative key
+        length, with the slash): marker names skipped, deeper keys and keys with an empty,
+        ``.`` or ``..`` segment set aside."""
+        rel = self._relative_key(obj["Key"])
+        name = rel[folder_length:]
+        if not name:  # the folder's own marker object (``hour=05/``)
+            return None
+        if any(part in ("", ".", "..") for part in rel.split("/")):
+            return self._file(obj, BAD_KEY)
+        if not layout.is_data_file(name.split("/")[0]):
+            return None
+        if "/" in name:
+            return self._file(obj, IN_SUBFOLDER)
+        return self._file(obj)
+
+    def _hour_objects(self, table: str) -> Iterator[tuple[datetime, dict[str, Any]]]:
+        """Every data object directly in one of the table's hour folders, with its hour."""
+        for obj in self._list(table + "/"):
+            parts = self._relative_key(obj["Key"]).split("/")
+            hour = hour_of_key(parts[1:5])
+            if hour is not None and len(parts) >= 6 and layout.is_data_file(parts[5]):
+                yield hour, obj
+
+    def hours(self, table: str) -> list[datetime]:
+        return sorted({hour for hour, _ in self._hour_objects(table)})
+
+    def newest_by_hour(self, table: str) -> dict[datetime, int]:
+        newest: dict[datetime, int] = {}
+        for hour, obj in self._hour_objects(table):
+            mtime = self._file(obj).mtime_ns
+            newest[hour] = max(mtime, newest.get(hour, 0))
+        return newest
+
+    def table_names(self) -> list[str]:
+        names: set[str] = set()
+        token: str | None = None
+        while True:
+            args: dict[str, Any] = {"Prefix": self.key_of(""), "Delimiter": "/"}
+            if not self.prefix:
+                args["Prefix"] = ""
+            if token:
+                args["ContinuationToken"] = token
+            page = self._call("list_objects_v2", **args)
+            for common in page.get("CommonPrefixes", ()):
+                name = self._relative_key(common["Prefix"]).rstrip("/")
+                if name and "/" not in name:
+                    names.add(name)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sorted(names)
+
+    def table_files(self, table: str) -> set[str]:
+        return {self._relative_key(obj["Key"]) for obj in self._list(table + "/")}
+
+    # -- naming and reading -------------------------------------------------------------------
+
+    def normalized(self, path: str) -> str:
+        return path
+
+    def relative(self, path: str) -> str:
+        return path[len(self.root) + 1 :] if path.startswith(self.root + "/") else path
+
+    def open(self, path: str, expected: FileId | None) -> BinaryIO:
+        key = self.key_of(refuse_outside(self.root, path))
+        etag = expected.etag if expected is not None and expected.etag else None
+        if etag is None:  # not listed (a discovery sample): pinned to what a HEAD sees now
+            etag = str(self._call("head_object", Key=key)["ETag"])
+        size = expected.size if expected is not None and expected.etag else None
+        if size is None or size <= WHOLE_OBJECT_BYTES:
+            body = self._call("get_object", Key=key, IfMatch=etag)["Body"].read()
+            return io.BytesIO(body)
+
+        def fetch(start: int, end: int) -> bytes:
+            got = self._call("get_object", Key=key, IfMatch=etag, Range=f"bytes={start}-{end - 1}")
+            return got["Body"].read()
+
+        raw = PinnedObject(fetch, size)
+        return io.BufferedReader(raw, buffer_size=WHOLE_OBJECT_BYTES)  # type: ignore[arg-type]
+
+    def check_unchanged(self, fh: BinaryIO, expected: FileId | None) -> None:
+        raw = getattr(fh, "raw", None)
+        if isinstance(raw, PinnedObject) and raw.changed:
+            raise LandingFileError(CHANGED)
+
+    def changed_since_listed(self, path: str, expected: FileId | None) -> bool:
+        try:
+            key = self.key_of(refuse_outside(self.root, path))
+            now = self._call("head_object", Key=key)
+        except (LandingFileError, FileNotFoundError):
+            return True
+        return expected is not None and bool(expected.etag) and now.get("ETag") != expected.etag
+
+
+def _spellings(table: str, hour: datetime) -> list[str]:
+    """The hour folder's relative key, zero-padded as the layout says, and unpadded."""
+    h = hour.astimezone(UTC)
+    padded = f"{table}/year={h.year:04d}/month={h.month:02d}/day={h.day:02d}/hour={h.hour:02d}"
+    unpadded = f"{table}/year={h.year}/month={h.month}/day={h.day}/hour={h.hour}"
+    return [padded] if padded == unpadded else [padded, unpadded]
+
+
+def _client(location: Location) -> Any:
+    """A boto3 S3 client with the location's options (``stores.hadoop_conf`` reads them, so
+    they mean here what they mean to Spark and delta-rs), retrying throttles and dropped
+    connections a few times before the run fails."""
+    import boto3.session
+    from botocore.config import Config
+
+    conf = hadoop_conf(location)
+    args: dict[str, Any] = {a: conf[s] for s, a in _CLIENT_ARGS.items() if s in conf}
+    style = "virtual" if conf.get("fs.s3a.path.style.access") == "false" else "path"
+    config = Config(
+        retries={"max_attempts": 5, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=60,
+        s3={"addressing_style": style if "endpoint_url" in args else "auto"},
+    )
+    return boto3.session.Session().client("s3", config=config, **args)

@@ -1,0 +1,282 @@
+"""The landing zone as one handle: a local (or mounted) folder, or a prefix of an S3 bucket.
+
+Everything the platform does with the landing zone goes through a ``LandingZone``: list one
+hour's files, list the hours of a window or of a table's whole history, name a file relative to
+the root, and open a listed file so that what is read is what was listed. ``LandingZone.of``
+takes a path (``LocalZone``: ``layout`` and ``safe_open``, unchanged) or an ``s3://`` Location
+(``ObjectZone``), so callers never branch on where the files are.
+
+On a bucket the counterpart of the local checks is the object's ETag: every read of a listed
+object is a GET with ``If-Match`` on the ETag the listing saw, so an object overwritten between
+listing and reading is refused (HTTP 412), never read in part old and in part new.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from cdc_platform.lib.landing import layout, safe_open
+from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.layout import LandingFile
+from cdc_platform.lib.landing.safe_open import CHANGED, OUTSIDE, FileId
+from cdc_platform.lib.storage.stores import Location
+
+
+class LandingUnavailableError(RuntimeError):
+    """The landing store could not be reached (an outage, a throttle, denied credentials): the
+    run fails, and the landing sensor asks for the hour again. Never a reason to set a file
+    aside."""
+
+
+class LandingZone(ABC):
+    """Where a deployment's landing files are; ``root`` names it (a path or a URI)."""
+
+    root: str
+    # Whether Spark may read a plain Parquet file itself, by path (``landing.native``).
+    native_reads: bool = True
+
+    @staticmethod
+    def of(where: Landing) -> LandingZone:
+        """``where`` as a zone: a zone as it is, an ``s3://`` Location or URI, else a folder."""
+        if isinstance(where, LandingZone):
+            return where
+        location = Location.of(where)
+        if location.is_local:
+            return LocalZone(location.path)
+        from cdc_platform.lib.landing.object_store import S3Landing
+
+        return S3Landing(location)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root!r})"
+
+    # -- listing -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """Whether the root can be listed now (a folder that exists, a bucket that answers)."""
+
+    @abstractmethod
+    def files_in_hour(self, table: str, hour: datetime) -> list[LandingFile]:
+        """The hour folder's files, sorted, those not to be read with ``set_aside`` said why."""
+
+    def files_in_hours(
+        self, table: str, first: datetime, last: datetime
+    ) -> dict[datetime, list[LandingFile]]:
+        """``files_in_hour`` of every hour from ``first`` to ``last`` (hours with files only)."""
+        out = {}
+        for hour in layout.hours_between(first, last):
+            files = self.files_in_hour(table, hour)
+            if files:
+                out[hour] = files
+        return out
+
+    @abstractmethod
+    def hours(self, table: str) -> list[datetime]:
+        """Every hour that has a folder (or, on a bucket, an object) for ``table``, sorted."""
+
+    @abstractmethod
+    def newest_by_hour(self, table: str) -> dict[datetime, int]:
+        """Each hour's newest modification time (ns) of a data file directly in its folder:
+        the full sweep's first pass, cheap next to fingerprinting every hour."""
+
+    @abstractmethod
+    def table_names(self) -> list[str]:
+        """The names of the folders (prefixes) directly under the root, sorted."""
+
+    @abstractmethod
+    def table_files(self, table: str) -> set[str]:
+        """Every file under the table's folder, by ``relative`` name (un-apply and re-admit)."""
+
+    # -- naming and reading ------------------------------------------------------------------
+
+    @abstractmethod
+    def normalized(self, path: str) -> str:
+        """``path`` as listings name it (the key the reader remembers a listed file by)."""
+
+    @abstractmethod
+    def relative(self, path: str) -> str:
+        """A file's name as the change log, the quarantine and the ledgers record it."""
+
+    @abstractmethod
+    def open(self, path: str, expected: FileId | None) -> BinaryIO:
+        """``path`` opened for reading, confined to the root and pinned to the listed file.
+        Raises LandingFileError (outside the root, a symlink, changed since listed), OSError
+        (missing, unreadable) or LandingUnavailableError (the store does not answer)."""
+
+    @abstractmethod
+    def check_unchanged(self, fh: BinaryIO, expected: FileId | None) -> None:
+        """Raise LandingFileError(CHANGED) if the opened file is no longer the one listed."""
+
+    @abstractmethod
+    def changed_since_listed(self, path: str, expected: FileId | None) -> bool:
+        """Whether ``path`` is no longer the file the listing saw (gone, replaced, rewritten)."""
+
+
+class LocalZone(LandingZone):
+    """A local or mounted folder: ``layout`` lists it, ``safe_open`` opens its files."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = os.path.abspath(root)
+
+    def exists(self) -> bool:
+        try:
+            with os.scandir(self.root):
+                return True
+        except OSError:  # missing, not a folder, no permission: an unmounted volume, say
+            return False
+
+    def files_in_hour(self, table: str, hour: datetime) -> list[LandingFile]:
+        return layout.files_in_hour(Path(self.root), table, hour)
+
+    def hours(self, table: str) -> list[datetime]:
+        return sorted({h for h, _ in layout.all_hour_folders(Path(self.root), table)})
+
+    def newest_by_hour(self, table: str) -> dict[datetime, int]:
+        newest: dict[datetime, int] = {}
+        for hour, folder in layout.all_hour_folders(Path(self.root), table):
+            found = _newest_in_folder(folder)
+            if found:  # an hour spelled both padded and unpadded: the newer
+                newest[hour] = max(found, newest.get(hour, 0))
+        return newest
+
+    def table_names(self) -> list[str]:
+        try:
+            entries = sorted(os.scandir(self.root), key=lambda e: e.name)
+        except OSError:
+            return []
+        return [e.name for e in entries if not e.is_symlink() and e.is_dir(follow_symlinks=False)]
+
+    def table_files(self, table: str) -> set[str]:
+        found = set()
+        for folder, _, files in os.walk(Path(self.root) / table):
+            for name in files:
+                found.add(self.relative(os.path.join(folder, name)))
+        return found
+
+    def normalized(self, path: str) -> str:
+        return os.path.abspath(path)
+
+    def relative(self, path: str) -> str:
+        return layout.printable_path(os.path.relpath(path, self.root))
+
+    def open(self, path: str, expected: FileId | None) -> BinaryIO:
+        return safe_open.open_beneath(self.root, path, expected)
+
+    def check_unchanged(self, fh: BinaryIO, expected: FileId | None) -> None:
+        safe_open.check_unchanged(fh, expected)
+
+    def changed_since_listed(self, path: str, expected: FileId | None) -> bool:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return True
+        return not stat.S_ISREG(st.st_mode) or (expected is not None and not expected.matches(st))
+
+
+def _newest_in_folder(folder: Path) -> int:
+    """Newest mtime of the data files (and links, set aside when read) directly in one folder
+    (0 if none, gone or unlistable: a symlink loop or a folder without permission never
+    stops the sweep). Links are never followed."""
+    newest = 0
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if not layout.is_data_file(entry.name):
+                    continue
+                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime_ns)
+    except OSError:
+        return 0
+    return newest
+
+
+Landing = LandingZone | Location | str | os.PathLike[str]
+
+
+# -- an object read as listed ------------------------------------------------------------------
+
+
+class PinnedObject(io.RawIOBase):
+    """An object read by ranged GETs, each pinned to the listed ETag: if the object is
+    overwritten while it is read, the next GET fails and ``changed`` is set, so the reader
+    refuses the file instead of mixing two versions."""
+
+    def __init__(self, fetch: Any, size: int) -> None:
+        # ``fetch(start, end)``: the bytes [start, end) of the listed version, or raises.
+        self._fetch, self._size, self._pos = fetch, size, 0
+        self.changed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        end = min(self._size, self._pos + len(buffer))
+        if end <= self._pos:
+            return 0
+        try:
+            data = self._fetch(self._pos, end)
+        except LandingFileError:
+            self.changed = True
+            raise
+        n = len(data)
+        buffer[:n] = data
+        self._pos += n
+        return n
+
+
+def hour_of_key(parts: Sequence[str]) -> datetime | None:
+    """The hour named by ``year=/month=/day=/hour=`` parts (padded or not), or None."""
+    if len(parts) != 4:
+        return None
+    values = []
+    for part, name in zip(parts, ("year", "month", "day", "hour"), strict=True):
+        label, _, digits = part.partition("=")
+        if label != name or not (digits.isascii() and digits.isdigit()):
+            return None
+        if len(digits) > layout.DIGITS[name]:
+            return None
+        values.append(int(digits))
+    try:
+        return datetime(*values, tzinfo=UTC)
+    except (ValueError, OverflowError):
+        return None
+
+
+def refuse_outside(zone_root: str, path: str) -> str:
+    """The key of ``path`` below ``zone_root`` (``/``-separated); LandingFileError(OUTSIDE) for
+    anything else: another bucket or prefix, or an empty, ``.`` or ``..`` segment."""
+    if not path.startswith(zone_root + "/"):
+        raise LandingFileError(OUTSIDE)
+    rel = path[len(zone_root) + 1 :]
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        raise LandingFileError(OUTSIDE)
+    return rel
+
+
+__all__ = [
+    "CHANGED",
+    "Landing",
+    "LandingUnavailableError",
+    "LandingZone",
+    "LocalZone",
+    "PinnedObject",
+]
