@@ -1,7 +1,14 @@
-"""How long a landing sensor tick takes with a long history: 10,000 hourly folders.
+"""How much a landing sensor tick costs with a long history.
 
-A normal tick must cost O(lookback) folder listings, not O(history); only the periodic full sweep
-walks the whole tree. Run: ``.venv/bin/python benchmarks/sensor_tick.py [--folders N] [--reps R]``.
+On a folder (the default): 10,000 hourly folders; a normal tick must cost O(lookback) folder
+listings, not O(history); only the periodic full sweep walks the whole tree.
+Run: ``.venv/bin/python benchmarks/sensor_tick.py [--folders N] [--reps R]``.
+
+On a bucket (``--bucket``): 200 tables x 720 hours in one S3 bucket (moto's in-process S3),
+every tick of every table counted in requests, the exact figure S3 bills and throttles by. The
+reference is what listing each lookback hour folder would cost (one request per hour folder and
+spelling). Run: ``.venv/bin/python benchmarks/sensor_tick.py --bucket [--tables N --hours N]``.
+The seconds are moto's (it scans the whole bucket for every listing), not S3's.
 """
 
 from __future__ import annotations
@@ -54,7 +61,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--folders", type=int, default=10_000)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--bucket", action="store_true", help="a landing zone in an S3 bucket")
+    parser.add_argument("--tables", type=int, default=200)
+    parser.add_argument("--hours", type=int, default=720)
     args = parser.parse_args()
+    if args.bucket:
+        bucket_ticks(args.tables, args.hours)
+        return
 
     table = TableConfig(name="orders", primary_key=("id",), start=START, lookback_hours=6)
     with tempfile.TemporaryDirectory(prefix="sensor_tick_") as tmp:
@@ -113,6 +126,91 @@ def main() -> None:
             f"({len(swept.folders)} entries)"
         )
         print(f"(median of {args.reps} repetitions after one warm-up; page cache warm)")
+
+
+def bucket_ticks(n_tables: int, n_hours: int) -> None:
+    """Every table's sensor tick over one bucket, in requests: first, normal, after a new file,
+    and a full-sweep tick that finds a late file in an old hour."""
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")
+    from moto import mock_aws
+    from moto.core.models import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    from cdc_platform.lib.landing.object_store import S3Landing
+    from cdc_platform.lib.storage.stores import Location
+
+    with mock_aws():
+        zone = S3Landing(Location.of("s3://landing-bench/cdc", {"aws_region": "us-east-1"}))
+        zone.client.create_bucket(Bucket=zone.bucket)
+        backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+        names = [f"table_{i:03d}" for i in range(n_tables)]
+        t0 = time.perf_counter()
+        for name in names:
+            for h in range(n_hours):
+                hour = START + timedelta(hours=h)
+                key = _hour_key(name, hour) + "/part-00000.parquet"
+                stored = backend.put_object(zone.bucket, zone.key_of(key), b"PAR1 small file")
+                # Delivered when its hour closed, as a real landing zone's objects were.
+                stored.last_modified = (hour + timedelta(minutes=65)).replace(tzinfo=None)
+        objects = n_tables * n_hours
+        print(
+            f"bucket: {n_tables} tables x {n_hours} hours = {objects:,} objects, "
+            f"put in {time.perf_counter() - t0:.1f} s"
+        )
+        tables = {
+            n: TableConfig(name=n, primary_key=("id",), start=START, lookback_hours=6)
+            for n in names
+        }
+        now = START + timedelta(hours=n_hours, minutes=5)
+
+        def tick(at: datetime, states: dict[str, CursorState]) -> tuple[int, int, float]:
+            before, t0, asked = zone.requests, time.perf_counter(), 0
+            for n in names:
+                requests, states[n] = evaluate(tables[n], zone, at, states[n])
+                asked += sum(len(r.partition_keys) for r in requests)
+            return zone.requests - before, asked, time.perf_counter() - t0
+
+        states = {n: CursorState() for n in names}
+        sent, asked, seconds = tick(now, states)
+        print(
+            f"first tick (empty cursors: sweep + backfill): {sent:>6,} requests, "
+            f"{asked:,} partitions asked for, {seconds:.1f} s"
+        )
+        sent, asked, seconds = tick(now + timedelta(minutes=1), states)
+        window = tables[names[0]].lookback_hours
+        reference = n_tables * window * 2  # each lookback hour's padded and unpadded folder
+        print(
+            f"normal tick:                                  {sent:>6,} requests "
+            f"({asked} partitions), {seconds:.1f} s; listing each lookback hour: "
+            f"{reference:,} requests"
+        )
+        last = START + timedelta(hours=n_hours - 1)
+        backend.put_object(
+            zone.bucket, zone.key_of(_hour_key(names[0], last) + "/new.parquet"), b"x"
+        )
+        sent, asked, seconds = tick(now + timedelta(minutes=2), states)
+        print(
+            f"tick with one new file in one table:          {sent:>6,} requests "
+            f"({asked} partition asked for), {seconds:.1f} s"
+        )
+        old = _hour_key(names[1], START + timedelta(hours=10)) + "/late.parquet"
+        backend.put_object(zone.bucket, zone.key_of(old), b"x")
+        sent, asked, seconds = tick(now + timedelta(minutes=61), states)
+        pages = n_tables * -(-n_hours // 1000)
+        print(
+            f"full-sweep tick, one late file in an old hour: {sent:>5,} requests "
+            f"({asked} partition asked for; {pages} of them the sweep's pages), {seconds:.1f} s"
+        )
+        largest = max(states.values(), key=lambda s: len(s.to_json()))
+        print(
+            f"largest cursor: {len(largest.to_json()):,} bytes: {len(largest.folders)} hour "
+            f"fingerprints, {len(largest.pending)} hours pending (asked for, not applied: no run "
+            "applies them here)"
+        )
+
+
+def _hour_key(table: str, hour: datetime) -> str:
+    return f"{table}/year={hour:%Y}/month={hour:%m}/day={hour:%d}/hour={hour:%H}"
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ from deltalake import DeltaTable, write_deltalake
 
 from cdc_platform.lib.config import ConfigError, TableConfig, parse_config
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.landing import discovery
 from cdc_platform.lib.landing.discovery import describe
 from cdc_platform.lib.landing.layout import files_in_hour, hour_folder
 from cdc_platform.lib.landing.native import NativeGuard, native_report
 from cdc_platform.lib.landing.reader import LandingReader
+from cdc_platform.lib.landing.zone import LocalZone
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
 from cdc_platform.lib.operations.resync import ResyncError, SnapshotReader, resync
 from cdc_platform.lib.pipeline import materialize
@@ -458,7 +458,6 @@ def test_a_materialization_never_reads_through_a_folder_swapped_after_listing(
     spark, site, monkeypatch
 ) -> None:
     """The swap is done by the attacker right after the listing (a wrapper around it)."""
-    from cdc_platform.lib import pipeline
 
     table = TableConfig(name="orders", primary_key=("id",), start=H5)
     path = write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1, v="ok")])
@@ -466,15 +465,15 @@ def test_a_materialization_never_reads_through_a_folder_swapped_after_listing(
     decoy.mkdir()
     write_parquet_events(decoy, "x", H5, [ev("INSERT", 2, TS, 2, v=SECRET)], name=path.name)
     stolen = next(decoy.rglob(path.name))
-    listing = pipeline.files_in_hour
+    listing = LocalZone.files_in_hour
 
-    def list_then_swap(*args: Any) -> Any:
-        files = listing(*args)
+    def list_then_swap(self: LocalZone, *args: Any) -> Any:
+        files = listing(self, *args)
         path.parent.rename(path.parent.with_name("hour=05.moved"))
         path.parent.symlink_to(stolen.parent, target_is_directory=True)
         return files
 
-    monkeypatch.setattr(pipeline, "files_in_hour", list_then_swap)
+    monkeypatch.setattr(LocalZone, "files_in_hour", list_then_swap)
     out = materialize(spark, table, site["landing"], site["warehouse"], [H5])
     assert [q.reason for q in out.quarantined] == [
         "symlink: links in the landing zone are not followed"
@@ -519,16 +518,16 @@ def test_discovery_never_reads_a_file_swapped_after_listing(site, monkeypatch) -
     path = write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1)])
     secret_csv = site["private"] / "secret.csv"
     secret_csv.write_text(f"{SECRET},b\n1,2\n")
-    listing = discovery.files_in_hour
+    listing = LocalZone.files_in_hour
 
-    def list_then_swap(*args: Any) -> Any:
-        files = listing(*args)
+    def list_then_swap(self: LocalZone, *args: Any) -> Any:
+        files = listing(self, *args)
         if path.exists() and not path.is_symlink():
             os.replace(path, site["private"] / "kept.parquet")
             path.symlink_to(secret_csv)
         return files
 
-    monkeypatch.setattr(discovery, "files_in_hour", list_then_swap)
+    monkeypatch.setattr(LocalZone, "files_in_hour", list_then_swap)
     found = describe(site["landing"], "orders")
     assert SECRET not in repr(found) and SECRET not in found.config_snippet()
     assert found.columns == []

@@ -143,7 +143,9 @@ def test_an_hour_lists_its_files_and_sets_aside_hostile_keys(zone):
     assert by_name[f"{folder}/sub/deeper.parquet"].set_aside == IN_SUBFOLDER
     assert all(f.etag for f in files), "every listed object carries its ETag"
     assert zone.hours("orders") == [H0 + timedelta(hours=5)]
-    assert list(zone.newest_by_hour("orders")) == [H0 + timedelta(hours=5)]
+    newest, touched = zone.sweep("orders", H0 + timedelta(hours=6), 0)
+    assert list(newest) == [H0 + timedelta(hours=5)]
+    assert touched == {H0 + timedelta(hours=5): files}
     assert zone.table_names() == ["orders"]
     # A hostile key cannot be opened even by name: it is outside every hour folder it names.
     with pytest.raises(LandingFileError, match=OUTSIDE):

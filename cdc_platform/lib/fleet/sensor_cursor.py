@@ -378,22 +378,17 @@ def _full_sweep(
     sweep_wall_ns = time.time_ns()
     first, last = window
     seen_max_ns = max(window_newest.values(), default=0)
-    # Pass 1: newest mtime per hour, straight from the walked folder (cheap: no fingerprint),
-    # skipping the window (compared above), the open hour / future folders (not valid
-    # partitions yet) and folders before the table's start.
-    newest_by_hour = {
-        hour: newest
-        for hour, newest in landing.newest_by_hour(table.name).items()
-        if table.start <= hour < first
-    }
-    # Pass 2: only folders touched since the previous mark get a full listing and fingerprint.
+    # Newest mtime per hour (skipping the window, compared above, the open hour and future
+    # folders, not valid partitions yet, and folders before the table's start); only the
+    # hours touched since the previous mark are fingerprinted.
+    newest_by_hour, touched = landing.sweep(table.name, first, previous_mark_ns)
     old_folders: list[tuple[str, str, int]] = []  # (key, fingerprint, newest mtime)
     late: dict[str, str] = {}
     for hour, newest in sorted(newest_by_hour.items()):
-        seen_max_ns = max(seen_max_ns, newest)
-        if newest <= previous_mark_ns:
+        if hour < table.start:
             continue
-        files = landing.files_in_hour(table.name, hour)
+        seen_max_ns = max(seen_max_ns, newest)
+        files = touched.get(hour, [])
         if not files:
             continue
         key = hour_to_partition_key(hour)

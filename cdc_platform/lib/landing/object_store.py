@@ -170,12 +170,27 @@ class S3Landing(LandingZone):
         if not hours:
             return {}
         start = min(s for h in hours for s in _spellings(table, h))
+        by_hour = self._by_hour(self._list(table + "/", start_after=start))
         wanted = set(hours)
+        return {h: files for h, files in by_hour.items() if h in wanted}
+
+    def sweep(
+        self, table: str, before: datetime, mark_ns: int
+    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]]]:
+        """One listing of the table's prefix (a page per 1000 objects) gives both."""
+        by_hour = self._by_hour(self._list(table + "/"))
+        newest = {h: max(f.mtime_ns for f in fs) for h, fs in by_hour.items() if h < before}
+        touched = {h: by_hour[h] for h, n in newest.items() if n > mark_ns}
+        return newest, touched
+
+    def _by_hour(self, objects: Iterator[dict[str, Any]]) -> dict[datetime, list[LandingFile]]:
+        """Listed objects as ``files_in_hour`` gives them, by hour, of every key naming an hour
+        folder (padded or not); keys naming none are no hour's files."""
         out: dict[datetime, list[LandingFile]] = {}
-        for obj in self._list(table + "/", start_after=start):
+        for obj in objects:
             parts = self._relative_key(obj["Key"]).split("/")
             hour = hour_of_key(parts[1:5])
-            if hour not in wanted or hour is None:
+            if hour is None:
                 continue
             file = self._hour_file(obj, len("/".join(parts[:5])) + 1)
             if file is not None:
@@ -198,23 +213,8 @@ class S3Landing(LandingZone):
             return self._file(obj, IN_SUBFOLDER)
         return self._file(obj)
 
-    def _hour_objects(self, table: str) -> Iterator[tuple[datetime, dict[str, Any]]]:
-        """Every data object directly in one of the table's hour folders, with its hour."""
-        for obj in self._list(table + "/"):
-            parts = self._relative_key(obj["Key"]).split("/")
-            hour = hour_of_key(parts[1:5])
-            if hour is not None and len(parts) >= 6 and layout.is_data_file(parts[5]):
-                yield hour, obj
-
     def hours(self, table: str) -> list[datetime]:
-        return sorted({hour for hour, _ in self._hour_objects(table)})
-
-    def newest_by_hour(self, table: str) -> dict[datetime, int]:
-        newest: dict[datetime, int] = {}
-        for hour, obj in self._hour_objects(table):
-            mtime = self._file(obj).mtime_ns
-            newest[hour] = max(mtime, newest.get(hour, 0))
-        return newest
+        return list(self._by_hour(self._list(table + "/")))
 
     def table_names(self) -> list[str]:
         names: set[str] = set()

@@ -83,9 +83,12 @@ class LandingZone(ABC):
         """Every hour that has a folder (or, on a bucket, an object) for ``table``, sorted."""
 
     @abstractmethod
-    def newest_by_hour(self, table: str) -> dict[datetime, int]:
-        """Each hour's newest modification time (ns) of a data file directly in its folder:
-        the full sweep's first pass, cheap next to fingerprinting every hour."""
+    def sweep(
+        self, table: str, before: datetime, mark_ns: int
+    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]]]:
+        """The full sweep's listing of the hours before ``before``: each hour's newest
+        modification time (ns), and the files of the hours with one newer than ``mark_ns``
+        (only those are fingerprinted: the rest the sweep's mark already covers)."""
 
     @abstractmethod
     def table_names(self) -> list[str]:
@@ -139,13 +142,20 @@ class LocalZone(LandingZone):
     def hours(self, table: str) -> list[datetime]:
         return sorted({h for h, _ in layout.all_hour_folders(Path(self.root), table)})
 
-    def newest_by_hour(self, table: str) -> dict[datetime, int]:
+    def sweep(
+        self, table: str, before: datetime, mark_ns: int
+    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]]]:
+        """A walk of the hour folders reading only modification times (cheap: no fingerprint),
+        then a listing of each folder touched since the mark."""
         newest: dict[datetime, int] = {}
         for hour, folder in layout.all_hour_folders(Path(self.root), table):
-            found = _newest_in_folder(folder)
+            found = _newest_in_folder(folder) if hour < before else 0
             if found:  # an hour spelled both padded and unpadded: the newer
                 newest[hour] = max(found, newest.get(hour, 0))
-        return newest
+        touched = {
+            h: self.files_in_hour(table, h) for h, n in sorted(newest.items()) if n > mark_ns
+        }
+        return newest, touched
 
     def table_names(self) -> list[str]:
         try:
