@@ -23,10 +23,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import boto3
+import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cdc_platform.defs.factory import build_definitions
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, ConfigError, load_config
@@ -34,6 +36,7 @@ from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, evaluate
 from cdc_platform.lib.landing import object_store
 from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.discovery import describe, unlisted_tables
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import BAD_KEY, IN_SUBFOLDER, hour_to_partition_key
 from cdc_platform.lib.landing.object_store import S3Landing
@@ -273,6 +276,37 @@ def test_unapply_names_bucket_files_by_key_and_uri(zone):
     assert len(revocation.match(["orders/year=2024/*/*/*/*.parquet"], files, "orders", zone)) == 2
     with pytest.raises(revocation.NoMatchingFileError):
         revocation.match([f"s3://elsewhere/{name}"], files, "orders", zone)
+
+
+def test_the_dagster_landing_sensor_and_discovery_run_on_a_bucket(zone, s3_endpoint, tmp_path):
+    """The code location's own sensor, evaluated as the daemon does, requests the hours landed
+    in the bucket; a table folder the config does not list is discovered and described."""
+    for h in (3, 4, 5):
+        hour = H0 + timedelta(hours=h)
+        _put(zone, f"{_folder('orders', hour)}/p.parquet", _events(hour, h))
+    _put(zone, f"{_folder('refunds', H0)}/r.parquet", _events(H0, 1))
+    _put(zone, "orders/../escape/year=2024/month=01/day=01/hour=00/x.parquet", b"PAR1")
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"landing_root: {zone.root}\nwarehouse_root: {tmp_path / 'wh'}\n"
+        f"landing_storage_options:\n  aws_access_key_id: {{env: {KEY_ID_ENV}}}\n"
+        f"  aws_secret_access_key: {{env: {SECRET_ENV}}}\n  aws_region: us-east-1\n"
+        f"  aws_endpoint_url: {s3_endpoint}\n"
+        'tables: [{name: orders, primary_key: [id], start: "2024-01-01-00:00"}]\n'
+    )
+    platform = load_config(config)
+    defs = build_definitions(platform)
+    sensor = defs.resolve_sensor_def("orders_landing_sensor")
+    with dg.DagsterInstance.ephemeral() as instance:
+        context = dg.build_sensor_context(instance=instance, definitions=defs)
+        data = sensor.evaluate_tick(context)
+    assert [r.partition_key_range for r in data.run_requests or []] == [
+        dg.PartitionKeyRange(_key(3), _key(5))
+    ]
+    assert unlisted_tables(platform.landing_root, ["orders"]) == ["refunds"]
+    found = describe(platform.landing_root, "refunds")
+    assert [c for c, _ in found.columns][:2] == ["id", "v"]
+    assert found.sample_file == f"{zone.root}/{_folder('refunds', H0)}/r.parquet"
 
 
 # -- config ----------------------------------------------------------------------------------------
