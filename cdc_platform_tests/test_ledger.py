@@ -23,3 +23,17 @@ def test_a_ledger_reads_empty_until_written_and_changes_by_one_commit_each(tmp_p
     ledger.delete(delta.in_predicate("file", ["a"]))
     assert sorted((r["file"], r["n"]) for r in ledger.rows()) == [("b", 3), ("it's", 4)]
     assert delta.open_table(ledger.path).version() == version + 3
+
+
+def test_a_column_added_to_a_ledgers_schema_reaches_a_ledger_written_before_it(tmp_path):
+    """The applied-files ledger gained ``etag``: a ledger written without it takes the column
+    on its next commit (earlier rows null) and stays at Delta reader 1 / writer 2."""
+    before = pa.schema([pa.field("file", pa.string()), pa.field("size", pa.int64())])
+    after = before.append(pa.field("etag", pa.string()))
+    path = tmp_path / "ledger"
+    Ledger(path, before).append([{"file": "a", "size": 1}])
+    Ledger(path, after).replace([{"file": "b", "size": 2, "etag": '"e"'}], "file = 'b'")
+    rows = sorted(Ledger(path, after).rows(), key=lambda r: r["file"])
+    assert rows == [{"file": "a", "size": 1, "etag": None}, {"file": "b", "size": 2, "etag": '"e"'}]
+    protocol = delta.open_table(path).protocol()
+    assert (protocol.min_reader_version, protocol.min_writer_version) == (1, 2)

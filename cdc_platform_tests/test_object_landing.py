@@ -43,7 +43,8 @@ from cdc_platform.lib.landing.object_store import S3Landing
 from cdc_platform.lib.landing.reader import LandingReader
 from cdc_platform.lib.landing.safe_open import CHANGED, OUTSIDE
 from cdc_platform.lib.landing.zone import LandingUnavailableError, LandingZone
-from cdc_platform.lib.ledgers import quarantine
+from cdc_platform.lib.ledgers import applied_files, quarantine
+from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.operations import revocation
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.stores import EnvRef, Location
@@ -433,6 +434,12 @@ def test_the_demo_landed_in_a_bucket_equals_the_demo_on_disk(spark, zone, s3_end
         from_bucket = history_rows(TablePaths.of(on_bucket.warehouse_root, table.name).history)
         assert from_disk, table.name
         assert from_bucket == from_disk, table.name
+    ledger = applied_files.ledger_path(on_bucket.warehouse_root, "payments")
+    recorded = Ledger(ledger, applied_files.SCHEMA).rows()
+    listed = {
+        zone.relative(f.path): f.etag for h in hours for f in zone.files_in_hour("payments", h)
+    }
+    assert {r["file"]: r["etag"] for r in recorded} == listed  # the version each was read as
     set_aside = quarantine.current(TablePaths.of(on_bucket.warehouse_root, "orders").quarantine)
     assert [(q.file, q.reason) for q in set_aside] == [(hostile, BAD_KEY)]
     for table in ("customers", "payments"):

@@ -34,6 +34,9 @@ SCHEMA = pa.schema(
         pa.field("mtime_ns", pa.int64()),
         pa.field("run_id", pa.string()),
         pa.field("applied_at", pa.timestamp("us", tz="UTC")),
+        # On a bucket, the ETag of the object version read (every read is pinned to it); null
+        # for a file of a local landing zone.
+        pa.field("etag", pa.string()),
     ]
 )
 
@@ -73,6 +76,7 @@ def record(
             "mtime_ns": a.file.mtime_ns,
             "run_id": run_id,
             "applied_at": applied_at,
+            "etag": a.file.etag or None,
         }
         for a in files
     ]

@@ -65,4 +65,8 @@ class Ledger:
         if loc.is_local:
             loc.path.mkdir(parents=True, exist_ok=True)
         data = pa.Table.from_pylist(list(rows), schema=self.schema)
-        write_deltalake(loc.uri, data, storage_options=loc.storage_options, **options)
+        # A column added to a ledger's schema (the applied files' ``etag``) is added to a
+        # ledger written before it, its earlier rows null; the protocol stays reader 1 / writer 2.
+        write_deltalake(
+            loc.uri, data, storage_options=loc.storage_options, schema_mode="merge", **options
+        )
