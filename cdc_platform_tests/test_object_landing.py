@@ -46,7 +46,9 @@ from cdc_platform.lib.landing.zone import LandingUnavailableError, LandingZone
 from cdc_platform.lib.ledgers import applied_files, quarantine
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.operations import revocation
+from cdc_platform.lib.operations.resync import ResyncError, resync
 from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import EnvRef, Location
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
@@ -308,6 +310,45 @@ def test_the_dagster_landing_sensor_and_discovery_run_on_a_bucket(zone, s3_endpo
     found = describe(platform.landing_root, "refunds")
     assert [c for c, _ in found.columns][:2] == ["id", "v"]
     assert found.sample_file == f"{zone.root}/{_folder('refunds', H0)}/r.parquet"
+
+
+def test_a_resync_snapshot_and_the_cdc_it_replaces_both_on_the_bucket(spark, zone, tmp_path):
+    """A re-sync from an ``s3://`` snapshot under ``snapshot_roots``: its rows become events
+    named by their URIs, an absent key is closed; a snapshot elsewhere is refused."""
+    table = _table()
+    warehouse = tmp_path / "wh"
+    hour = H0 + timedelta(hours=1)
+    _put(zone, f"{_folder('orders', hour)}/p.parquet", _events(hour, 1, 2))
+    materialize(spark, table, zone, warehouse, [hour])
+    bucket_root = zone.root.rsplit("/", 1)[0]
+    snapshots = Location(f"{bucket_root}/snapshots", zone.location.options)
+    at = H0 + timedelta(hours=3)
+    snap = _parquet([ev("INSERT", None, None, 1, v="resynced")])
+    zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/part-0.parquet", Body=snap)
+    zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/_SUCCESS", Body=b"")
+    result = resync(
+        spark,
+        table,
+        zone.location,
+        warehouse,
+        f"{snapshots.uri}/orders",
+        at,
+        snapshot_roots=[snapshots],
+    )
+    assert (result.files, result.rows, result.keys_closed) == (1, 1, 1)
+    rows = history_rows(TablePaths.of(warehouse, "orders").history)
+    assert [(r["id"], r["v"], r["_fivetran_active"]) for r in rows] == [
+        (1, "a", False),
+        (1, "resynced", True),
+        (2, "a", False),
+    ]
+    log = delta.read_arrow(TablePaths.of(warehouse, "orders").changelog).to_pylist()
+    assert f"{snapshots.uri}/orders/part-0.parquet" in {e["_cdc_source_file"] for e in log}
+    for elsewhere in ("s3://other-bucket/snapshots/orders", f"{zone.root}/orders"):
+        with pytest.raises(ResyncError):
+            resync(
+                spark, table, zone.location, warehouse, elsewhere, at, snapshot_roots=[snapshots]
+            )
 
 
 # -- config ----------------------------------------------------------------------------------------

@@ -252,8 +252,8 @@ def _location(value: Any, info: ValidationInfo) -> Location:
 
 
 def _source_roots(local: bool) -> Callable[[Any, ValidationInfo], tuple[Location, ...]]:
-    """``snapshot_roots`` (local folders) or ``adoption_roots`` (folders or object-store
-    prefixes), each confined as ``storage.roots`` confines a source."""
+    """``snapshot_roots`` (folders or S3 prefixes) or ``adoption_roots`` (folders or
+    object-store prefixes), each confined as ``storage.roots`` confines a source."""
 
     def check(value: Any, info: ValidationInfo) -> tuple[Location, ...]:
         if value is None:
@@ -264,10 +264,8 @@ def _source_roots(local: bool) -> Callable[[Any, ValidationInfo], tuple[Location
             raise ValueError("must be a list of folders")
         roots = []
         for item in value:
-            if local and is_object_store(item):
-                raise ValueError(
-                    f"{item} is an object store; a snapshot is read from a local or mounted folder"
-                )
+            if local and is_object_store(item) and not str(item).lower().startswith("s3"):
+                raise ValueError(f"{item}: a snapshot is read from a folder or an s3:// prefix")
             where = item if isinstance(item, Location) or "://" in item else _path(item, info)
             roots.append(checked_root(where, "entry", source=True))
         return tuple(roots)

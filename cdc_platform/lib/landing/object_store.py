@@ -34,7 +34,7 @@ from cdc_platform.lib.landing.zone import (
     hour_of_key,
     refuse_outside,
 )
-from cdc_platform.lib.storage.stores import Location, hadoop_conf
+from cdc_platform.lib.storage.stores import Location, StorageOptionError, hadoop_conf
 
 # An object at most this big is fetched whole, in one pinned GET; a bigger one is read by
 # pinned ranged GETs of this size as the format asks for its bytes (a Parquet footer first).
@@ -73,8 +73,11 @@ class S3Landing(LandingZone):
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
+        """What Spark ships to a task: the options read from the environment here, on the
+        driver (an executor's environment need not have them), as the table's keys travel."""
         state = dict(self.__dict__)
         state["_client"], state["_lock"] = None, None
+        state["location"] = Location(self.location.uri, self.location.storage_options or {})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -88,7 +91,10 @@ class S3Landing(LandingZone):
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
-                self._client = _client(self.location)
+                try:
+                    self._client = _client(self.location)
+                except StorageOptionError as exc:  # the deployment's, not a file's: run fails
+                    raise LandingUnavailableError(f"{self.root}: {exc}") from None
             return self._client
 
     def _call(self, operation: str, **kwargs: Any) -> dict[str, Any]:
@@ -233,6 +239,15 @@ class S3Landing(LandingZone):
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return sorted(names)
+
+    def all_files(self) -> dict[str, FileId]:
+        found = {}
+        for obj in self._list(""):
+            rel = self._relative_key(obj["Key"])
+            if all(layout.is_data_file(part) for part in rel.split("/") if part not in ("", ".")):
+                file = self._file(obj)
+                found[file.path] = file.file_id
+        return dict(sorted(found.items()))
 
     def table_files(self, table: str) -> set[str]:
         return {self._relative_key(obj["Key"]) for obj in self._list(table + "/")}

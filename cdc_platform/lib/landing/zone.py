@@ -95,6 +95,11 @@ class LandingZone(ABC):
         """The names of the folders (prefixes) directly under the root, sorted."""
 
     @abstractmethod
+    def all_files(self) -> dict[str, FileId]:
+        """Every data file below the root, at any depth, with the file it is now (a re-sync
+        snapshot's folder: markers and hidden files left out, links never followed)."""
+
+    @abstractmethod
     def table_files(self, table: str) -> set[str]:
         """Every file under the table's folder, by ``relative`` name (un-apply and re-admit)."""
 
@@ -164,6 +169,17 @@ class LocalZone(LandingZone):
             return []
         return [e.name for e in entries if not e.is_symlink() and e.is_dir(follow_symlinks=False)]
 
+    def all_files(self) -> dict[str, FileId]:
+        found = {}
+        for parent, dirs, names in os.walk(self.root):
+            dirs[:] = sorted(d for d in dirs if layout.is_data_file(d))
+            for name in sorted(names):
+                path = os.path.join(parent, name)
+                st = os.lstat(path)
+                if layout.is_data_file(name) and stat.S_ISREG(st.st_mode):
+                    found[path] = FileId.of(st)
+        return found
+
     def table_files(self, table: str) -> set[str]:
         found = set()
         for folder, _, files in os.walk(Path(self.root) / table):
@@ -175,6 +191,8 @@ class LocalZone(LandingZone):
         return os.path.abspath(path)
 
     def relative(self, path: str) -> str:
+        if "://" in path:  # a re-sync snapshot's object: named by its URI
+            return path
         return layout.printable_path(os.path.relpath(path, self.root))
 
     def open(self, path: str, expected: FileId | None) -> BinaryIO:

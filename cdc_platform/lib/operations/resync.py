@@ -25,8 +25,6 @@ applied in part would close every key of the missing part.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -59,7 +57,6 @@ from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up
 from cdc_platform.lib.history.protected_columns import changelog_properties
 from cdc_platform.lib.landing.codecs import LandingFileError
 from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import is_data_file
 from cdc_platform.lib.landing.reading import (
     LandingReader,
     event_schema,
@@ -68,16 +65,15 @@ from cdc_platform.lib.landing.reading import (
     unify_schema,
     with_row_id,
 )
-from cdc_platform.lib.landing.safe_open import FileId
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
-from cdc_platform.lib.landing.zone import LocalZone
+from cdc_platform.lib.landing.zone import LandingZone, LocalZone
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.roots import SourceRootError, snapshot_folder
 from cdc_platform.lib.storage.schema import spark_schema
-from cdc_platform.lib.storage.stores import Where
+from cdc_platform.lib.storage.stores import Location, Where
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
@@ -139,15 +135,15 @@ class SnapshotReader(LandingReader):
         keyring: Keyring | None,
         at: datetime,
         seq: int,
-        folder: Path | None = None,
+        source: LandingZone | None = None,
         known: Sequence[str] = (),
     ) -> None:
         super().__init__(table, landing_root, keyring)
         self.at = at
         self.seq = seq
         self.hide_values = True
-        if folder is not None:
-            self.source = LocalZone(folder)
+        if source is not None:
+            self.source = source
         self.known = frozenset([*table.key, *table.columns, *CDC_COLUMNS, UNMODIFIED, *known])
 
     def label(self, name: str, position: int) -> str:
@@ -180,18 +176,14 @@ class SnapshotReader(LandingReader):
         return tbl.append_column(TS, ts)
 
 
-def snapshot_files(folder: Path) -> dict[str, FileId]:
-    """The data files under ``folder``, recursively, sorted, each with the file it is now
-    (markers, hidden files, links and anything but regular files left out)."""
-    found = {}
-    for parent, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if is_data_file(d))
-        for name in sorted(names):
-            path = os.path.join(parent, name)
-            st = os.lstat(path)
-            if is_data_file(name) and stat.S_ISREG(st.st_mode):
-                found[path] = FileId.of(st)
-    return found
+def snapshot_source(folder: Path | Location, landing_root: Where) -> LandingZone:
+    """Where a snapshot's files are opened: its folder, or its S3 prefix, reached with the
+    landing zone's storage options when the landing zone is on S3 too (else the AWS chain)."""
+    if isinstance(folder, Path):
+        return LocalZone(folder)
+    landing = Location.of(landing_root)
+    options = landing.options if landing.scheme == "s3" else {}
+    return LandingZone.of(Location(folder.uri, options))
 
 
 def resync(
@@ -228,9 +220,10 @@ def resync(
         folder = snapshot_folder(snapshot, snapshot_roots, (landing_root, warehouse_root))
     except SourceRootError as exc:
         raise ResyncError(str(exc)) from None
-    if not folder.is_dir():
+    source = snapshot_source(folder, landing_root)
+    if not source.exists():
         raise ResyncError(f"{folder}: no such folder (the snapshot is a folder of files)")
-    listed = snapshot_files(folder)
+    listed = source.all_files()
     files = list(listed)
     if not files:
         raise ResyncError(
@@ -242,7 +235,7 @@ def resync(
     insert_seq, delete_seq = resync_seqs(at)
     logged_fields = changelog.key_and_data_fields(Table.open(paths.changelog))
     known = logged_fields.names if logged_fields is not None else ()
-    reader = SnapshotReader(table, landing_root, keyring, at, insert_seq, folder, known)
+    reader = SnapshotReader(table, landing_root, keyring, at, insert_seq, source, known)
     reader.expect(listed)
 
     reports = inspect_files(spark, reader, files, native=False)
@@ -330,7 +323,7 @@ def _first_of_each_key(events: DataFrame, pk: Sequence[str]) -> DataFrame:
     return events.withColumn(n, F.row_number().over(first)).filter(col(n) == 1).drop(n)
 
 
-def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path) -> None:
+def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path | Location) -> None:
     """A key on two rows refuses the snapshot, naming the rows (file and row number), never
     the key's value: it may be an encrypted table's, and the message reaches the UI."""
     from pyspark.sql import functions as F

@@ -127,10 +127,11 @@ def _no_roots(key: str, what: str) -> SourceRootError:
 
 def snapshot_folder(
     snapshot: Where, roots: Sequence[Where], forbidden: Sequence[Where] = ()
-) -> Path:
-    """The re-sync snapshot folder a run names, checked: absolute, local, real (no symlink in
-    it), under one of ``roots`` (``snapshot_roots``), apart from ``forbidden`` (the landing and
-    local warehouse roots). Raises SourceRootError saying why."""
+) -> Path | Location:
+    """The re-sync snapshot folder a run names, checked: under one of ``roots``
+    (``snapshot_roots``), apart from ``forbidden`` (the landing and warehouse roots), with no
+    glob character; a local one absolute and real (no symlink in it), an ``s3://`` prefix
+    without ``.``/``..`` segments (returned as a Location). Raises SourceRootError saying why."""
     what = "snapshot"
     if not roots:
         raise _no_roots(SNAPSHOT_ROOTS, what)
@@ -139,17 +140,22 @@ def snapshot_folder(
         location = Location.of(text)
     except ValueError as exc:
         raise SourceRootError(f"{what}: {exc}") from None
+    _refuse_glob(text, location, what)
+    allowed = [checked_root(r, f"{SNAPSHOT_ROOTS} entry", source=True) for r in roots]
+    denied = [checked_root(f, "root") for f in forbidden]
     if not location.is_local:
-        raise SourceRootError(f"{what} {text}: a snapshot is a local or mounted folder")
+        if location.scheme != "s3":
+            raise SourceRootError(f"{what} {text}: a snapshot is a folder or an s3:// prefix")
+        _refuse_dot_segments(location, what)
+        _check_placement(location, allowed, denied, what)
+        return location
     if "://" not in text and not os.path.isabs(text):
         raise SourceRootError(f"{what} {text!r}: give an absolute path")
-    _refuse_glob(text, location, what)
     path = Path(location.uri)  # normalized: '..' segments are resolved lexically
     if ".." in Path(text.removeprefix("file://")).parts:
         raise SourceRootError(f"{what} {text}: '..' segments are not allowed")
     _refuse_links(path, what)
-    allowed = [checked_root(r, f"{SNAPSHOT_ROOTS} entry", source=True) for r in roots]
-    _check_placement(location, allowed, [checked_root(f, "root") for f in forbidden], what)
+    _check_placement(location, allowed, denied, what)
     return path
 
 
