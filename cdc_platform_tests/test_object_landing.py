@@ -173,6 +173,25 @@ def test_a_window_is_one_listing_from_its_first_key(zone):
     assert sorted(window) == [first + timedelta(hours=i) for i in range(8)]
 
 
+def test_a_window_listing_stops_at_its_last_hour_and_agrees_with_each_hour(zone):
+    """Junk after the window (a future year, a stray folder) is never listed; a folder spelled
+    half padded is no hour's, in the window as in ``files_in_hour``."""
+    hour = H0 + timedelta(hours=5)
+    _put(zone, f"{_folder('orders', hour)}/p.parquet", _events(hour, 1))
+    _put(zone, "orders/year=2024/month=01/day=01/hour=5/mixed-a.parquet", _events(hour, 2))
+    _put(zone, "orders/year=2024/month=1/day=01/hour=05/mixed-b.parquet", _events(hour, 3))
+    for i in range(1500):  # more than a page: listing them would cost a second request
+        _put(zone, f"orders/year=9999/month=01/day=01/hour=00/junk-{i}", b"")
+    _put(zone, "orders/zzz/x.parquet", b"")
+    _put(zone, f"{_folder('orders', hour)}/", b"")  # a console's folder marker
+    before = zone.requests
+    window = zone.files_in_hours("orders", H0, hour)
+    assert zone.requests - before == 1
+    assert window == {hour: zone.files_in_hour("orders", hour)}
+    assert [zone.relative(f.path) for f in window[hour]] == [f"{_folder('orders', hour)}/p.parquet"]
+    assert f"{_folder('orders', hour)}/" not in zone.table_files("orders")
+
+
 # -- reading ---------------------------------------------------------------------------------------
 
 
@@ -207,6 +226,38 @@ def test_an_object_overwritten_while_it_is_read_is_refused(zone, monkeypatch):
         fh.read()
     with pytest.raises(LandingFileError, match="changed since it was listed"):
         zone.check_unchanged(fh, listed.file_id)
+
+
+def test_an_archived_object_is_set_aside_and_a_failing_store_fails_the_run(zone, monkeypatch):
+    """Glacier: this object cannot be read, whoever asks, so it is set aside with the reason.
+    Denied, or a connection dropped while the body streams: the store's failure, so the run
+    fails (and is retried) with nothing set aside."""
+    from botocore.exceptions import ClientError, ResponseStreamingError
+
+    hour = H0 + timedelta(hours=4)
+    name = f"{_folder('orders', hour)}/cold.parquet"
+    zone.client.put_object(
+        Bucket=zone.bucket, Key=zone.key_of(name), Body=_events(hour, 1), StorageClass="GLACIER"
+    )
+    (listed,) = zone.files_in_hour("orders", hour)
+    reader = LandingReader(_table(), zone)
+    reader.expect({listed.path: listed.file_id})
+    assert "archived" in (reader.inspect(listed.path).error or "")
+
+    class Dropped:
+        def read(self) -> bytes:
+            raise ResponseStreamingError(error="connection reset by peer")
+
+    monkeypatch.setattr(zone, "_send", lambda operation, kwargs: {"Body": Dropped()})
+    with pytest.raises(LandingUnavailableError, match="ResponseStreamingError"):
+        reader.inspect(listed.path)
+
+    def denied(operation, kwargs):
+        raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, operation)
+
+    monkeypatch.setattr(zone, "_send", denied)
+    with pytest.raises(LandingUnavailableError, match="AccessDenied"):
+        reader.inspect(listed.path)
 
 
 def test_paths_outside_the_root_are_refused(zone, bucket):
@@ -371,6 +422,7 @@ def test_an_s3_landing_root_parses_with_its_options(tmp_path, monkeypatch):
     assert "S" not in repr(platform)
     for root, extra, why in (
         ("s3://bucket/a/../b", "", "'..'"),
+        ("s3://AKIAKEY:s3cr3t-value@bucket/l", "", "no credentials"),
         ("landing", options, "not a local folder"),
         ("s3://bucket/wh", "", "overlap"),
     ):
@@ -378,8 +430,9 @@ def test_an_s3_landing_root_parses_with_its_options(tmp_path, monkeypatch):
         path.write_text(
             f"landing_root: {root}\nwarehouse_root: {warehouse}\n{extra}tables: {tables}\n"
         )
-        with pytest.raises(ConfigError, match=why):
+        with pytest.raises(ConfigError, match=why) as refused:
             load_config(path)
+        assert "s3cr3t-value" not in str(refused.value)
     path.write_text(
         f"landing_root: s3://bucket/l\nwarehouse_root: wh\nlanding_storage_options:\n"
         f"  aws_secret_access_key: plain-secret\ntables: {tables}\n"

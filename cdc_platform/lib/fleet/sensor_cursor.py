@@ -55,11 +55,6 @@ MAX_PENDING = 5000
 
 # A huge backfill becomes a few single-run range requests instead of one giant run.
 MAX_RANGE_HOURS = 48
-# Files whose mtime is within this margin of the sweep's high-water mark are looked at again by
-# the next sweep: it covers files written while the sweep was walking the tree and small clock
-# skew between writers and the sweeping host. Re-seeing them is cheap (the cursor remembers their
-# fingerprint, so nothing is requested twice).
-SWEEP_MTIME_MARGIN_NS = 10 * 60 * 1_000_000_000
 
 _CURSOR_VERSION = 1
 
@@ -397,7 +392,7 @@ def _full_sweep(
             late[key] = fp
         old_folders.append((key, fp, _newest(files)))
 
-    new_mark = max(previous_mark_ns, min(seen_max_ns, sweep_wall_ns) - SWEEP_MTIME_MARGIN_NS)
+    new_mark = max(previous_mark_ns, min(seen_max_ns, sweep_wall_ns) - landing.sweep_margin_ns)
     kept = {k: v for k, v in folders.items() if first <= partition_key_to_hour(k) <= last}
     for key, fp, newest in old_folders:
         if newest > new_mark:

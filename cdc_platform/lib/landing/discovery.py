@@ -260,12 +260,16 @@ def describe(landing_root: Landing, name: str) -> DiscoveredTable:
     columns: list[tuple[str, str]] = []
     try:
         encoding = sniff_encoding(path, opener)
+    except LandingUnavailableError:
+        raise  # the store, not the file: described on a later tick
     except Exception as exc:  # unreadable: report it, never fail the sensor
         encoding = Encoding()
         notes.append(f"columns unknown: the file could not be read ({type(exc).__name__})")
     else:
         try:
             columns, note = _read_columns(path, encoding, opener)
+        except LandingUnavailableError:
+            raise
         except Exception as exc:  # any unreadable file: report it, never fail the sensor
             note = f"columns unknown: the file could not be read ({_one_line(exc)})"
         if note:
@@ -348,7 +352,12 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
     taken = {t.name.lower() for t in platform.tables}
     derived = {current_table_name(t.name).lower(): t for t in platform.tables if t.current_table}
     added: list[TableConfig] = []
-    for name in unlisted_tables(platform.landing_root, [t.name for t in platform.tables]):
+    try:
+        unlisted = unlisted_tables(platform.landing_root, [t.name for t in platform.tables])
+    except LandingUnavailableError as exc:  # the bucket does not answer now: none added yet
+        _log.warning(f"discover: the landing zone cannot be listed ({exc}); no table added")
+        return platform
+    for name in unlisted:
         if name.lower() in taken:
             continue
         owner = derived.get(name.lower())
@@ -357,8 +366,8 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
             _log.warning(derived_name_reason(name, owner))
             continue
         landing = LandingZone.of(platform.landing_root)
-        first = _first_file(landing, name)
         try:
+            first = _first_file(landing, name)
             plain = (
                 first is not None
                 and sniff_encoding(

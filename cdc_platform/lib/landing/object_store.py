@@ -42,6 +42,20 @@ WHOLE_OBJECT_BYTES = 8 * 1024 * 1024
 # The page size of a listing (S3's own maximum).
 PAGE_KEYS = 1000
 
+# Errors that say one object cannot be read, whoever asks: the file is set aside with the reason
+# (re-admit it by file once it is readable). Any other error fails the run, which is retried.
+_OBJECT_ERRORS = {
+    "InvalidObjectState": (
+        "archived (a Glacier storage class): restore the object, then re-admit the file"
+    ),
+    "InvalidRequest": (
+        "the object cannot be read as stored (encrypted with a customer-provided key, say)"
+    ),
+}
+# A late object's last-modified time may be hours before it is listed (a multipart upload's
+# is when the upload began): the sweep looks again at hours touched this long before its mark.
+SWEEP_MARGIN_NS = 6 * 3600 * 1_000_000_000
+
 # Hadoop S3A setting (``stores.hadoop_conf``: the options' one reading) -> boto3 client argument.
 _CLIENT_ARGS = {
     "fs.s3a.access.key": "aws_access_key_id",
@@ -56,6 +70,7 @@ class S3Landing(LandingZone):
     """The landing zone below ``s3://bucket/prefix``; picklable (the client is made per process)."""
 
     native_reads = False  # Spark would read by path, unpinned: every file is read in Python
+    sweep_margin_ns = SWEEP_MARGIN_NS
 
     def __init__(self, location: Location) -> None:
         if location.scheme != "s3":
@@ -93,17 +108,32 @@ class S3Landing(LandingZone):
             if self._client is None:
                 try:
                     self._client = _client(self.location)
-                except StorageOptionError as exc:  # the deployment's, not a file's: run fails
+                except (StorageOptionError, ValueError) as exc:  # the deployment's: run fails
                     raise LandingUnavailableError(f"{self.root}: {exc}") from None
             return self._client
 
     def _call(self, operation: str, **kwargs: Any) -> dict[str, Any]:
         """One request, counted; an unreachable store raises LandingUnavailableError."""
+        return self._request(operation, lambda: self._send(operation, kwargs), kwargs)
+
+    def _get(self, key: str, **kwargs: Any) -> bytes:
+        """An object's bytes (``kwargs``: If-Match, Range), the body read inside the request's
+        error handling: a connection dropped mid-body is the store's failure, not the file's."""
+
+        def get() -> bytes:
+            return self._send("get_object", {"Key": key, **kwargs})["Body"].read()
+
+        return self._request("get_object", get, {"Key": key})
+
+    def _send(self, operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
+
+    def _request(self, operation: str, send: Any, kwargs: dict[str, Any]) -> Any:
         from botocore.exceptions import BotoCoreError, ClientError
 
         self.requests += 1
         try:
-            return getattr(self.client, operation)(Bucket=self.bucket, **kwargs)
+            return send()
         except ClientError as exc:
             error = exc.response.get("Error", {})
             code = str(error.get("Code", ""))
@@ -111,19 +141,27 @@ class S3Landing(LandingZone):
                 raise LandingFileError(CHANGED) from None
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise FileNotFoundError(f"{self.root}: {kwargs.get('Key', '')} is gone") from None
+            if code in _OBJECT_ERRORS:  # this object only (archived, a customer's own key)
+                raise LandingFileError(_OBJECT_ERRORS[code]) from None
             raise LandingUnavailableError(
                 f"{operation} on {self.root} failed: {code} {error.get('Message', '')}".strip()
             ) from None
-        except BotoCoreError as exc:
-            raise LandingUnavailableError(f"{operation} on {self.root} failed: {exc}") from None
+        except (BotoCoreError, OSError) as exc:  # refused, timed out, dropped mid-body
+            raise LandingUnavailableError(
+                f"{operation} on {self.root} failed: {type(exc).__name__}"
+            ) from None
 
     def key_of(self, relative: str) -> str:
         """The bucket key of a name relative to the root."""
         return f"{self.prefix}/{relative}" if self.prefix else relative
 
-    def _list(self, prefix: str, start_after: str = "") -> Iterator[dict[str, Any]]:
-        """Every object whose key starts with ``prefix`` (relative), after ``start_after``."""
+    def _list(
+        self, prefix: str, start_after: str = "", end: str = ""
+    ) -> Iterator[dict[str, Any]]:
+        """Every object whose key starts with ``prefix`` (relative), after ``start_after`` and,
+        given an ``end``, before it (the listing stops there)."""
         token: str | None = None
+        last = self.key_of(end) if end else ""
         while True:
             args: dict[str, Any] = {"Prefix": self.key_of(prefix), "MaxKeys": PAGE_KEYS}
             if token:
@@ -131,7 +169,10 @@ class S3Landing(LandingZone):
             elif start_after:
                 args["StartAfter"] = self.key_of(start_after)
             page = self._call("list_objects_v2", **args)
-            yield from page.get("Contents", ())
+            for obj in page.get("Contents", ()):
+                if last and obj["Key"] >= last:
+                    return
+                yield obj
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
@@ -170,35 +211,38 @@ class S3Landing(LandingZone):
     def files_in_hours(
         self, table: str, first: datetime, last: datetime
     ) -> dict[datetime, list[LandingFile]]:
-        """One listing from the window's first key on (S3 lists in key order, and a padded
-        hour folder sorts by time): a tick costs a page per 1000 recent objects."""
+        """One listing from the window's first key to its last (S3 lists in key order, and a
+        padded hour folder sorts by time): a tick costs a page per 1000 recent objects, and no
+        key outside the window's range (a future year, junk after ``year=``) is listed."""
         hours = list(layout.hours_between(first, last))
         if not hours:
             return {}
-        start = min(s for h in hours for s in _spellings(table, h))
-        by_hour = self._by_hour(self._list(table + "/", start_after=start))
+        spellings = [s for h in hours for s in _spellings(table, h)]
+        end = max(spellings) + "0"  # just past every key below the last folder ("/" + 1)
+        by_hour = self._by_hour(self._list(table + "/", start_after=min(spellings), end=end))
         wanted = set(hours)
         return {h: files for h, files in by_hour.items() if h in wanted}
 
     def sweep(
         self, table: str, before: datetime, mark_ns: int
     ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]]]:
-        """One listing of the table's prefix (a page per 1000 objects) gives both."""
-        by_hour = self._by_hour(self._list(table + "/"))
+        """One listing of the table's hour folders (a page per 1000 objects) gives both."""
+        by_hour = self._by_hour(self._list(table + "/year="))
         newest = {h: max(f.mtime_ns for f in fs) for h, fs in by_hour.items() if h < before}
         touched = {h: by_hour[h] for h, n in newest.items() if n > mark_ns}
         return newest, touched
 
     def _by_hour(self, objects: Iterator[dict[str, Any]]) -> dict[datetime, list[LandingFile]]:
-        """Listed objects as ``files_in_hour`` gives them, by hour, of every key naming an hour
-        folder (padded or not); keys naming none are no hour's files."""
+        """Listed objects as ``files_in_hour`` gives them, by hour: a key in an hour folder
+        spelled as ``files_in_hour`` lists it (zero-padded, or not padded at all)."""
         out: dict[datetime, list[LandingFile]] = {}
         for obj in objects:
             parts = self._relative_key(obj["Key"]).split("/")
             hour = hour_of_key(parts[1:5])
-            if hour is None:
+            folder = "/".join(parts[:5])
+            if hour is None or folder not in _spellings(parts[0], hour):
                 continue
-            file = self._hour_file(obj, len("/".join(parts[:5])) + 1)
+            file = self._hour_file(obj, len(folder) + 1)
             if file is not None:
                 out.setdefault(hour, []).append(file)
         return {h: sorted(files) for h, files in sorted(out.items())}
@@ -220,7 +264,7 @@ class S3Landing(LandingZone):
         return self._file(obj)
 
     def hours(self, table: str) -> list[datetime]:
-        return list(self._by_hour(self._list(table + "/")))
+        return list(self._by_hour(self._list(table + "/year=")))
 
     def table_names(self) -> list[str]:
         names: set[str] = set()
@@ -250,7 +294,8 @@ class S3Landing(LandingZone):
         return dict(sorted(found.items()))
 
     def table_files(self, table: str) -> set[str]:
-        return {self._relative_key(obj["Key"]) for obj in self._list(table + "/")}
+        keys = (self._relative_key(obj["Key"]) for obj in self._list(table + "/"))
+        return {k for k in keys if not k.endswith("/")}  # not a folder's marker object
 
     # -- naming and reading -------------------------------------------------------------------
 
@@ -267,12 +312,10 @@ class S3Landing(LandingZone):
             etag = str(self._call("head_object", Key=key)["ETag"])
         size = expected.size if expected is not None and expected.etag else None
         if size is None or size <= WHOLE_OBJECT_BYTES:
-            body = self._call("get_object", Key=key, IfMatch=etag)["Body"].read()
-            return io.BytesIO(body)
+            return io.BytesIO(self._get(key, IfMatch=etag))
 
         def fetch(start: int, end: int) -> bytes:
-            got = self._call("get_object", Key=key, IfMatch=etag, Range=f"bytes={start}-{end - 1}")
-            return got["Body"].read()
+            return self._get(key, IfMatch=etag, Range=f"bytes={start}-{end - 1}")
 
         raw = PinnedObject(fetch, size)
         return io.BufferedReader(raw, buffer_size=WHOLE_OBJECT_BYTES)  # type: ignore[arg-type]

@@ -41,6 +41,11 @@ class LandingZone(ABC):
     root: str
     # Whether Spark may read a plain Parquet file itself, by path (``landing.native``).
     native_reads: bool = True
+    # Files whose mtime is within this margin of the full sweep's high-water mark are looked at
+    # again by the next sweep (``fleet.sensor_cursor``): files written while the sweep was
+    # listing, small clock skew between writers and the sweeping host. Re-seeing them is cheap
+    # (the cursor remembers their fingerprint, so nothing is requested twice).
+    sweep_margin_ns: int = 10 * 60 * 1_000_000_000
 
     @staticmethod
     def of(where: Landing) -> LandingZone:

@@ -21,6 +21,7 @@ names, never values.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 # Schemes delta-rs and the Hadoop connectors both understand, as written in the config.
 # ``s3a`` is what Hadoop calls S3; delta-rs takes either, so it is stored as ``s3``.
 OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "abfss")
+# An S3 or GCS bucket name, as loose as the oldest S3 buckets were allowed (letters, digits,
+# dots, hyphens, underscores): never a user, password or port.
+_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")
 # What Spark (Hadoop) calls each scheme.
 _SPARK_SCHEMES = {"s3": "s3a", "gs": "gs", "abfss": "abfss"}
 
@@ -89,6 +93,12 @@ class Location:
             parts = urlsplit(text)
             if not parts.netloc:
                 raise ValueError(f"{text!r} names no bucket or container")
+            if scheme in ("s3", "s3a", "gs") and not _BUCKET.fullmatch(parts.netloc):
+                # Never echoed: a netloc with '@' or ':' may carry credentials.
+                raise ValueError(
+                    f"a {scheme}:// URI names a bucket (letters, digits, '.', '-', '_'), with "
+                    "no credentials or port in it: give those as storage options"
+                )
             canonical = "s3" if scheme == "s3a" else scheme
             return cls(f"{canonical}://{parts.netloc}{parts.path.rstrip('/')}", dict(options or {}))
         if scheme == "file":
