@@ -4,10 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 
-.PHONY: demo ui test test-cluster test-connect lint bench java jars docs clean spark-connect spark-connect-stop
+.PHONY: demo demo-s3 ui test test-cluster test-connect lint bench java jars docs clean spark-connect spark-connect-stop
 
 demo: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.demo.run
+
+# The same demo with its landing zone in a bucket of a local S3 server (moto): docs/getting-started.md.
+demo-s3: java $(VENV)/.installed
+	$(BIN)/python -m cdc_platform.demo.s3
 
 ui: java $(VENV)/.installed
 	@test -f $(DAGSTER_HOME)/dagster.yaml || { echo "run 'make demo' first"; exit 1; }

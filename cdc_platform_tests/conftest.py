@@ -10,16 +10,13 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
+from cdc_platform.demo.s3 import local_s3_server
 from cdc_platform.lib.spark.session import build_spark_session, delta_conf
 from cdc_platform_tests.helpers import HASH_SALT
 from cdc_platform_tests.webhook import Webhook, serve_webhook
@@ -130,37 +127,8 @@ def keyring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on a free loopback port, in a process of its own (one per test worker).
-
-    Not moto's ThreadedMotoServer inside the test process: a delta-rs call that holds the GIL
-    while it waits for the server (arro3's ``read_all`` does) would wait for ever on a server
-    thread that needs the GIL to answer.
-    """
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    """A local S3 server (moto's, as ``make demo-s3`` runs it), one per test worker."""
+    with local_s3_server() as endpoint:
+        yield endpoint

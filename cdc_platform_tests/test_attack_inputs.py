@@ -80,7 +80,8 @@ def hostile_snapshots(site: dict[str, Path]) -> list[tuple[str, str]]:
         (f"{allowed}/../private", "'..' segments are not allowed"),
         ("allowed/snap", "give an absolute path"),
         (f"file://{site['private']}", "not under any of the allowed roots"),
-        ("s3://bucket/snap", "a local or mounted folder"),
+        ("s3://bucket/snap", "not under any of the allowed roots"),
+        ("gs://bucket/snap", "a folder or an s3:// prefix"),
         (str(allowed / "link"), "is a symlink"),
         (str(site["warehouse"] / "orders"), "overlaps the platform's own folder"),
         (str(site["landing"] / "orders"), "overlaps the platform's own folder"),
@@ -192,7 +193,7 @@ def test_the_config_keeps_the_roots_apart_from_the_platforms_own(tmp_path: Path)
     for extra, why in [
         ({"snapshot_roots": ["warehouse/x"]}, "overlaps"),
         ({"snapshot_roots": ["."]}, "overlaps"),
-        ({"snapshot_roots": ["s3://b/snaps"]}, "object store"),
+        ({"snapshot_roots": ["gs://b/snaps"]}, "a folder or an s3:// prefix"),
         ({"adoption_roots": ["landing"]}, "overlaps"),
         ({"adoption_roots": ["s3://b/p/../q"]}, "'..' segments"),
         ({"adoption_roots": "exports"}, "must be a list"),

@@ -235,7 +235,7 @@ def write_landing(root: Path) -> PlatformConfig:
     ring.write_text(json.dumps({"tables": {"payments": base64.b64encode(KEY).decode()}}))
     ring.chmod(0o600)
     platform = load_config(root / "cdc_platform.yaml")
-    landing = platform.landing_root
+    landing = platform.landing_path
     for n, hour in enumerate((H0, H1)):
         write_parquet_events(landing, "orders", hour, _orders(hour, 1000 * n + 1), name="o.parquet")
         folder = hour_folder(landing, "payments", hour)

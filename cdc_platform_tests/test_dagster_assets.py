@@ -82,7 +82,7 @@ def test_seed_001_through_the_asset(spark, tmp_path):
     d1 = datetime(2020, 1, 1, tzinfo=UTC)
     d2, d3 = d1 + timedelta(days=1), d1 + timedelta(days=2)
 
-    landing = platform.landing_root
+    landing = platform.landing_path
     write_parquet_events(
         landing,
         "abc",
@@ -151,7 +151,7 @@ def test_seed_000_update_files_through_the_asset(spark, tmp_path):
         (2, U, 1000, "UPDATE", 5, t[4]),
         (1, "def", U, "UPDATE", 6, t[5]),
     ]
-    folder = hour_folder(platform.landing_root, "seed000", t[5])
+    folder = hour_folder(platform.landing_path, "seed000", t[5])
     folder.mkdir(parents=True)
     with (folder / "update_file.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
@@ -199,7 +199,7 @@ def test_range_backfill_is_one_run_and_equals_hourly_runs(spark, tmp_path):
             hour = e["cdc_commit_timestamp"].replace(minute=0, second=0) + timedelta(
                 hours=e["v"] % 2
             )
-            write_parquet_events(platform.landing_root, "r", hour, [e])
+            write_parquet_events(platform.landing_path, "r", hour, [e])
         defs = build_table_definitions(platform, platform.table("r"))
         if mode == "range":
             result = run_partition(
@@ -241,7 +241,7 @@ def test_cli_materializes_one_partition(tmp_path):
     platform = load_config(config)
     h5 = datetime(2024, 1, 1, 5, tzinfo=UTC)
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "orders",
         h5,
         [
@@ -292,7 +292,7 @@ from cdc_platform.lib.spark.session import build_spark_session
 platform = load_config(sys.argv[1])
 spark = build_spark_session("local[1]", {"spark.sql.shuffle.partitions": "1"})
 hour = datetime.fromisoformat(sys.argv[2])
-materialize(spark, platform.table("k"), platform.landing_root, platform.warehouse_root, [hour])
+materialize(spark, platform.table("k"), platform.landing_path, platform.warehouse_root, [hour])
 print("finished")
 """
 
@@ -316,8 +316,8 @@ def test_killed_materialization_leaves_previous_version_and_rerun_converges(spar
         ev("DELETE", 4, h1, 2, v=None),
         ev("INSERT", 5, h1, 3, v="c"),
     ]
-    write_parquet_events(platform.landing_root, "k", h0, first)
-    write_parquet_events(platform.landing_root, "k", h1, second)
+    write_parquet_events(platform.landing_path, "k", h0, first)
+    write_parquet_events(platform.landing_path, "k", h1, second)
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     env = _subprocess_env(config, tmp_path)
@@ -331,7 +331,7 @@ def test_killed_materialization_leaves_previous_version_and_rerun_converges(spar
     # Only the killed attempt needs a process of its own; the runs around it share this one's
     # Spark session, as two runs of one code server would.
     table = platform.table("k")
-    materialize(spark, table, platform.landing_root, platform.warehouse_root, [h0])
+    materialize(spark, table, platform.landing_path, platform.warehouse_root, [h0])
     path = TablePaths.of(platform.warehouse_root, "k").history
     version, before = DeltaTable(str(path)).version(), history_rows(path, drop=())
 
@@ -340,7 +340,7 @@ def test_killed_materialization_leaves_previous_version_and_rerun_converges(spar
     assert DeltaTable(str(path)).version() == version
     assert history_rows(path, drop=()) == before  # readers still see the previous table
 
-    materialize(spark, table, platform.landing_root, platform.warehouse_root, [h1])
+    materialize(spark, table, platform.landing_path, platform.warehouse_root, [h1])
     cols = ["id", "v", *SYSTEM]
     assert normalize(history_rows(path), cols) == normalize(
         reference_history(first + second, ["id"]), cols
@@ -416,7 +416,7 @@ def test_spark_resource_never_stops_a_session_it_did_not_start(spark, tmp_path):
     )
     defs = build_table_definitions(platform, platform.table("s"))
     h0 = datetime(2024, 1, 1, tzinfo=UTC)
-    write_parquet_events(platform.landing_root, "s", h0, [ev("INSERT", 1, h0, 1, v="a")])
+    write_parquet_events(platform.landing_path, "s", h0, [ev("INSERT", 1, h0, 1, v="a")])
     result = dg.materialize(
         [defs.asset],
         partition_key="2024-01-01-00:00",

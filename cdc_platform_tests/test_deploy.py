@@ -336,7 +336,7 @@ def deployment(postgres: Postgres, tmp_path_factory: pytest.TempPathFactory) -> 
     if "JAVA_HOME" in os.environ:
         env["JAVA_HOME"] = os.environ["JAVA_HOME"]
     write_parquet_events(
-        load_config(config).landing_root,
+        load_config(config).landing_path,
         "orders",
         H5,
         [ev("INSERT", 1, H5, 1, status="new"), ev("INSERT", 2, H5, 2, status="paid")],
@@ -470,7 +470,7 @@ def test_instance_stores_runs_events_and_checks_in_postgres(
     )
     platform = load_config(config)
     write_parquet_events(
-        platform.landing_root, "customers", H5, [ev("INSERT", 1, H5, 1, status="new")]
+        platform.landing_path, "customers", H5, [ev("INSERT", 1, H5, 1, status="new")]
     )
     defs = build_table_definitions(platform, platform.table("customers"))
     result = dg.materialize(

@@ -393,9 +393,9 @@ def demo_folder(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
         ],
     }
     for hour, events in runs.items():
-        write_parquet_events(platform.landing_root, "orders", hour, events)
+        write_parquet_events(platform.landing_path, "orders", hour, events)
     # One run for both hours (a run costs seconds even when tiny: see docs/how-it-works.md).
-    materialize(spark, table, platform.landing_root, platform.warehouse_root, list(runs))
+    materialize(spark, table, platform.landing_path, platform.warehouse_root, list(runs))
     return root
 
 

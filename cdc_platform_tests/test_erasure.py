@@ -46,7 +46,7 @@ def test_erase_key_leaves_no_live_file_and_no_file_after_vacuum(spark, tmp_path,
     paths = TablePaths.of(platform.warehouse_root, "t")
     t = lambda m: H0 + timedelta(minutes=m)  # noqa: E731
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H0,
         [
@@ -59,7 +59,7 @@ def test_erase_key_leaves_no_live_file_and_no_file_after_vacuum(spark, tmp_path,
     # A hard truncate forgets the events (its ledger names the key), then the keys come back.
     assert run_operator_job(platform, "truncate_table", "truncate", soft=False).success
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H1,
         [
@@ -112,7 +112,7 @@ def test_erase_key_leaves_no_live_file_and_no_file_after_vacuum(spark, tmp_path,
 
     # Read again, and a late file: the keys are never logged again; checks pass.
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H1,
         [ev("UPDATE", 7, H1 + timedelta(minutes=3), TARGET, name=NAME)],
@@ -137,7 +137,7 @@ def test_erase_key_refusals_write_nothing(spark, tmp_path, keyring, monkeypatch)
     platform = one_table_config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(platform.warehouse_root, "t")
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H0,
         [ev("INSERT", 1, H0 + timedelta(minutes=1), TARGET, name=NAME)],
@@ -165,7 +165,7 @@ def test_a_table_with_erased_keys_is_not_read_without_the_salt(
 ):
     platform = one_table_config(tmp_path, "primary_key: [id]")
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H0,
         [ev("INSERT", 1, H0 + timedelta(minutes=1), TARGET, name=NAME)],
@@ -181,7 +181,7 @@ def test_erase_key_on_a_keyless_table(spark, tmp_path, keyring):
     platform = one_table_config(tmp_path, "keyless: true\n    current_table: true")
     paths = TablePaths.of(platform.warehouse_root, "t")
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H0,
         [
@@ -219,7 +219,7 @@ def test_erase_key_by_a_hashed_key_columns_cleartext(spark, tmp_path, keyring):
         ev("INSERT", i, H0 + timedelta(minutes=i), email, "email", name=name)
         for i, (email, name) in enumerate([("zq@example.com", NAME), ("b@x", "b"), ("c@x", "c")], 1)
     ]
-    write_parquet_events(platform.landing_root, "t", H0, rows)
+    write_parquet_events(platform.landing_path, "t", H0, rows)
     assert checks_pass(materialize_with_checks(platform, "t", H0))
     history = DeltaTable(str(paths.history)).to_pyarrow_table().to_pylist()
     (c_hash,) = [r["email"] for r in history if r["name"] == "c"]
@@ -237,7 +237,7 @@ def test_a_key_widened_after_its_erasure_stays_out_and_a_rekey_is_refused(spark,
     platform = one_table_config(tmp_path, "primary_key: [id]\n    widen_types: all")
     paths = TablePaths.of(platform.warehouse_root, "t")
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H0,
         [
@@ -248,7 +248,7 @@ def test_a_key_widened_after_its_erasure_stays_out_and_a_rekey_is_refused(spark,
     assert checks_pass(materialize_with_checks(platform, "t", H0))
     assert erase_job(platform, [{"id": str(TARGET)}]).success
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H1,
         [

@@ -458,7 +458,7 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
         "  - {name: t, primary_key: [id], start: '2023-12-31-05:00', retry_backoff_seconds: 60}\n"
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    landing = platform.landing_root
+    landing = platform.landing_path
     victim = write_parquet_events(
         landing, "t", H5, [ev("INSERT", 1, TS, 1, v="a")], name="v.parquet"
     )

@@ -69,11 +69,11 @@ def test_each_distinct_row_is_its_own_key_through_the_asset(spark, tmp_path):
     platform = config_file(tmp_path)
     paths = TablePaths.of(platform.warehouse_root, "t")
     duplicate = item("INSERT", 3, H0 + timedelta(minutes=3), "a", 1)  # nothing new
-    write_parquet_events(platform.landing_root, "t", H0, [*FIRST_HOUR, duplicate])
+    write_parquet_events(platform.landing_path, "t", H0, [*FIRST_HOUR, duplicate])
     assert materialize_asset(platform, H0).success
     # A later file with a new column, null in this row: the same row, the same id.
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H1,
         [
@@ -123,7 +123,7 @@ def test_a_row_marking_cells_unmodified_is_set_aside_naming_it(spark, tmp_path):
         item("INSERT", 1, H0 + timedelta(minutes=1), "a", 1, _cdc_unmodified=None),
         item("UPDATE", 2, H0 + timedelta(minutes=2), "a", None, _cdc_unmodified=["qty"]),
     ]
-    write_parquet_events(platform.landing_root, "t", H0, rows, name="partial.parquet")
+    write_parquet_events(platform.landing_path, "t", H0, rows, name="partial.parquet")
     assert materialize_asset(platform, H0).success
     (entry,) = DeltaTable(paths.quarantine.uri).to_pyarrow_table().to_pylist()
     assert entry["file"].endswith("partial.parquet") and entry["row"] == 2
@@ -136,16 +136,16 @@ def test_a_row_with_no_data_and_a_widening_file(spark, tmp_path):
     platform = config_file(tmp_path)
     table, paths = platform.table("t"), TablePaths.of(platform.warehouse_root, "t")
     bare = {k: v for k, v in item("INSERT", 1, H0, "a", 1).items() if k.startswith("cdc_")}
-    write_parquet_events(platform.landing_root, "t", H0, [bare])
-    materialize(spark, table, platform.landing_root, platform.warehouse_root, [H0])
+    write_parquet_events(platform.landing_path, "t", H0, [bare])
+    materialize(spark, table, platform.landing_path, platform.warehouse_root, [H0])
     ids = DeltaTable(paths.history.uri).to_pyarrow_table().column("_fivetran_id").to_pylist()
     assert ids == [row_ids({}, 1)[0].as_py()]
     write_parquet_events(
-        platform.landing_root, "t", H1, [item("INSERT", 2, H1, "a", 1)], name="narrow.parquet"
+        platform.landing_path, "t", H1, [item("INSERT", 2, H1, "a", 1)], name="narrow.parquet"
     )
     wide = item("INSERT", 3, H1 + timedelta(minutes=1), "b", None) | {"qty": "2.5"}
-    write_parquet_events(platform.landing_root, "t", H1, [wide], name="wide.parquet")
-    result = materialize(spark, table, platform.landing_root, platform.warehouse_root, [H1])
+    write_parquet_events(platform.landing_path, "t", H1, [wide], name="wide.parquet")
+    result = materialize(spark, table, platform.landing_path, platform.warehouse_root, [H1])
     (aside,) = result.quarantined
     assert aside.file.endswith("wide.parquet") and "never widen" in aside.reason
 
@@ -153,7 +153,7 @@ def test_a_row_with_no_data_and_a_widening_file(spark, tmp_path):
 def test_switching_between_keyed_and_keyless_is_refused(spark, tmp_path):
     platform = config_file(tmp_path)
     write_parquet_events(
-        platform.landing_root, "t", H0, [item("INSERT", 1, H0 + timedelta(minutes=1), "a", 1)]
+        platform.landing_path, "t", H0, [item("INSERT", 1, H0 + timedelta(minutes=1), "a", 1)]
     )
     assert materialize_asset(platform, H0).success
     keyed = config_file(tmp_path, "primary_key: [sku]")
@@ -167,7 +167,7 @@ def test_switching_between_keyed_and_keyless_is_refused(spark, tmp_path):
 def test_resync_table_takes_identical_snapshot_rows_as_one(spark, tmp_path):
     platform = config_file(tmp_path)
     paths = TablePaths.of(platform.warehouse_root, "t")
-    write_parquet_events(platform.landing_root, "t", H0, FIRST_HOUR)
+    write_parquet_events(platform.landing_path, "t", H0, FIRST_HOUR)
     assert materialize_asset(platform, H0).success
     folder = tmp_path / "snapshot"
     folder.mkdir()

@@ -31,7 +31,7 @@ def config(tmp_path: Path, key: str) -> PlatformConfig:
 
 def land(platform: PlatformConfig, rows: list[tuple[int, list, str, int, int]]) -> None:
     """(id, map entries, operation, seq, minute) rows as one Parquet file of hour H0."""
-    folder = hour_folder(platform.landing_root, "t", H0)
+    folder = hour_folder(platform.landing_path, "t", H0)
     folder.mkdir(parents=True, exist_ok=True)
     tbl = pa.table(
         {

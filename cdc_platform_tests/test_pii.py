@@ -79,7 +79,7 @@ def test_hashed_and_blocked_cleartext_reaches_no_warehouse_file(spark, tmp_path,
     platform = config_file(tmp_path, keyless=keyless)
     paths = TablePaths.of(platform.warehouse_root, "t")
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "t",
         H0,
         [
@@ -99,7 +99,7 @@ def test_hashed_and_blocked_cleartext_reaches_no_warehouse_file(spark, tmp_path,
             ),
         }
     )
-    folder = platform.landing_root / "t/year=2024/month=01/day=01/hour=00"
+    folder = platform.landing_path / "t/year=2024/month=01/day=01/hour=00"
     pq.write_table(bad, folder / "bad.parquet")
     result = materialize_asset(platform, H0)
     assert result.success
@@ -134,11 +134,11 @@ def test_hashed_and_blocked_cleartext_reaches_no_warehouse_file(spark, tmp_path,
 def test_a_change_of_hashed_or_blocked_columns_is_refused(spark, tmp_path, keyring):
     platform = config_file(tmp_path)
     write_parquet_events(
-        platform.landing_root, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
+        platform.landing_path, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
     )
     assert materialize_asset(platform, H0).success
     write_parquet_events(
-        platform.landing_root, "t", H1, [ev("UPDATE", 2, H1 + timedelta(minutes=1), 1, email="b")]
+        platform.landing_path, "t", H1, [ev("UPDATE", 2, H1 + timedelta(minutes=1), 1, email="b")]
     )
     for protect in ("", "    hash_columns: [email]\n", PROTECTED + "    # same\n"):
         result = materialize_asset(config_file(tmp_path, protect), H1)
@@ -153,7 +153,7 @@ def test_hash_columns_without_a_salt_refuse_the_run(spark, tmp_path, monkeypatch
     monkeypatch.delenv(KEYRING_ENV_VAR, raising=False)
     platform = config_file(tmp_path)
     write_parquet_events(
-        platform.landing_root, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
+        platform.landing_path, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
     )
     result = materialize_asset(platform, H0)
     assert not result.success and "no hash_salt" in failure_of(result)
@@ -193,14 +193,14 @@ def test_a_csv_table_never_parses_a_blocked_column(spark, tmp_path, keyring):
         "    columns: {id: long, email: string}\n" + PROTECTED
     )
     platform = load_config(path)
-    folder = platform.landing_root / "t/year=2024/month=01/day=01/hour=00"
+    folder = platform.landing_path / "t/year=2024/month=01/day=01/hour=00"
     folder.mkdir(parents=True)
     (folder / "part-1.csv").write_text(
         "id,SSN,email,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp\n"
         f"1,{SSN},{EMAIL},INSERT,1,2024-01-01T00:01:00Z\n"
     )
     table, ring = platform.table("t"), Keyring.from_file(keyring)
-    result = materialize(spark, table, platform.landing_root, platform.warehouse_root, [H0], ring)
+    result = materialize(spark, table, platform.landing_path, platform.warehouse_root, [H0], ring)
     assert result.quarantined == ()
     paths = TablePaths.of(platform.warehouse_root, "t")
     (row,) = DeltaTable(paths.history.uri).to_pyarrow_table().to_pylist()
@@ -225,7 +225,7 @@ def test_protect_columns_rewrites_a_table_and_vacuum_removes_the_cleartext(
     clear = config_file(tmp_path, protect="", keyless=keyless)
     paths = TablePaths.of(clear.warehouse_root, "t")
     write_parquet_events(
-        clear.landing_root,
+        clear.landing_path,
         "t",
         H0,
         [
@@ -253,7 +253,7 @@ def test_protect_columns_rewrites_a_table_and_vacuum_removes_the_cleartext(
 
     # A new file's cell hashes as the rewrite did: the update makes no version, checks pass.
     write_parquet_events(
-        clear.landing_root,
+        clear.landing_path,
         "t",
         H1,
         [ev("UPDATE", 3, H1 + timedelta(minutes=1), 1, email=EMAIL, SSN=SSN, name="b")],
@@ -278,7 +278,7 @@ def test_protect_columns_refuses_what_it_cannot_undo(spark, tmp_path, keyring):
     platform = config_file(tmp_path, protect="    hash_columns: [email]\n")
     paths = TablePaths.of(platform.warehouse_root, "t")
     write_parquet_events(
-        platform.landing_root, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
+        platform.landing_path, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
     )
     assert materialize_asset(platform, H0).success
     before = DeltaTable(str(paths.changelog)).version()
@@ -302,7 +302,7 @@ def test_a_protect_columns_run_that_stopped_is_finished_by_running_it_again(
     clear = config_file(tmp_path, protect="")
     paths = TablePaths.of(clear.warehouse_root, "t")
     write_parquet_events(
-        clear.landing_root, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
+        clear.landing_path, "t", H0, [ev("INSERT", 1, H0 + timedelta(minutes=1), 1, email=EMAIL)]
     )
     assert materialize_asset(clear, H0).success
     lists = {"hash": ["email"], "block": []}

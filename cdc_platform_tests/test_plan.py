@@ -43,7 +43,7 @@ def test_plan_reports_the_real_runs_figures_and_writes_nothing(spark, tmp_path):
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
     table = platform.table("orders")
-    landing, warehouse = platform.landing_root, platform.warehouse_root
+    landing, warehouse = platform.landing_path, platform.warehouse_root
     t0 = H0 + timedelta(minutes=30)
     write_parquet_events(
         landing,

@@ -99,8 +99,8 @@ def history(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     platform = PlatformConfig(root / "landing", Location.of(root / "warehouse"), ())
     table = TableConfig(name="t", primary_key=("id",), start=H1)
     for hour, events in ((H1, HOUR1), (H2, HOUR2)):
-        write_parquet_events(platform.landing_root, table.name, hour, events)
-        materialize(spark, table, platform.landing_root, platform.warehouse_root, [hour])
+        write_parquet_events(platform.landing_path, table.name, hour, events)
+        materialize(spark, table, platform.landing_path, platform.warehouse_root, [hour])
     return TablePaths.of(platform.warehouse_root, table.name).history.path
 
 
@@ -342,7 +342,7 @@ def test_current_table_asset_follows_the_history_asset(spark, tmp_path):
     requested, cursor = tick()
     assert requested == 0
 
-    write_parquet_events(platform.landing_root, "t", H1, HOUR1)
+    write_parquet_events(platform.landing_path, "t", H1, HOUR1)
     materialize_history(H1)
     requested, cursor = tick(cursor)
     assert requested == 1
@@ -359,7 +359,7 @@ def test_current_table_asset_follows_the_history_asset(spark, tmp_path):
     requested, cursor = tick(cursor)
     assert requested == 0  # up to date
 
-    write_parquet_events(platform.landing_root, "t", H2, HOUR2)
+    write_parquet_events(platform.landing_path, "t", H2, HOUR2)
     materialize_history(H2)
     requested, cursor = tick(cursor)
     assert requested == 1
@@ -394,11 +394,11 @@ def test_an_empty_live_set_empties_the_current_table(spark, tmp_path):
     platform = _platform(tmp_path)
     table = platform.table("t")
     paths = TablePaths.of(platform.warehouse_root, "t")
-    write_parquet_events(platform.landing_root, "t", H1, HOUR1[:1])
-    materialize(spark, table, platform.landing_root, platform.warehouse_root, [H1])
+    write_parquet_events(platform.landing_path, "t", H1, HOUR1[:1])
+    materialize(spark, table, platform.landing_path, platform.warehouse_root, [H1])
     assert current_table.refresh(spark, paths, table.key).rows == 1
-    write_parquet_events(platform.landing_root, "t", H2, [ev("DELETE", 2, s(9), "a", v=None)])
-    materialize(spark, table, platform.landing_root, platform.warehouse_root, [H2])
+    write_parquet_events(platform.landing_path, "t", H2, [ev("DELETE", 2, s(9), "a", v=None)])
+    materialize(spark, table, platform.landing_path, platform.warehouse_root, [H2])
     result = current_table.refresh(spark, paths, table.key)
     assert (result.rows, result.files_added, result.files_removed) == (0, 0, 1)
     assert delta.read_arrow(paths.current).num_rows == 0
@@ -415,7 +415,7 @@ def test_definitions_have_the_current_asset_and_its_sensor_only_when_asked(tmp_p
     sensor = defs.resolve_sensor_def(CURRENT_TABLES_SENSOR)
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     without = PlatformConfig(
-        platform.landing_root, platform.warehouse_root, (platform.table("plain"),)
+        platform.landing_path, platform.warehouse_root, (platform.table("plain"),)
     )
     names = {s.name for s in build_definitions(without).sensors or []}
     assert CURRENT_TABLES_SENSOR not in names
@@ -451,7 +451,7 @@ def test_the_current_table_waits_while_the_historys_blocking_checks_fail(spark, 
         ).success
 
     requested, cursor = tick(None)  # the first evaluation: nothing yet
-    write_parquet_events(platform.landing_root, "t", H1, HOUR1)
+    write_parquet_events(platform.landing_path, "t", H1, HOUR1)
     assert history_run(H1)
     requested, cursor = tick(cursor)
     assert requested == 1
@@ -463,7 +463,7 @@ def test_the_current_table_waits_while_the_historys_blocking_checks_fail(spark, 
     # Another writer changes a closed version of key a (the merge never reads closed rows of
     # an in-order key); the next hour touches a, and its checks see the history disagree.
     DeltaTable(paths.history.uri).update(predicate="id = 'a' AND v = 1", updates={"v": "999"})
-    write_parquet_events(platform.landing_root, "t", H2, HOUR2)
+    write_parquet_events(platform.landing_path, "t", H2, HOUR2)
     assert not history_run(H2)  # matches_change_log (blocking) failed after the commit
     latest = instance.get_latest_materialization_event(dg.AssetKey("t"))
     assert latest is not None and latest.run_id == instance.get_runs(limit=1)[0].run_id
@@ -471,7 +471,7 @@ def test_the_current_table_waits_while_the_historys_blocking_checks_fail(spark, 
     assert requested == 0
     # A clean hour of another key does not open the gate: after a failure the whole table is
     # checked again, and key a is still wrong.
-    write_parquet_events(platform.landing_root, "t", H3, [ev("INSERT", 30, s(70), "z", v=1)])
+    write_parquet_events(platform.landing_path, "t", H3, [ev("INSERT", 30, s(70), "z", v=1)])
     assert not history_run(H3)
     requested, cursor = tick(cursor)
     assert requested == 0

@@ -90,7 +90,7 @@ def test_adding_a_column_to_the_key_splits_keys_and_a_rekey_back_gives_the_ident
 ):
     by_id = config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(by_id.warehouse_root, "t")
-    write_parquet_events(by_id.landing_root, "t", H0, EVENTS)
+    write_parquet_events(by_id.landing_path, "t", H0, EVENTS)
     assert checks_passed(materialize_with_checks(by_id, "t", H0))
     original_version = DeltaTable(str(paths.history)).version()
     original = table_rows(paths.history)
@@ -121,7 +121,7 @@ def test_adding_a_column_to_the_key_splits_keys_and_a_rekey_back_gives_the_ident
 
     # New hours apply under the new key, and every check passes.
     write_parquet_events(
-        by_id.landing_root, "t", H1, [ev("UPDATE", 7, at(H1, 1), 1, region="us", status="paid")]
+        by_id.landing_path, "t", H1, [ev("UPDATE", 7, at(H1, 1), 1, region="us", status="paid")]
     )
     assert checks_passed(materialize_with_checks(by_region, "t", H1))
 
@@ -131,7 +131,7 @@ def test_adding_a_column_to_the_key_splits_keys_and_a_rekey_back_gives_the_ident
     assert (metadata_of(back)["keys_merged"], metadata_of(back)["keys_split"]) == (1, 0)
     assert checks_passed(materialize_with_checks(by_id, "t", H1))
     once = config(tmp_path / "direct", "primary_key: [id]")
-    Path(by_id.landing_root).rename(once.landing_root)
+    Path(by_id.landing_path).rename(once.landing_path)
     for hour in (H0, H1):
         assert checks_passed(materialize_with_checks(once, "t", hour))
     direct = TablePaths.of(once.warehouse_root, "t")
@@ -144,7 +144,7 @@ def test_adding_a_column_to_the_key_splits_keys_and_a_rekey_back_gives_the_ident
 def test_a_rekey_back_keeps_every_cell_including_fivetran_synced(spark, tmp_path):
     by_id = config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(by_id.warehouse_root, "t")
-    write_parquet_events(by_id.landing_root, "t", H0, EVENTS)
+    write_parquet_events(by_id.landing_path, "t", H0, EVENTS)
     assert materialize_with_checks(by_id, "t", H0).success
     original = table_rows(paths.history)
     assert rekey_job(config(tmp_path, "primary_key: [id, region]")).success
@@ -162,7 +162,7 @@ def test_removing_a_column_merges_keys_and_events_sharing_a_seq_count_once(spark
         ev("INSERT", 2, at(H0, 2), 2, region="eu", status="c"),
         ev("UPDATE", 3, at(H0, 3), 1, region="us", status="d"),
     ]
-    write_parquet_events(by_region.landing_root, "t", H0, events)
+    write_parquet_events(by_region.landing_path, "t", H0, events)
     assert checks_passed(materialize_with_checks(by_region, "t", H0))
 
     by_id = config(tmp_path, "primary_key: [id]")
@@ -182,7 +182,7 @@ def test_keyed_to_keyless_and_back(spark, tmp_path):
     by_id = config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(by_id.warehouse_root, "t")
     events = [e for e in EVENTS if e["cdc_operation_type"] != "UPDATE"]  # images only
-    write_parquet_events(by_id.landing_root, "t", H0, events)
+    write_parquet_events(by_id.landing_path, "t", H0, events)
     assert materialize_with_checks(by_id, "t", H0).success
     original = table_rows(paths.history)
 
@@ -195,7 +195,7 @@ def test_keyed_to_keyless_and_back(spark, tmp_path):
     assert log.arrow_schema.names[0] == "_fivetran_id"
     # A new file's rows get the ids the rewrite gave the logged events: a duplicate of a logged
     # image makes nothing new, and the checks pass.
-    write_parquet_events(keyless.landing_root, "t", H1, [events[1] | {"cdc_change_seq": 9}])
+    write_parquet_events(keyless.landing_path, "t", H1, [events[1] | {"cdc_change_seq": 9}])
     assert checks_passed(materialize_with_checks(keyless, "t", H1))
     assert len(table_rows(paths.history)[1]) == len(original[1])
     current_table.refresh(spark, paths, keyless.table("t").key)  # as the t_current asset does
@@ -213,7 +213,7 @@ def test_a_null_in_a_new_key_column_is_refused_naming_the_event(spark, tmp_path)
     by_id = config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(by_id.warehouse_root, "t")
     events = [*EVENTS, ev("INSERT", 7, at(H0, 7), 4, status="no region")]
-    write_parquet_events(by_id.landing_root, "t", H0, events)
+    write_parquet_events(by_id.landing_path, "t", H0, events)
     assert materialize_with_checks(by_id, "t", H0).success
     before = DeltaTable(str(paths.history)).version()
     result = rekey_job(config(tmp_path, "primary_key: [id, region]"))
@@ -227,7 +227,7 @@ def test_a_null_in_a_new_key_column_is_refused_naming_the_event(spark, tmp_path)
 def test_an_unfinished_rekey_refuses_every_run_until_it_runs_again(spark, tmp_path):
     by_id = config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(by_id.warehouse_root, "t")
-    write_parquet_events(by_id.landing_root, "t", H0, EVENTS)
+    write_parquet_events(by_id.landing_path, "t", H0, EVENTS)
     assert materialize_with_checks(by_id, "t", H0).success
     original = table_rows(paths.history)
     # A crash after the rekey's first commit: the new key recorded, the rows not rebuilt.
@@ -256,7 +256,7 @@ def test_a_rekey_keeps_forgotten_events_forgotten(spark, tmp_path):
     """A hard truncate's events stay out when their hour is read again under the new key."""
     by_id = config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(by_id.warehouse_root, "t")
-    write_parquet_events(by_id.landing_root, "t", H0, EVENTS)
+    write_parquet_events(by_id.landing_path, "t", H0, EVENTS)
     assert materialize_with_checks(by_id, "t", H0).success
     truncated = run_operator_job(by_id, "truncate_table", "truncate", soft=False)
     assert truncated.success
@@ -265,7 +265,7 @@ def test_a_rekey_keeps_forgotten_events_forgotten(spark, tmp_path):
     assert rekey_job(by_region).success
     # A late file in the same hour makes the hour read again, its old file too.
     write_parquet_events(
-        by_id.landing_root, "t", H0, [ev("INSERT", 8, at(H0, 30), 5, region="eu", status="x")]
+        by_id.landing_path, "t", H0, [ev("INSERT", 8, at(H0, 30), 5, region="eu", status="x")]
     )
     assert checks_passed(materialize_with_checks(by_region, "t", H0))
     ids = {r["id"] for r in Table.open(paths.history).read(spark).collect()}
@@ -282,7 +282,7 @@ def test_a_rekey_that_stopped_after_rewriting_the_change_log_completes_when_run_
     keyless = config(tmp_path, "keyless: true")
     paths = TablePaths.of(keyless.warehouse_root, "t")
     events = [e for e in EVENTS if e["cdc_operation_type"] != "UPDATE"]
-    write_parquet_events(keyless.landing_root, "t", H0, events)
+    write_parquet_events(keyless.landing_path, "t", H0, events)
     assert materialize_with_checks(keyless, "t", H0).success
     by_id = config(tmp_path, "primary_key: [id]")
     table = by_id.table("t")
@@ -303,7 +303,7 @@ def test_a_rekey_that_stopped_after_rewriting_the_change_log_completes_when_run_
 def test_a_config_the_rekey_cannot_follow_is_refused_before_its_first_commit(spark, tmp_path):
     by_id = config(tmp_path, "primary_key: [id]")
     paths = TablePaths.of(by_id.warehouse_root, "t")
-    write_parquet_events(by_id.landing_root, "t", H0, EVENTS)
+    write_parquet_events(by_id.landing_path, "t", H0, EVENTS)
     assert materialize_with_checks(by_id, "t", H0).success
     before = DeltaTable(str(paths.history)).version()
     typo = config(tmp_path, "primary_key: [id, region]\n    track_history_columns: [stauts]")

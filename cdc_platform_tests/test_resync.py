@@ -298,7 +298,7 @@ def test_the_dagster_job_resync_table(spark, tmp_path: Path):
         '  - name: t\n    primary_key: [id]\n    start: "2020-01-02-00:00"\n'
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    paths = build(spark, platform.landing_root, platform.warehouse_root)
+    paths = build(spark, platform.landing_path, platform.warehouse_root)
     folder = snapshot(tmp_path, {"id": ["a"], "counter": [30]})
     defs = build_definitions(platform)
     result = defs.resolve_job_def("resync_table").execute_in_process(

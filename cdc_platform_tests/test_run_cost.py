@@ -74,18 +74,18 @@ def test_cost_metadata_of_a_real_materialization(spark, tmp_path):
     paths = TablePaths.of(platform.warehouse_root, "abc")
     d2 = D1 + timedelta(hours=1)
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "abc",
         D1,
         [ev("INSERT", 1, D1, "a", counter=1), ev("INSERT", 2, D1, "b", counter=2)],
     )
     write_parquet_events(
-        platform.landing_root,
+        platform.landing_path,
         "abc",
         d2,
         [ev("UPDATE", 3, d2, "a", counter=3), ev("DELETE", 4, d2, "b", counter=None)],
     )
-    materialize(spark, platform.table("abc"), platform.landing_root, platform.warehouse_root, [D1])
+    materialize(spark, platform.table("abc"), platform.landing_path, platform.warehouse_root, [D1])
     log_before = latest_version(paths.changelog.path)
     meta = materialization(defs, "2020-01-01-01:00")  # rewrites the live file: adds and removes
 
@@ -113,7 +113,7 @@ def test_cost_metadata_of_a_real_materialization(spark, tmp_path):
     assert meta["cost/commits/history"] == meta["delta_version"] - meta["delta_version_before"]
     per_table = {k: v for k, v in meta.items() if k.startswith("cost/bytes_rewritten/")}
     assert per_table.pop("cost/bytes_rewritten/total") == sum(per_table.values())
-    landing = sum(f.stat().st_size for f in (platform.landing_root / "abc").rglob("*.parquet"))
+    landing = sum(f.stat().st_size for f in (platform.landing_path / "abc").rglob("*.parquet"))
     assert 0 < meta["cost/bytes_read/landing"] < landing  # this hour's file only
     assert meta["cost/bytes_read/history"] > 0
 

@@ -91,7 +91,7 @@ def test_untracked_changes_update_the_live_version_in_place_through_the_asset(sp
         assert len(evaluations) == len(invariants.CHECK_NAMES)
         assert all(e.passed for e in evaluations), [e.check_name for e in evaluations]
 
-    write_parquet_events(platform.landing_root, "s", H0, EVENTS_H0)
+    write_parquet_events(platform.landing_path, "s", H0, EVENTS_H0)
     run()
     paths = TablePaths.of(platform.warehouse_root, "s")
     assert rows_of(paths) == normalize(
@@ -105,7 +105,7 @@ def test_untracked_changes_update_the_live_version_in_place_through_the_asset(sp
         ],
         COLUMNS,
     )
-    write_parquet_events(platform.landing_root, "s", H0, LATE)
+    write_parquet_events(platform.landing_path, "s", H0, LATE)
     run()
     assert rows_of(paths) == normalize(
         [

@@ -66,11 +66,11 @@ def failure_of(result: dg.ExecuteInProcessResult) -> str:
 def test_the_first_run_records_the_key_and_a_run_under_another_key_writes_nothing(spark, tmp_path):
     platform = config_file(tmp_path, "[id]")
     paths = TablePaths.of(platform.warehouse_root, "t")
-    write_parquet_events(platform.landing_root, "t", H0, FIRST)
+    write_parquet_events(platform.landing_path, "t", H0, FIRST)
     assert materialize_asset(platform, H0).success
     assert recorded(paths) == ["id"]
 
-    write_parquet_events(platform.landing_root, "t", H1, LATER)
+    write_parquet_events(platform.landing_path, "t", H1, LATER)
     before = versions(paths)
     changed = config_file(tmp_path, "[id, region]")
     result = materialize_asset(changed, H1)
@@ -88,8 +88,8 @@ def test_the_first_run_records_the_key_and_a_run_under_another_key_writes_nothin
 def test_an_operator_job_refuses_a_config_with_another_key(spark, tmp_path):
     platform = config_file(tmp_path, "[id]")
     paths = TablePaths.of(platform.warehouse_root, "t")
-    write_parquet_events(platform.landing_root, "t", H0, FIRST)
-    materialize(spark, platform.table("t"), platform.landing_root, platform.warehouse_root, [H0])
+    write_parquet_events(platform.landing_path, "t", H0, FIRST)
+    materialize(spark, platform.table("t"), platform.landing_path, platform.warehouse_root, [H0])
     before = versions(paths)
     changed = config_file(tmp_path, "[region]")
     result = (

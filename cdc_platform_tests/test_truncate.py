@@ -224,7 +224,7 @@ def test_the_dagster_job_truncate_table(spark, built, tmp_path):
         '  - name: orders\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    paths = build(built, platform.landing_root, platform.warehouse_root)
+    paths = build(built, platform.landing_path, platform.warehouse_root)
     defs = build_definitions(platform)
     instance = dg.DagsterInstance.ephemeral()
 

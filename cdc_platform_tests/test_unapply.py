@@ -270,8 +270,8 @@ def test_the_dagster_jobs_unapply_and_readmit(spark, tmp_path):
         '  - name: orders\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    land(platform.landing_root, deliveries())
-    materialize(spark, TABLE, platform.landing_root, platform.warehouse_root, [H0, H1, H2])
+    land(platform.landing_path, deliveries())
+    materialize(spark, TABLE, platform.landing_path, platform.warehouse_root, [H0, H1, H2])
     before = rows_of(platform.warehouse_root)
     defs = build_definitions(platform)
     instance = dg.DagsterInstance.ephemeral()

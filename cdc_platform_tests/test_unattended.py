@@ -54,7 +54,7 @@ def test_an_hour_landed_during_a_warehouse_outage_reaches_the_table_unattended(
     outage.parent.mkdir(parents=True)
     outage.write_text("storage is down")
     partition = hour_to_partition_key(hour)
-    write_parquet_events(platform.landing_root, "t", hour, [ev("INSERT", 1, hour, 1, v="landed")])
+    write_parquet_events(platform.landing_path, "t", hour, [ev("INSERT", 1, hour, 1, v="landed")])
 
     home = tmp_path / "home"
     home.mkdir()

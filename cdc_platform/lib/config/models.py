@@ -538,6 +538,14 @@ class PlatformConfig:
                             key,
                         )
 
+    @property
+    def landing_path(self) -> Path:
+        """The landing folder, for what only a folder has (the demo's generator, tests); a
+        bucket has none (the error names it)."""
+        if not isinstance(self.landing_root, Path):
+            raise ValueError(f"landing_root {self.landing_root} is a bucket, not a folder")
+        return self.landing_root
+
     def table(self, name: str) -> TableConfig:
         for table in self.tables:
             if table.name == name:

@@ -155,9 +155,7 @@ class S3Landing(LandingZone):
         """The bucket key of a name relative to the root."""
         return f"{self.prefix}/{relative}" if self.prefix else relative
 
-    def _list(
-        self, prefix: str, start_after: str = "", end: str = ""
-    ) -> Iterator[dict[str, Any]]:
+    def _list(self, prefix: str, start_after: str = "", end: str = "") -> Iterator[dict[str, Any]]:
         """Every object whose key starts with ``prefix`` (relative), after ``start_after`` and,
         given an ``end``, before it (the listing stops there)."""
         token: str | None = None

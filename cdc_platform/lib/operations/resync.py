@@ -135,15 +135,15 @@ class SnapshotReader(LandingReader):
         keyring: Keyring | None,
         at: datetime,
         seq: int,
-        source: LandingZone | None = None,
+        source: LandingZone | Path | None = None,
         known: Sequence[str] = (),
     ) -> None:
         super().__init__(table, landing_root, keyring)
         self.at = at
         self.seq = seq
         self.hide_values = True
-        if source is not None:
-            self.source = source
+        if source is not None:  # the snapshot's folder (or prefix): files open only below it
+            self.source = source if isinstance(source, LandingZone) else LocalZone(source)
         self.known = frozenset([*table.key, *table.columns, *CDC_COLUMNS, UNMODIFIED, *known])
 
     def label(self, name: str, position: int) -> str:
