@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -162,4 +164,17 @@ def run_operator_job(
             instance=dg.DagsterInstance.ephemeral(),
             raise_on_error=False,
         )
+    )
+
+
+def materialize_with_cli(
+    select: str, partition_range: str, env: Mapping[str, str], cwd: Path
+) -> subprocess.CompletedProcess[str]:
+    """The README's command in a process of its own: ``dagster asset materialize`` of the
+    ``select``ed assets over ``partition_range`` (``first...last``), one run."""
+    command = [str(Path(sys.executable).parent / "dagster"), "asset", "materialize"]
+    command += ["-m", "cdc_platform.definitions", "--select", select]
+    command += ["--partition-range", partition_range]
+    return subprocess.run(
+        command, env=dict(env), cwd=cwd, capture_output=True, text=True, timeout=900
     )

@@ -46,7 +46,12 @@ from cdc_platform.lib.history import invariants
 from cdc_platform.lib.landing.codecs import encode_file_bytes
 from cdc_platform.lib.landing.layout import hour_folder
 from cdc_platform.lib.storage.warehouse import TablePaths
-from cdc_platform_tests.helpers import dagster_resources, event, write_parquet_events
+from cdc_platform_tests.helpers import (
+    dagster_resources,
+    event,
+    materialize_with_cli,
+    write_parquet_events,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -298,24 +303,8 @@ def test_pipeline_on_a_standalone_cluster_equals_local_mode(
         "SPARK_CONF_DIR": str(_event_log_conf(remote)),
     }
     started = time.monotonic()
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "dagster"),
-            "asset",
-            "materialize",
-            "-m",
-            "cdc_platform.definitions",
-            "--select",
-            "orders,payments",
-            "--partition-range",
-            "...".join(RANGE),
-        ],
-        env=env,
-        cwd=remote,  # not the repository: nothing may depend on the working directory
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # cwd: not the repository: nothing may depend on the working directory
+    proc = materialize_with_cli("orders,payments", "...".join(RANGE), env, cwd=remote)
     wall = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(f"cluster run: {wall:.1f} s for the CLI process")

@@ -15,12 +15,9 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import boto3
 import dagster as dg
@@ -52,7 +49,7 @@ from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import EnvRef, Location
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.helpers import history_rows
+from cdc_platform_tests.helpers import history_rows, materialize_with_cli
 
 KEY_ID_ENV, SECRET_ENV = "CDC_TEST_LANDING_KEY_ID", "CDC_TEST_LANDING_SECRET"
 KEY_ID, SECRET = "landing-key-id", "landing-secret"
@@ -502,24 +499,8 @@ def test_the_demo_landed_in_a_bucket_equals_the_demo_on_disk(spark, zone, s3_end
         SECRET_ENV: SECRET,
     }
     first, last = hour_to_partition_key(hours[0]), hour_to_partition_key(hours[-1])
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "dagster"),
-            "asset",
-            "materialize",
-            "-m",
-            "cdc_platform.definitions",
-            "--select",
-            ",".join(t.name for t in on_bucket.tables),
-            "--partition-range",
-            f"{first}...{last}",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO_ROOT,
-    )
+    tables = ",".join(t.name for t in on_bucket.tables)
+    proc = materialize_with_cli(tables, f"{first}...{last}", env, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert SECRET not in proc.stdout + proc.stderr
 
