@@ -33,7 +33,11 @@ from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, evaluate
 from cdc_platform.lib.landing import object_store
 from cdc_platform.lib.landing.codecs import LandingFileError
-from cdc_platform.lib.landing.discovery import describe, unlisted_tables
+from cdc_platform.lib.landing.discovery import (
+    describe,
+    unlisted_tables,
+    with_discovered_tables,
+)
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.layout import BAD_KEY, IN_SUBFOLDER, hour_to_partition_key
 from cdc_platform.lib.landing.object_store import S3Landing
@@ -256,6 +260,13 @@ def test_an_archived_object_is_set_aside_and_a_failing_store_fails_the_run(zone,
     with pytest.raises(LandingUnavailableError, match="AccessDenied"):
         reader.inspect(listed.path)
 
+    def bad_request(operation, kwargs):  # S3's generic 400: the deployment's, not the file's
+        raise ClientError({"Error": {"Code": "InvalidRequest", "Message": "bad sig"}}, operation)
+
+    monkeypatch.setattr(zone, "_send", bad_request)
+    with pytest.raises(LandingUnavailableError, match="InvalidRequest"):
+        reader.inspect(listed.path)
+
 
 def test_paths_outside_the_root_are_refused(zone, bucket):
     good = f"{zone.root}/orders/year=2024/month=01/day=01/hour=00/x.parquet"
@@ -374,6 +385,7 @@ def test_a_resync_snapshot_and_the_cdc_it_replaces_both_on_the_bucket(spark, zon
     snap = _parquet([ev("INSERT", None, None, 1, v="resynced")])
     zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/part-0.parquet", Body=snap)
     zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/_SUCCESS", Body=b"")
+    zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/", Body=b"")  # a marker
     result = resync(
         spark,
         table,
@@ -397,6 +409,48 @@ def test_a_resync_snapshot_and_the_cdc_it_replaces_both_on_the_bucket(spark, zon
             resync(
                 spark, table, zone.location, warehouse, elsewhere, at, snapshot_roots=[snapshots]
             )
+
+
+def test_unapply_and_readmit_a_bucket_file(spark, zone, tmp_path):
+    """A file on the bucket un-applied by its URI leaves the history; re-admitted, its hour is
+    read from the bucket again and the history is what it was."""
+    table = _table()
+    warehouse = tmp_path / "wh"
+    hour = H0 + timedelta(hours=2)
+    _put(zone, f"{_folder('orders', hour)}/a.parquet", _events(hour, 1))
+    _put(zone, f"{_folder('orders', hour)}/b.parquet", _events(hour, 2))
+    materialize(spark, table, zone, warehouse, [hour])
+    history = TablePaths.of(warehouse, "orders").history
+    before = history_rows(history)
+    uri = f"{zone.root}/{_folder('orders', hour)}/b.parquet"
+    out = revocation.unapply(spark, table, zone, warehouse, [uri], "bad export", "run-1")
+    assert out.files == (f"{_folder('orders', hour)}/b.parquet",)
+    assert [r["id"] for r in history_rows(history)] == [1]
+    materialize(spark, table, zone, warehouse, [hour])  # the sensor's next run skips it
+    assert [r["id"] for r in history_rows(history)] == [1]
+    back = revocation.readmit(spark, table, zone, warehouse, [uri])
+    assert back.hours == (hour,)
+    assert history_rows(history) == before
+
+
+def test_a_load_during_an_outage_keeps_the_tables_discovered_before(tmp_path, monkeypatch):
+    """The code location loads while the bucket does not answer: a table the ``discover:``
+    template found before (its change log is in the warehouse) keeps its asset."""
+    from deltalake import write_deltalake
+
+    monkeypatch.setenv(KEY_ID_ENV, KEY_ID)
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    warehouse = tmp_path / "wh"
+    log = TablePaths.of(warehouse, "refunds").changelog
+    write_deltalake(log.uri, pa.table({"id": [1]}))
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"landing_root: s3://gone/landing\nwarehouse_root: {warehouse}\n"
+        "landing_storage_options: {aws_endpoint_url: 'http://127.0.0.1:9', aws_region: us-east-1}\n"
+        'discover: {primary_key: [id], start: "2024-01-01-00:00"}\n'
+    )
+    platform = load_config(config)
+    assert [t.name for t in with_discovered_tables(platform).tables] == ["refunds"]
 
 
 # -- config ----------------------------------------------------------------------------------------

@@ -70,9 +70,15 @@ def demo_config(endpoint: str, folder: Path) -> Path:
         "  aws_access_key_id: demo\n"
         f"  aws_secret_access_key: {{env: {SECRET_ENV}}}\n"
     )
-    warehouse = f"warehouse_root: {REPO_ROOT / 'data' / 'warehouse-s3'}"
-    text = text.replace("landing_root: data/landing\n", landing)
-    text = text.replace("warehouse_root: data/warehouse", warehouse)
+    for old, new in (
+        ("landing_root: data/landing\n", landing),
+        # Beside the demo's own warehouse: the config is in data/, and a relative path
+        # resolves against the config's folder.
+        ("warehouse_root: data/warehouse", "warehouse_root: warehouse-s3"),
+    ):
+        if old not in text:
+            raise SystemExit(f"cdc_platform.yaml no longer says {old.strip()!r}: update {__file__}")
+        text = text.replace(old, new)
     path = folder / "demo-s3.yaml"
     path.write_text(text)
     return path

@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -351,13 +351,16 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
         return platform
     taken = {t.name.lower() for t in platform.tables}
     derived = {current_table_name(t.name).lower(): t for t in platform.tables if t.current_table}
-    added: list[TableConfig] = []
+    # A table discovered before keeps its asset while the store does not answer: its change
+    # log in the warehouse says it was discovered (a load during an outage drops nothing).
+    written = cache(partial(_written_tables, platform))
     try:
-        unlisted = unlisted_tables(platform.landing_root, [t.name for t in platform.tables])
-    except LandingUnavailableError as exc:  # the bucket does not answer now: none added yet
-        _log.warning(f"discover: the landing zone cannot be listed ({exc}); no table added")
-        return platform
-    for name in unlisted:
+        names = unlisted_tables(platform.landing_root, [t.name for t in platform.tables])
+    except LandingUnavailableError as exc:  # the bucket does not answer now
+        _log.warning(f"discover: the landing zone cannot be listed ({exc})")
+        names = sorted(written())
+    added: list[TableConfig] = []
+    for name in names:
         if name.lower() in taken:
             continue
         owner = derived.get(name.lower())
@@ -365,18 +368,7 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
             _refuse_if_written(platform, name, owner)
             _log.warning(derived_name_reason(name, owner))
             continue
-        landing = LandingZone.of(platform.landing_root)
-        try:
-            first = _first_file(landing, name)
-            plain = (
-                first is not None
-                and sniff_encoding(
-                    first[1].path, partial(landing.open, first[1].path, first[1].file_id)
-                ).is_plain_parquet
-            )
-        except (OSError, LandingFileError, LandingUnavailableError):  # not added yet
-            plain = False
-        if not plain:
+        if not _plain_parquet(platform, name, written):
             continue
         taken.add(name.lower())
         added.append(
@@ -391,6 +383,42 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
     if not added:
         return platform
     return replace(platform, tables=(*platform.tables, *added))
+
+
+def _plain_parquet(platform: PlatformConfig, name: str, written: Callable[[], set[str]]) -> bool:
+    """Whether the table's first landing file is plain Parquet (the template's format); when
+    the store does not answer, whether the table was discovered and written before."""
+    landing = LandingZone.of(platform.landing_root)
+    try:
+        first = _first_file(landing, name)
+        return first is not None and (
+            sniff_encoding(
+                first[1].path, partial(landing.open, first[1].path, first[1].file_id)
+            ).is_plain_parquet
+        )
+    except (OSError, LandingFileError):  # unreadable or changing now: not added yet
+        return False
+    except LandingUnavailableError as exc:
+        kept = name in written()
+        _log.warning(f"discover: {name!r} cannot be looked at now ({exc}); kept: {kept}")
+        return kept
+
+
+def _written_tables(platform: PlatformConfig) -> set[str]:
+    """The tables with a change log in the warehouse (``_cdc/<table>/changelog``)."""
+    from pyarrow import fs as pafs
+
+    from cdc_platform.lib.storage import delta
+    from cdc_platform.lib.storage.stores import Location
+    from cdc_platform.lib.storage.warehouse import TablePaths
+
+    try:
+        system = Location.of(platform.warehouse_root) / "_cdc"
+        infos = system.filesystem().get_file_info(pafs.FileSelector("", allow_not_found=True))
+    except OSError:
+        return set()
+    names = {i.base_name for i in infos if i.type == pafs.FileType.Directory}
+    return {n for n in names if delta.exists(TablePaths.of(platform.warehouse_root, n).changelog)}
 
 
 def derived_name_reason(folder: str, owner: TableConfig) -> str:

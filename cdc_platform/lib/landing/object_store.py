@@ -52,6 +52,18 @@ _OBJECT_ERRORS = {
         "the object cannot be read as stored (encrypted with a customer-provided key, say)"
     ),
 }
+
+
+def _object_error(operation: str, code: str, message: str) -> str | None:
+    """Why one object's GET failed for reasons of its own, or None (then the store failed):
+    only a GET, and a generic ``InvalidRequest`` only when it is about the object's encryption."""
+    if operation != "get_object" or code not in _OBJECT_ERRORS:
+        return None
+    if code == "InvalidRequest" and "encrypt" not in message.lower():
+        return None
+    return _OBJECT_ERRORS[code]
+
+
 # A late object's last-modified time may be hours before it is listed (a multipart upload's
 # is when the upload began): the sweep looks again at hours touched this long before its mark.
 SWEEP_MARGIN_NS = 6 * 3600 * 1_000_000_000
@@ -141,8 +153,9 @@ class S3Landing(LandingZone):
                 raise LandingFileError(CHANGED) from None
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise FileNotFoundError(f"{self.root}: {kwargs.get('Key', '')} is gone") from None
-            if code in _OBJECT_ERRORS:  # this object only (archived, a customer's own key)
-                raise LandingFileError(_OBJECT_ERRORS[code]) from None
+            reason = _object_error(operation, code, str(error.get("Message", "")))
+            if reason is not None:  # this object only (archived, a customer's own key)
+                raise LandingFileError(reason) from None
             raise LandingUnavailableError(
                 f"{operation} on {self.root} failed: {code} {error.get('Message', '')}".strip()
             ) from None
@@ -286,6 +299,8 @@ class S3Landing(LandingZone):
         found = {}
         for obj in self._list(""):
             rel = self._relative_key(obj["Key"])
+            if rel.endswith("/"):  # a folder's marker object
+                continue
             if all(layout.is_data_file(part) for part in rel.split("/") if part not in ("", ".")):
                 file = self._file(obj)
                 found[file.path] = file.file_id

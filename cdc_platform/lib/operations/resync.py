@@ -222,7 +222,10 @@ def resync(
         raise ResyncError(str(exc)) from None
     source = snapshot_source(folder, landing_root)
     if not source.exists():
-        raise ResyncError(f"{folder}: no such folder (the snapshot is a folder of files)")
+        raise ResyncError(
+            f"{folder}: no such folder, or it cannot be listed (the snapshot is a folder of"
+            " files; an s3:// prefix is read with the landing zone's storage options)"
+        )
     listed = source.all_files()
     files = list(listed)
     if not files:
