@@ -299,7 +299,7 @@ class S3Landing(LandingZone):
         found = {}
         for obj in self._list(""):
             rel = self._relative_key(obj["Key"])
-            if rel.endswith("/"):  # a folder's marker object
+            if not rel or rel.endswith("/"):  # a folder's marker object (the root's too)
                 continue
             if all(layout.is_data_file(part) for part in rel.split("/") if part not in ("", ".")):
                 file = self._file(obj)
