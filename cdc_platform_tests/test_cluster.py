@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -41,6 +40,7 @@ from deltalake import DeltaTable
 
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.demo.s3 import free_port
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.landing.codecs import encode_file_bytes
@@ -75,12 +75,6 @@ tables:
     encryption: aes-256-cbc
     columns: {payment_id: long, amount: double, status: string}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -132,7 +126,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     env |= {"SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1"}
     env.pop("PYTHONPATH", None)
     spark_class = str(SPARK_HOME / "bin" / "spark-class")
-    port, ui = _free_port(), _free_port()
+    port, ui = free_port(), free_port()
     procs = [
         _start(
             [
@@ -172,7 +166,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                         "--work-dir",
                         str(work),
                         "--webui-port",
-                        str(_free_port()),
+                        str(free_port()),
                         "--properties-file",
                         str(props),
                         url,

@@ -24,7 +24,8 @@ BUCKET = "demo-landing"
 SECRET_ENV = "CDC_DEMO_S3_SECRET"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -37,7 +38,7 @@ def local_s3_server() -> Iterator[str]:
     Not moto's ThreadedMotoServer inside the calling process: a delta-rs call that holds the
     GIL while it waits for the server (arro3's ``read_all`` does) would wait for ever on a
     server thread that needs the GIL to answer."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

@@ -74,31 +74,22 @@ def hour_to_partition_key(hour: datetime) -> str:
     return hour.astimezone(UTC).strftime(PARTITION_FORMAT)
 
 
-def hour_folder(landing_root: Path, table: str, hour: datetime) -> Path:
+def folder_spellings(table: str, hour: datetime) -> list[str]:
+    """The hour folder's name below the root (``/``-separated): zero-padded as the layout
+    says, then the unpadded spelling some exporters use (when it differs)."""
     h = hour.astimezone(UTC)
-    return (
-        Path(landing_root)
-        / table
-        / f"year={h.year:04d}"
-        / f"month={h.month:02d}"
-        / f"day={h.day:02d}"
-        / f"hour={h.hour:02d}"
-    )
+    padded = f"{table}/year={h.year:04d}/month={h.month:02d}/day={h.day:02d}/hour={h.hour:02d}"
+    unpadded = f"{table}/year={h.year}/month={h.month}/day={h.day}/hour={h.hour}"
+    return [padded] if unpadded == padded else [padded, unpadded]
+
+
+def hour_folder(landing_root: Path, table: str, hour: datetime) -> Path:
+    return Path(landing_root) / folder_spellings(table, hour)[0]
 
 
 def _folder_variants(landing_root: Path, table: str, hour: datetime) -> list[Path]:
     """The zero-padded folder of the spec, plus the unpadded spelling some exporters use."""
-    h = hour.astimezone(UTC)
-    padded = hour_folder(landing_root, table, h)
-    unpadded = (
-        Path(landing_root)
-        / table
-        / f"year={h.year}"
-        / f"month={h.month}"
-        / f"day={h.day}"
-        / f"hour={h.hour}"
-    )
-    return [padded] if unpadded == padded else [padded, unpadded]
+    return [Path(landing_root) / name for name in folder_spellings(table, hour)]
 
 
 def is_data_file(name: str) -> bool:

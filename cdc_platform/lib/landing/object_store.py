@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, BinaryIO
 
 from cdc_platform.lib.landing import layout
@@ -212,7 +212,7 @@ class S3Landing(LandingZone):
 
     def files_in_hour(self, table: str, hour: datetime) -> list[LandingFile]:
         found: list[LandingFile] = []
-        for folder in _spellings(table, hour):
+        for folder in layout.folder_spellings(table, hour):
             for obj in self._list(folder + "/"):
                 file = self._hour_file(obj, len(folder) + 1)
                 if file is not None:
@@ -228,7 +228,7 @@ class S3Landing(LandingZone):
         hours = list(layout.hours_between(first, last))
         if not hours:
             return {}
-        spellings = [s for h in hours for s in _spellings(table, h)]
+        spellings = [s for h in hours for s in layout.folder_spellings(table, h)]
         end = max(spellings) + "0"  # just past every key below the last folder ("/" + 1)
         by_hour = self._by_hour(self._list(table + "/", start_after=min(spellings), end=end))
         wanted = set(hours)
@@ -251,7 +251,7 @@ class S3Landing(LandingZone):
             parts = self._relative_key(obj["Key"]).split("/")
             hour = hour_of_key(parts[1:5])
             folder = "/".join(parts[:5])
-            if hour is None or folder not in _spellings(parts[0], hour):
+            if hour is None or folder not in layout.folder_spellings(parts[0], hour):
                 continue
             file = self._hour_file(obj, len(folder) + 1)
             if file is not None:
@@ -345,14 +345,6 @@ class S3Landing(LandingZone):
         except (LandingFileError, FileNotFoundError):
             return True
         return expected is not None and bool(expected.etag) and now.get("ETag") != expected.etag
-
-
-def _spellings(table: str, hour: datetime) -> list[str]:
-    """The hour folder's relative key, zero-padded as the layout says, and unpadded."""
-    h = hour.astimezone(UTC)
-    padded = f"{table}/year={h.year:04d}/month={h.month:02d}/day={h.day:02d}/hour={h.hour:02d}"
-    unpadded = f"{table}/year={h.year}/month={h.month}/day={h.day}/hour={h.hour}"
-    return [padded] if padded == unpadded else [padded, unpadded]
 
 
 def _client(location: Location) -> Any:
