@@ -587,3 +587,32 @@ def _key(h: int) -> str:
 
 def _keys(requests) -> set[str]:
     return {k for r in requests for k in r.partition_keys}
+
+
+def test_a_snapshot_key_that_cannot_be_named_refuses_the_whole_resync(spark, zone, tmp_path):
+    """A snapshot key with a ``..`` segment cannot be read safely, and skipping it would close
+    its keys: the re-sync is refused, naming it, and the history keeps its live keys."""
+    table = _table()
+    warehouse = tmp_path / "wh"
+    hour = H0 + timedelta(hours=1)
+    _put(zone, f"{_folder('orders', hour)}/p.parquet", _events(hour, 1, 2))
+    materialize(spark, table, zone, warehouse, [hour])
+    bucket_root = zone.root.rsplit("/", 1)[0]
+    snapshots = Location(f"{bucket_root}/snapshots", zone.location.options)
+    snap = _parquet([ev("INSERT", None, None, 1, v="resynced")])
+    zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/part-0.parquet", Body=snap)
+    zone.client.put_object(
+        Bucket=zone.bucket, Key="snapshots/orders/x/../part-1.parquet", Body=snap
+    )
+    with pytest.raises(ResyncError, match=r"x/\.\./part-1\.parquet: the object's key has"):
+        resync(
+            spark,
+            table,
+            zone.location,
+            warehouse,
+            f"{snapshots.uri}/orders",
+            H0 + timedelta(hours=3),
+            snapshot_roots=[snapshots],
+        )
+    rows = history_rows(TablePaths.of(warehouse, "orders").history)
+    assert [(r["id"], r["_fivetran_active"]) for r in rows] == [(1, True), (2, True)]

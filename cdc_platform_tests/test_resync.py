@@ -4,6 +4,7 @@ events afterwards, a replay, refused snapshots, and the ``resync_table`` job."""
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -317,3 +318,97 @@ def test_the_dagster_job_resync_table(spark, tmp_path: Path):
     passed = mat.metadata["checks_passed"].value
     assert isinstance(passed, list) and len(passed) == len(invariants.CHECK_NAMES)
     assert ("b", 5, D2, R, False) in rows_of(paths)
+
+
+def _symlinked_file(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (folder.parent / "elsewhere.parquet").write_bytes((folder / "part-0.parquet").read_bytes())
+    (folder / "part-1.parquet").symlink_to(folder.parent / "elsewhere.parquet")
+
+
+def _symlinked_folder(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (folder.parent / "more").mkdir()
+    (folder / "more").symlink_to(folder.parent / "more")
+
+
+def _special_file(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    os.mkfifo(folder / "part-1.parquet")
+
+
+def _unlistable_folder(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As root no permission stops a listing, so the listing's failure is injected."""
+    (folder / "more").mkdir()
+    real = os.scandir
+
+    def scandir(path):
+        if os.path.basename(path) == "more":
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr("cdc_platform.lib.landing.zone.os.scandir", scandir)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (_symlinked_file, r"part-1.parquet: a symbolic link"),
+        (_symlinked_folder, r"more: a symbolic link"),
+        (_special_file, r"part-1.parquet: not a regular file"),
+        (_unlistable_folder, r"more: cannot be listed \(Permission denied\)"),
+    ],
+)
+def test_a_snapshot_entry_that_is_not_a_data_file_refuses_the_whole_resync(
+    spark, lake, monkeypatch, make, message
+):
+    """A re-sync closes every key its snapshot lacks: an entry it cannot read as a data file
+    (a link, a special file, a folder it cannot list) would close that entry's keys, so the
+    whole re-sync is refused, naming it, and nothing is written."""
+    paths = build(spark, lake["landing"], lake["warehouse"])
+    seen = versions(paths)
+    folder = snapshot(lake["root"], {"id": ["a"], "counter": [30]})
+    make(folder, monkeypatch)
+    with pytest.raises(ResyncError, match=message + r"; the snapshot is read whole"):
+        resync(
+            spark,
+            TABLE,
+            lake["landing"],
+            lake["warehouse"],
+            folder,
+            R,
+            snapshot_roots=[lake["root"]],
+        )
+    assert versions(paths) == seen
+
+
+def test_the_resync_table_job_refuses_a_snapshot_with_a_symlinked_file(spark, tmp_path: Path):
+    """Through the job: a snapshot of two files whose second is a symlink fails the run and
+    closes no key (the second file's key ``b`` stays live)."""
+    (tmp_path / "cdc_platform.yaml").write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\nsnapshot_roots: [snapshot]\ntables:\n"
+        '  - name: t\n    primary_key: [id]\n    start: "2020-01-02-00:00"\n'
+    )
+    platform = load_config(tmp_path / "cdc_platform.yaml")
+    paths = build(spark, platform.landing_path, platform.warehouse_root)
+    before = rows_of(paths)
+    folder = snapshot(tmp_path, {"id": ["a"], "counter": [30]})
+    pq.write_table(pa.table({"id": ["b"], "counter": [5]}), tmp_path / "b.parquet")
+    (folder / "part-1.parquet").symlink_to(tmp_path / "b.parquet")
+    result = (
+        build_definitions(platform)
+        .resolve_job_def("resync_table")
+        .execute_in_process(
+            run_config={
+                "ops": {
+                    "resync": {
+                        "config": {"table": "t", "snapshot": str(folder), "at": R.isoformat()}
+                    }
+                }
+            },
+            resources=dagster_resources(),
+            instance=dg.DagsterInstance.ephemeral(),
+            raise_on_error=False,
+        )
+    )
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    assert "part-1.parquet: a symbolic link" in str(failure.step_failure_data.error)
+    assert rows_of(paths) == before

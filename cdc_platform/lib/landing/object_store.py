@@ -28,6 +28,7 @@ from cdc_platform.lib.landing.codecs import LandingFileError
 from cdc_platform.lib.landing.layout import BAD_KEY, IN_SUBFOLDER, LandingFile
 from cdc_platform.lib.landing.safe_open import CHANGED, FileId
 from cdc_platform.lib.landing.zone import (
+    IncompleteSnapshotError,
     LandingUnavailableError,
     LandingZone,
     PinnedObject,
@@ -301,7 +302,10 @@ class S3Landing(LandingZone):
             rel = self._relative_key(obj["Key"])
             if not rel or rel.endswith("/"):  # a folder's marker object (the root's too)
                 continue
-            if all(layout.is_data_file(part) for part in rel.split("/") if part not in ("", ".")):
+            parts = rel.split("/")
+            if any(part in ("", ".", "..") for part in parts):
+                raise IncompleteSnapshotError(f"{self.root}/{rel}", BAD_KEY)
+            if all(layout.is_data_file(part) for part in parts):
                 file = self._file(obj)
                 found[file.path] = file.file_id
         return dict(sorted(found.items()))

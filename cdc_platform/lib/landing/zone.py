@@ -35,6 +35,16 @@ class LandingUnavailableError(RuntimeError):
     aside."""
 
 
+class IncompleteSnapshotError(ValueError):
+    """A snapshot entry that is neither a data file nor a marker (a symlink, a folder that
+    cannot be listed, a special file, a key that cannot be named safely). A re-sync closes
+    every key its snapshot lacks, so a snapshot is read whole or not at all (HISTORY_MODE.md,
+    re-sync): skipping the entry would close the keys it holds."""
+
+    def __init__(self, entry: str, why: str) -> None:
+        super().__init__(f"{entry}: {why}; the snapshot is read whole or not at all")
+
+
 class LandingZone(ABC):
     """Where a deployment's landing files are; ``root`` names it (a path or a URI)."""
 
@@ -102,7 +112,9 @@ class LandingZone(ABC):
     @abstractmethod
     def all_files(self) -> dict[str, FileId]:
         """Every data file below the root, at any depth, with the file it is now (a re-sync
-        snapshot's folder: markers and hidden files left out, links never followed)."""
+        snapshot's folder: markers and hidden entries left out, ``layout.is_data_file``).
+        Raises IncompleteSnapshotError for any other entry that is not a data file: a link,
+        a folder it cannot list, a special file, a key it cannot name."""
 
     @abstractmethod
     def table_files(self, table: str) -> set[str]:
@@ -175,15 +187,34 @@ class LocalZone(LandingZone):
         return [e.name for e in entries if not e.is_symlink() and e.is_dir(follow_symlinks=False)]
 
     def all_files(self) -> dict[str, FileId]:
-        found = {}
-        for parent, dirs, names in os.walk(self.root):
-            dirs[:] = sorted(d for d in dirs if layout.is_data_file(d))
-            for name in sorted(names):
-                path = os.path.join(parent, name)
-                st = os.lstat(path)
-                if layout.is_data_file(name) and stat.S_ISREG(st.st_mode):
-                    found[path] = FileId.of(st)
-        return found
+        found: dict[str, FileId] = {}
+        folders = [self.root]
+        while folders:
+            folder = folders.pop()
+            try:
+                with os.scandir(folder) as it:
+                    entries = [e for e in it if layout.is_data_file(e.name)]
+            except OSError as exc:
+                raise IncompleteSnapshotError(self._shown(folder), _cannot_list(exc)) from None
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError as exc:
+                    raise IncompleteSnapshotError(
+                        self._shown(entry.path), _cannot_list(exc)
+                    ) from None
+                if stat.S_ISDIR(st.st_mode):
+                    folders.append(entry.path)
+                elif stat.S_ISREG(st.st_mode):
+                    found[entry.path] = FileId.of(st)
+                else:
+                    what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else layout.NOT_A_FILE
+                    raise IncompleteSnapshotError(self._shown(entry.path), what)
+        return dict(sorted(found.items()))
+
+    def _shown(self, path: str) -> str:
+        """An entry as an error names it: below the root, escaped where not UTF-8."""
+        return layout.printable_path(os.path.relpath(path, self.root))
 
     def table_files(self, table: str) -> set[str]:
         found = set()
@@ -313,3 +344,7 @@ __all__ = [
     "LocalZone",
     "PinnedObject",
 ]
+
+
+def _cannot_list(exc: OSError) -> str:
+    return f"cannot be listed ({exc.strerror or type(exc).__name__})"

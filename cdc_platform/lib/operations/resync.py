@@ -66,7 +66,7 @@ from cdc_platform.lib.landing.reading import (
     with_row_id,
 )
 from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
-from cdc_platform.lib.landing.zone import LandingZone, LocalZone
+from cdc_platform.lib.landing.zone import IncompleteSnapshotError, LandingZone, LocalZone
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
 from cdc_platform.lib.pipeline import to_ms
@@ -226,7 +226,10 @@ def resync(
             f"{folder}: no such folder, or it cannot be listed (the snapshot is a folder of"
             " files; an s3:// prefix is read with the landing zone's storage options)"
         )
-    listed = source.all_files()
+    try:
+        listed = source.all_files()
+    except IncompleteSnapshotError as exc:
+        raise ResyncError(f"the snapshot was not applied: {exc}") from None
     files = list(listed)
     if not files:
         raise ResyncError(
