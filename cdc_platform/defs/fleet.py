@@ -10,12 +10,17 @@ own step and its own commit, so a failing table fails its step and no other.
 
 **State.** A table's cursor (``CursorState``) is kept in the instance's key-value store
 (Dagster's daemon-cursor storage, in the instance's database), written only when it changed,
-so a tick writes bytes for what moved, not for 500 cursors. The sensor's own cursor holds an
+so a tick writes bytes for what moved, not for 500 cursors. It is written as soon as the
+table's share of the tick is done, with where the next tick starts: a tick that dies later
+(a timeout, a killed daemon) keeps every table's progress made before. The sensor's own cursor holds an
 epoch and where the next tick starts: resetting it from the UI starts a new epoch, and every
 table is seeded again from its applied-files ledger, as a reset per-table sensor is.
 
 **Bounds.** A tick stops taking up tables after ``budget_seconds`` (a sensor evaluation must
-answer within Dagster's 60 s); the next tick starts where this one stopped. A table whose share
+answer within Dagster's 60 s); the next tick starts where this one stopped. Each table lists
+at most ``sensor_cursor.LIST_REQUESTS_PER_TICK`` pages, and not past that deadline (a first
+sweep or seeding of a large table goes on over several ticks), so no table holds up the
+others. A table whose share
 of the tick raises is logged, names its error, and is looked at again next tick; the others go
 on. A landing root that cannot be listed fails the tick, as it fails a per-table sensor's.
 
@@ -49,7 +54,7 @@ from cdc_platform.defs.sensors import (
     utcnow,
 )
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.fleet.sensor_cursor import BatchRequest, CursorState, batch
+from cdc_platform.lib.fleet.sensor_cursor import BatchRequest, CursorState, batch, tick_budget
 from cdc_platform.lib.landing.zone import Landing
 from cdc_platform.lib.storage.stores import Where
 
@@ -87,6 +92,11 @@ class FleetCursor:
     def key(self, table: str) -> str:
         """The table's key in the instance's key-value store."""
         return f"cdc_platform/landing/{self.epoch}/{table}"
+
+    @property
+    def position_key(self) -> str:
+        """Where the next tick starts, as saved table by table (no table is named ``_``...)."""
+        return self.key("_next")
 
 
 def batch_run_request(request: BatchRequest) -> dg.RunRequest:
@@ -134,6 +144,32 @@ def _store(
     for pairs in (new, known):
         if pairs:
             instance.run_storage.set_cursor_values(pairs)
+
+
+def _start(cursor: FleetCursor, stored: Mapping[str, str]) -> int:
+    """Where this tick starts: the position saved table by table (a tick that died went that
+    far), else the sensor cursor's."""
+    try:
+        return int(stored.get(cursor.position_key) or cursor.start)
+    except ValueError:
+        return cursor.start
+
+
+def _save(
+    instance: dg.DagsterInstance,
+    stored: dict[str, str],
+    cursor: FleetCursor,
+    table: str,
+    state: CursorState,
+    position: str,
+) -> None:
+    """The table's cursor, if it changed, with where the next tick starts (one write)."""
+    raw = state.to_json()
+    if raw == stored.get(cursor.key(table)):
+        return
+    changed = {cursor.key(table): raw, cursor.position_key: position}
+    _store(instance, changed, stored)
+    stored.update(changed)
 
 
 def _stored_state(
@@ -189,13 +225,15 @@ def build_fleet_landing_sensor(
             # The epoch is stored first, alone: a first tick that fails or times out while it
             # seeds 500 tables then resumes the same epoch, not a new one every tick.
             return dg.SensorResult(cursor=cursor.to_json(), skip_reason="a new cursor epoch")
-        stored = context.instance.run_storage.get_cursor_values({cursor.key(n) for n in names})
+        keys = {cursor.key(n) for n in names} | {cursor.position_key}
+        stored = dict(context.instance.run_storage.get_cursor_values(keys))
+        start = _start(cursor, stored) % len(names)
         ticks, looked_at = _tick_tables(
-            context, cursor, stored, now, time.monotonic() + budget_seconds
+            context, cursor, start, stored, now, time.monotonic() + budget_seconds
         )
-        states = {cursor.key(name): tick.state.to_json() for name, tick in ticks.items()}
-        changed = {key: raw for key, raw in states.items() if raw != stored.get(key)}
-        _store(context.instance, changed, stored)
+        position = {cursor.position_key: str((start + looked_at) % len(names))}
+        if stored.get(cursor.position_key, str(start)) != position[cursor.position_key]:
+            _store(context.instance, position, stored)
         batches = batch(
             {name: tick.requests for name, tick in ticks.items()},
             {name: by_name[name].start_partition_key for name in ticks},
@@ -206,7 +244,7 @@ def build_fleet_landing_sensor(
             context.log.info(f"{looked_at} of {len(names)} tables looked at in this tick")
         return dg.SensorResult(
             run_requests=run_requests,
-            cursor=FleetCursor(cursor.epoch, (cursor.start + looked_at) % len(names)).to_json(),
+            cursor=FleetCursor(cursor.epoch, int(position[cursor.position_key])).to_json(),
             skip_reason=None if run_requests else "no new or changed hour folders",
             asset_events=[o for tick in ticks.values() for o in tick.observations],
         )
@@ -214,14 +252,16 @@ def build_fleet_landing_sensor(
     def _tick_tables(
         context: dg.SensorEvaluationContext,
         cursor: FleetCursor,
-        stored: Mapping[str, str],
+        start: int,
+        stored: dict[str, str],
         now: datetime,
         deadline: float,
     ) -> tuple[dict[str, TableTick], int]:
-        """Each table's share, from where the last tick stopped, until the deadline."""
+        """Each table's share, from where the last tick stopped, until the deadline; each
+        table's cursor saved as soon as its share is done."""
         in_flight = InFlight(context.instance)
         ticks: dict[str, TableTick] = {}
-        order = names[cursor.start % len(names) :] + names[: cursor.start % len(names)]
+        order = names[start:] + names[:start]
         looked_at = 0
         for name in order:
             if looked_at and time.monotonic() > deadline:
@@ -239,7 +279,10 @@ def build_fleet_landing_sensor(
                     now,
                     in_flight,
                     end_offsets[name],
+                    tick_budget(deadline - time.monotonic()),
                 )
+                position = str((start + looked_at) % len(names))
+                _save(context.instance, stored, cursor, name, ticks[name].state, position)
             except Exception as exc:  # one table's trouble never stops the others
                 context.log.error(
                     f"{name}: its landing folders could not be looked at "

@@ -22,6 +22,7 @@ import dagster as dg
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import (
+    AppliedLookup,
     CursorState,
     HourRange,
     PartitionRequest,
@@ -31,14 +32,14 @@ from cdc_platform.lib.fleet.sensor_cursor import (
     evaluate,
     postponed,
     reconcile,
-    seed_state,
+    tick_budget,
 )
 from cdc_platform.lib.landing.layout import (
     hour_to_partition_key,
     hours_between,
     partition_key_to_hour,
 )
-from cdc_platform.lib.landing.zone import Landing, LandingZone
+from cdc_platform.lib.landing.zone import Landing, LandingZone, ListBudget
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Where
 
@@ -97,25 +98,29 @@ def tick_table(
     now: datetime,
     in_flight: Callable[[str], Collection[str]],
     end_offset: int = 0,
+    budget: ListBudget | None = None,
 ) -> TableTick:
     """What either landing sensor does for one table: a missing ``state`` (a first tick, a
-    reset cursor) is seeded from the files the table's materializations already read
-    (``lib.ledgers.applied_files``): only folders holding a file never read are requested. Then the
-    new or changed folders, and the pending hours whose backoff ran out (no hour left behind).
-    ``in_flight``: table name -> the partitions its queued or running runs will apply."""
+    reset cursor) is seeded, as its first sweep lists the table, from the files the table's
+    materializations already read (``lib.ledgers.applied_files``): only folders holding a file
+    never read are requested. Then the new or changed folders, and the pending hours whose
+    backoff ran out (no hour left behind). ``in_flight``: table name -> the partitions its
+    queued or running runs will apply. ``budget``: what the tick may list on a bucket
+    (``sensor_cursor.tick_budget``); a sweep or a check past it goes on next tick."""
     fresh = state is None
+    budget = budget or tick_budget()
+    applied = None if warehouse_root is None else _ledger_lookup(warehouse_root, table)
     if state is None:
         state = CursorState()
-        if warehouse_root is not None:
-            done = applied_files.applied(applied_files.ledger_path(warehouse_root, table.name))
-            state = seed_state(table, landing_root, now, done, end_offset=end_offset)
-            context.log.info(
-                f"{table.name}: empty cursor; {len(state.folders)} hour folder(s) already applied"
-            )
-    requests, new_state = evaluate(table, landing_root, now, state, end_offset=end_offset)
+        context.log.info(f"{table.name}: empty cursor; seeding it from the applied-files ledger")
+    requests, new_state = evaluate(
+        table, landing_root, now, state, end_offset=end_offset, applied=applied, budget=budget
+    )
+    if new_state.sweep is not None:
+        context.log.info(f"{table.name}: the sweep's listing budget is spent; it goes on next tick")
     if warehouse_root is not None and due_for_check(table, new_state, now):
         retries, new_state = _reconcile(
-            context, table, landing_root, warehouse_root, new_state, now, in_flight
+            context, table, landing_root, warehouse_root, new_state, now, in_flight, budget
         )
         requests += retries
     for request in requests:
@@ -126,6 +131,12 @@ def tick_table(
     # After a reset cursor, always: the last report may no longer hold.
     observations = _backlog_observation(table, None if fresh else state, new_state, now)
     return TableTick(requests, new_state, observations)
+
+
+def _ledger_lookup(warehouse_root: Where, table: TableConfig) -> AppliedLookup:
+    """The applied-files ledger's rows for some partitions (its public, filtered read)."""
+    path = applied_files.ledger_path(warehouse_root, table.name)
+    return partial(applied_files.applied_by_partition, path)
 
 
 def build_landing_sensor(
@@ -211,6 +222,7 @@ def _reconcile(
     state: CursorState,
     now: datetime,
     in_flight: Callable[[str], Collection[str]],
+    budget: ListBudget,
 ) -> tuple[list[PartitionRequest], CursorState]:
     """The due pending hours against the applied-files ledger and the table's runs in flight
     (one ledger read and one run query, only on ticks where some hour is due)."""
@@ -226,7 +238,7 @@ def _reconcile(
         )
         return [], postponed(state, due, now)
     flying = in_flight(table.name)
-    requests, state = reconcile(table, landing_root, now, state, applied, flying)
+    requests, state = reconcile(table, landing_root, now, state, applied, flying, budget=budget)
     if requests:
         keys = [k for r in requests for k in r.partition_keys]
         context.log.warning(

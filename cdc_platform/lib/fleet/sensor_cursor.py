@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
@@ -38,8 +38,16 @@ from cdc_platform.lib.landing.layout import (
     hours_between,
     partition_key_to_hour,
 )
-from cdc_platform.lib.landing.zone import Landing, LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.zone import (
+    Landing,
+    LandingUnavailableError,
+    LandingZone,
+    ListBudget,
+)
 from cdc_platform.lib.ledgers import applied_files
+
+# partition keys -> the (file, size, mtime_ns) the applied-files ledger records for each.
+AppliedLookup = Callable[[Collection[str]], Mapping[str, Collection[applied_files.FileIdentity]]]
 
 REASON_NEW_FOLDER = "new folder"
 REASON_NEW_FILES = "new files in folder"
@@ -55,6 +63,18 @@ MAX_PENDING = 5000
 
 # A huge backfill becomes a few single-run range requests instead of one giant run.
 MAX_RANGE_HOURS = 48
+
+# What one table's tick may list on a bucket (``ListBudget``): the sweep (and the first
+# tick's seeding, which is the first sweep) and the check of pending hours go on next tick
+# where this one stopped. 100 pages are 100,000 keys, a few seconds of S3.
+LIST_REQUESTS_PER_TICK = 100
+LIST_SECONDS_PER_TICK = 20.0
+
+
+def tick_budget(seconds: float = LIST_SECONDS_PER_TICK) -> ListBudget:
+    """A table's listing budget for one tick."""
+    return ListBudget(LIST_REQUESTS_PER_TICK, min(seconds, LIST_SECONDS_PER_TICK))
+
 
 _CURSOR_VERSION = 1
 
@@ -72,18 +92,20 @@ class CursorState:
     swept_mtime_ns: int = 0
     # Hours requested and not yet seen applied: partition key -> ``Pending``.
     pending: dict[str, Pending] = field(default_factory=dict)
+    # A sweep under way over several ticks (its budget spent), or None.
+    sweep: SweepProgress | None = None
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "v": _CURSOR_VERSION,
-                "folders": dict(sorted(self.folders.items())),
-                "last_sweep_started": self.last_sweep_started,
-                "swept_mtime_ns": self.swept_mtime_ns,
-                "pending": {k: list(p) for k, p in sorted(self.pending.items())},
-            },
-            separators=(",", ":"),
-        )
+        data: dict[str, Any] = {
+            "v": _CURSOR_VERSION,
+            "folders": dict(sorted(self.folders.items())),
+            "last_sweep_started": self.last_sweep_started,
+            "swept_mtime_ns": self.swept_mtime_ns,
+            "pending": {k: list(p) for k, p in sorted(self.pending.items())},
+        }
+        if self.sweep is not None:
+            data["sweep"] = self.sweep.to_dict()
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | None) -> CursorState:
@@ -104,6 +126,40 @@ class CursorState:
                 str(k): Pending(str(v[0]), float(v[1]), float(v[2]), int(v[3]))
                 for k, v in (data.get("pending") or {}).items()
             },
+            sweep=SweepProgress.from_dict(data["sweep"]) if data.get("sweep") else None,
+        )
+
+
+@dataclass(frozen=True)
+class SweepProgress:
+    """A full sweep that resumes on the next tick: where its listing goes on, the wall clock
+    at its start and the newest mtime it saw so far (its mark, once done), whether it is the
+    cursor's first (it requests with ``REASON_INITIAL`` and seeds from the ledger), and the
+    old hours it saw whose newest file may end above its mark (key -> newest mtime)."""
+
+    after: str
+    wall_ns: int
+    seen_ns: int = 0
+    initial: bool = False
+    recent: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "after": self.after,
+            "wall_ns": self.wall_ns,
+            "seen_ns": self.seen_ns,
+            "initial": self.initial,
+            "recent": dict(sorted(self.recent.items())),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SweepProgress:
+        return cls(
+            after=str(data["after"]),
+            wall_ns=int(data["wall_ns"]),
+            seen_ns=int(data.get("seen_ns") or 0),
+            initial=bool(data.get("initial")),
+            recent={str(k): int(v) for k, v in (data.get("recent") or {}).items()},
         )
 
 
@@ -141,24 +197,34 @@ def reconcile(
     in_flight: Collection[str],
     *,
     max_range_hours: int = MAX_RANGE_HOURS,
+    budget: ListBudget | None = None,
 ) -> tuple[list[PartitionRequest], CursorState]:
     """The due pending hours (``due_for_check``) settled: dropped when the ledger's rows for
     the hour (``applied``: partition -> (file, size, mtime_ns)) cover every file in its folder,
-    left waiting when a run for it is ``in_flight``, else requested again (backoff doubled)."""
+    left waiting when a run for it is ``in_flight``, else requested again (backoff doubled).
+    On a bucket their folders are listed a day folder at a time (``files_of_hours``) until
+    ``budget`` is spent; the hours not listed stay due for the next tick."""
     at = _as_utc(now).timestamp()
     landing = LandingZone.of(landing_root)
     pending = dict(state.pending)
     wanted: dict[str, tuple[str, str]] = {}
-    for key in due_for_check(table, state, now):
+    due = due_for_check(table, state, now)
+    for key in [k for k in due if partition_key_to_hour(k) < table.start]:
+        del pending[key]  # the table's start moved past it
+    due = [k for k in due if k in pending]
+    try:
+        listed, looked = landing.files_of_hours(
+            table.name, [partition_key_to_hour(k) for k in due], budget
+        )
+    except (OSError, LandingUnavailableError):  # looked at again after the backoff
+        kept = replace(state, pending=pending)
+        return [], postponed(kept, due, now)
+    for key in due:
+        hour = partition_key_to_hour(key)
+        if hour not in looked:  # the budget is spent: still due next tick
+            continue
         p = pending[key]
-        if partition_key_to_hour(key) < table.start:  # the table's start moved past it
-            del pending[key]
-            continue
-        try:
-            files = landing.files_in_hour(table.name, partition_key_to_hour(key))
-        except (OSError, LandingUnavailableError):  # looked at again after the backoff
-            pending[key] = p._replace(last_checked=at)
-            continue
+        files = listed.get(hour, [])
         done = {applied_files.identity(landing, f) for f in files} <= set(applied.get(key, ()))
         if not files or done:
             del pending[key]
@@ -257,33 +323,9 @@ def lookback_window(
     return first, last
 
 
-def seed_state(
-    table: TableConfig,
-    landing_root: Landing,
-    now: datetime,
-    applied: Collection[tuple[str, int, int]],
-    *,
-    end_offset: int = 0,
-) -> CursorState:
-    """The starting cursor when there is none: every hour folder whose current files were all
-    applied already (``applied``: (landing-relative path, size, mtime_ns) of each file read) is
-    remembered with its fingerprint, exactly as if the sensor had requested it. The first tick
-    then requests only folders holding a file never read. One walk of the table's tree.
-    """
-    done = set(applied)
-    landing = LandingZone.of(landing_root)
-    folders: dict[str, str] = {}
-    _, last = lookback_window(table, now, end_offset)
-    for hour in landing.hours(table.name):
-        if hour < table.start or hour > last:
-            continue
-        files = landing.files_in_hour(table.name, hour)
-        if files and all(applied_files.identity(landing, f) in done for f in files):
-            folders[hour_to_partition_key(hour)] = fingerprint(files)
-    return CursorState(folders=folders)
-
-
 def sweep_due(table: TableConfig, now: datetime, state: CursorState) -> bool:
+    if state.sweep is not None:  # under way: it goes on
+        return True
     if state.last_sweep_started is None:
         return True
     elapsed = _as_utc(now) - datetime.fromisoformat(state.last_sweep_started)
@@ -299,13 +341,21 @@ def evaluate(
     *,
     end_offset: int = 0,
     max_range_hours: int = MAX_RANGE_HOURS,
+    applied: AppliedLookup | None = None,
+    budget: ListBudget | None = None,
 ) -> tuple[list[PartitionRequest], CursorState]:
     """One sensor tick: the partitions to (re)request and the cursor to persist.
 
     Cost is ``lookback_hours`` folder listings (on a bucket, one listing from the window's
-    first key on: ``LandingZone.files_in_hours``), plus one walk (listing) of the table's tree
-    when a full sweep is due (``full_sweep_minutes``, or on the very first tick, which requests
-    everything that exists as an initial backfill).
+    first key on: ``LandingZone.files_in_hours``), plus the table's one prefix listing when a
+    full sweep is due (``full_sweep_minutes``, or on the very first tick, which requests
+    everything that exists as an initial backfill). On a bucket the sweep lists until
+    ``budget`` is spent and goes on from there on the next ticks (``SweepProgress``).
+
+    Given ``applied`` (the applied-files ledger), an empty cursor is seeded as it sweeps: an
+    hour whose current files were all applied already is remembered with its fingerprint,
+    exactly as if the sensor had requested it, and only hours holding a file never read are
+    requested (a reset cursor asks for nothing twice).
     """
     if max_range_hours < 1:
         raise ValueError(f"max_range_hours must be >= 1, got {max_range_hours}")
@@ -313,10 +363,12 @@ def evaluate(
     landing = LandingZone.of(landing_root)
     folders = dict(state.folders)
     wanted: dict[str, tuple[str, str]] = {}  # key -> (reason, fingerprint)
+    seed = applied if state.last_sweep_started is None else None
 
     window = lookback_window(table, now, end_offset)
     window_newest: dict[str, int] = {}  # key -> newest mtime, for the sweep's high-water mark
     listed = landing.files_in_hours(table.name, *window) if window[0] <= window[1] else {}
+    done = _applied_hours(landing, listed, seed)
     for hour in hours_between(*window):
         key = hour_to_partition_key(hour)
         files = listed.get(hour, [])
@@ -326,78 +378,114 @@ def evaluate(
             continue
         fp = fingerprint(files)
         previous = folders.get(key)
-        if previous != fp:
+        if previous != fp and hour not in done:
             reason = REASON_NEW_FOLDER if previous is None else REASON_NEW_FILES
             wanted[key] = (reason, fp)
-            folders[key] = fp
+        folders[key] = fp
 
-    swept_mtime_ns = state.swept_mtime_ns
-    last_sweep_started = state.last_sweep_started
+    new_state = replace(state, folders=folders)
     if sweep_due(table, now, state):
-        initial = state.last_sweep_started is None
-        last_sweep_started = now.isoformat()
-        folders, swept_mtime_ns, late = _full_sweep(
-            table, landing, window, window_newest, folders, state.swept_mtime_ns
+        new_state, late, initial = _sweep_step(
+            table, landing, now, window, window_newest, new_state, applied, budget
         )
         reason = REASON_INITIAL if initial else REASON_LATE_FILES
         for key, fp in late.items():
             wanted[key] = (reason, fp)
 
     requests = _group(table.name, wanted, max_range_hours)
-    new_state = CursorState(
-        folders=folders,
-        last_sweep_started=last_sweep_started,
-        swept_mtime_ns=swept_mtime_ns,
-        pending=_with_pending(state.pending, wanted, now.timestamp()),
-    )
-    return requests, new_state
+    pending = _with_pending(state.pending, wanted, now.timestamp())
+    return requests, replace(new_state, pending=pending)
 
 
-def _full_sweep(
+def _applied_hours(
+    landing: LandingZone,
+    files: Mapping[datetime, list[LandingFile]],
+    applied: AppliedLookup | None,
+) -> set[datetime]:
+    """The hours of ``files`` whose every file the ledger (``applied``) records as read."""
+    if applied is None or not files:
+        return set()
+    recorded = applied([hour_to_partition_key(h) for h in files])
+    out = set()
+    for hour, fs in files.items():
+        done = set(recorded.get(hour_to_partition_key(hour), ()))
+        if fs and all(applied_files.identity(landing, f) in done for f in fs):
+            out.add(hour)
+    return out
+
+
+def _sweep_step(
     table: TableConfig,
     landing: LandingZone,
+    now: datetime,
     window: tuple[datetime, datetime],
     window_newest: dict[str, int],
-    folders: dict[str, str],
-    previous_mark_ns: int,
-) -> tuple[dict[str, str], int, dict[str, str]]:
-    """Walk every hour folder older than the window; return (cursor folders, new mark, late).
+    state: CursorState,
+    applied: AppliedLookup | None,
+    budget: ListBudget | None,
+) -> tuple[CursorState, dict[str, str], bool]:
+    """One tick's share of a full sweep of the hours older than the window: (the cursor, the
+    late hours to request, whether this is the cursor's first sweep).
 
     A folder is late when one of its files was modified after the previous sweep's mark and its
-    fingerprint differs from the one remembered. The new mark is the newest mtime seen, capped by
-    the wall clock at the sweep's start (a future-dated file must not hide later deliveries),
-    minus a safety margin; old folders with files above the new mark stay in the cursor so the
-    next sweep recognises them instead of requesting them again. Everything else older than the
-    window is dropped from the cursor: the mark covers it.
+    fingerprint differs from the one remembered (the first sweep with a ledger: unless all its
+    files were applied). The new mark is the newest mtime seen, capped by the wall clock at the
+    sweep's start (a future-dated file must not hide later deliveries), minus a safety margin;
+    old folders with files above the new mark stay in the cursor so the next sweep recognises
+    them instead of requesting them again. Everything else older than the window is dropped
+    from the cursor once the sweep is done: the mark covers it.
     """
-    sweep_wall_ns = time.time_ns()
+    progress = state.sweep or SweepProgress(
+        after="", wall_ns=time.time_ns(), initial=state.last_sweep_started is None
+    )
+    started = state.last_sweep_started if state.sweep is not None else now.isoformat()
     first, last = window
-    seen_max_ns = max(window_newest.values(), default=0)
+    previous_mark_ns = state.swept_mtime_ns
     # Newest mtime per hour (skipping the window, compared above, the open hour and future
     # folders, not valid partitions yet, and folders before the table's start); only the
     # hours touched since the previous mark are fingerprinted.
-    newest_by_hour, touched = landing.sweep(table.name, first, previous_mark_ns)
-    old_folders: list[tuple[str, str, int]] = []  # (key, fingerprint, newest mtime)
+    newest_by_hour, touched, resume = landing.sweep_part(
+        table.name, first, previous_mark_ns, progress.after, budget
+    )
+    touched = {h: fs for h, fs in touched.items() if h >= table.start}
+    seen_ns = max(progress.seen_ns, *window_newest.values(), 0)
+    done = _applied_hours(landing, touched, applied if progress.initial else None)
+    folders = dict(state.folders)
+    recent = dict(progress.recent)
     late: dict[str, str] = {}
     for hour, newest in sorted(newest_by_hour.items()):
         if hour < table.start:
             continue
-        seen_max_ns = max(seen_max_ns, newest)
+        seen_ns = max(seen_ns, newest)
         files = touched.get(hour, [])
         if not files:
             continue
         key = hour_to_partition_key(hour)
         fp = fingerprint(files)
-        if folders.get(key) != fp:
+        if folders.get(key) != fp and hour not in done:
             late[key] = fp
-        old_folders.append((key, fp, _newest(files)))
+        folders[key] = fp
+        recent[key] = max(recent.get(key, 0), _newest(files))
 
-    new_mark = max(previous_mark_ns, min(seen_max_ns, sweep_wall_ns) - landing.sweep_margin_ns)
+    mark = max(previous_mark_ns, min(seen_ns, progress.wall_ns) - landing.sweep_margin_ns)
+    # Hours the mark already covers are dropped now (the sweep does not come back to them).
+    for key in [k for k, n in recent.items() if n <= mark]:
+        del recent[key]
+        if partition_key_to_hour(key) < first:
+            folders.pop(key, None)
+    if resume is not None:  # goes on next tick, from there
+        more = SweepProgress(resume, progress.wall_ns, seen_ns, progress.initial, recent)
+        return (
+            replace(state, folders=folders, sweep=more, last_sweep_started=started),
+            late,
+            progress.initial,
+        )
     kept = {k: v for k, v in folders.items() if first <= partition_key_to_hour(k) <= last}
-    for key, fp, newest in old_folders:
-        if newest > new_mark:
-            kept[key] = fp
-    return kept, new_mark, late
+    kept |= {k: folders[k] for k in recent if k in folders}
+    done_state = replace(
+        state, folders=kept, sweep=None, last_sweep_started=started, swept_mtime_ns=mark
+    )
+    return done_state, late, progress.initial
 
 
 def _newest(files: Iterable[LandingFile]) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from datetime import datetime
 from typing import Any, BinaryIO
 
@@ -28,9 +28,11 @@ from cdc_platform.lib.landing.codecs import LandingFileError
 from cdc_platform.lib.landing.layout import BAD_KEY, IN_SUBFOLDER, LandingFile
 from cdc_platform.lib.landing.safe_open import CHANGED, FileId
 from cdc_platform.lib.landing.zone import (
+    HourListing,
     IncompleteSnapshotError,
     LandingUnavailableError,
     LandingZone,
+    ListBudget,
     PinnedObject,
     hour_of_key,
     refuse_outside,
@@ -235,14 +237,85 @@ class S3Landing(LandingZone):
         wanted = set(hours)
         return {h: files for h, files in by_hour.items() if h in wanted}
 
-    def sweep(
-        self, table: str, before: datetime, mark_ns: int
-    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]]]:
+    def sweep_part(
+        self,
+        table: str,
+        before: datetime,
+        mark_ns: int,
+        after: str = "",
+        budget: ListBudget | None = None,
+    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]], str | None]:
         """One listing of the table's hour folders (a page per 1000 objects) gives both."""
-        by_hour = self._by_hour(self._list(table + "/year="))
+        part = self.hour_files(table, after, budget)
+        by_hour = part.files
         newest = {h: max(f.mtime_ns for f in fs) for h, fs in by_hour.items() if h < before}
         touched = {h: by_hour[h] for h, n in newest.items() if n > mark_ns}
-        return newest, touched
+        return newest, touched, part.resume_after
+
+    def hour_files(
+        self, table: str, after: str = "", budget: ListBudget | None = None
+    ) -> HourListing:
+        """The prefix listing of ``table/year=`` (a page per 1000 objects) from ``after`` on,
+        until ``budget`` is spent. A folder cut by the budget is left to the next call, unless
+        it is all this call listed (a folder of more keys than the budget lists is swept in
+        parts, each part its own hour listing)."""
+        objects, more = self._pages(table + "/year=", after, budget)
+        if not more:
+            return HourListing(self._by_hour(iter(objects)), None)
+        if not objects:  # not even one page this time
+            return HourListing({}, after)
+        open_folder = self._folder_of(objects[-1])
+        cut = len(objects)
+        while cut > 0 and self._folder_of(objects[cut - 1]) == open_folder:
+            cut -= 1
+        kept = objects[:cut] if cut else objects
+        return HourListing(self._by_hour(iter(kept)), self._relative_key(kept[-1]["Key"]))
+
+    def files_of_hours(
+        self, table: str, hours: Collection[datetime], budget: ListBudget | None = None
+    ) -> tuple[dict[datetime, list[LandingFile]], set[datetime]]:
+        """One prefix listing per day folder (each spelling) holding one of ``hours``, oldest
+        day first, until ``budget`` is spent: a day is listed whole or not at all."""
+        days: dict[tuple[str, ...], set[datetime]] = {}
+        for hour in sorted(hours):
+            day = (f.rsplit("/", 1)[0] + "/" for f in layout.folder_spellings(table, hour))
+            days.setdefault(tuple(dict.fromkeys(day)), set()).add(hour)
+        found: dict[datetime, list[LandingFile]] = {}
+        listed: set[datetime] = set()
+        for prefixes, day_hours in days.items():
+            objects: list[dict[str, Any]] = []
+            for prefix in prefixes:
+                page, more = self._pages(prefix, "", budget)
+                if more:
+                    return found, listed
+                objects += page
+            by_hour = self._by_hour(iter(objects))
+            found.update({h: by_hour.get(h, []) for h in day_hours})
+            listed |= day_hours
+        return found, listed
+
+    def _pages(
+        self, prefix: str, after: str, budget: ListBudget | None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """(the objects under ``prefix`` after ``after``, whether more are left unlisted
+        because ``budget`` was spent)."""
+        objects: list[dict[str, Any]] = []
+        token: str | None = None
+        while budget is None or budget.take():
+            args: dict[str, Any] = {"Prefix": self.key_of(prefix), "MaxKeys": PAGE_KEYS}
+            if token:
+                args["ContinuationToken"] = token
+            elif after:
+                args["StartAfter"] = self.key_of(after)
+            page = self._call("list_objects_v2", **args)
+            objects += page.get("Contents", ())
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return objects, False
+        return objects, True
+
+    def _folder_of(self, obj: dict[str, Any]) -> str:
+        return "/".join(self._relative_key(obj["Key"]).split("/")[:5])
 
     def _by_hour(self, objects: Iterator[dict[str, Any]]) -> dict[datetime, list[LandingFile]]:
         """Listed objects as ``files_in_hour`` gives them, by hour: a key in an hour folder
@@ -276,7 +349,7 @@ class S3Landing(LandingZone):
         return self._file(obj)
 
     def hours(self, table: str) -> list[datetime]:
-        return list(self._by_hour(self._list(table + "/year=")))
+        return list(self.hour_files(table).files)
 
     def table_names(self) -> list[str]:
         names: set[str] = set()

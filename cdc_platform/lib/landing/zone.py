@@ -14,10 +14,13 @@ listing and reading is refused (HTTP 412), never read in part old and in part ne
 from __future__ import annotations
 
 import io
+import math
 import os
 import stat
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -43,6 +46,38 @@ class IncompleteSnapshotError(ValueError):
 
     def __init__(self, entry: str, why: str) -> None:
         super().__init__(f"{entry}: {why}; the snapshot is read whole or not at all")
+
+
+class ListBudget:
+    """The listing requests a sensor tick may still make, and until when: Dagster gives a
+    sensor evaluation 60 s, so a listing stops when its budget is spent and the work resumes on
+    the next tick. The first request is always allowed (every tick makes progress)."""
+
+    def __init__(self, requests: int, seconds: float = math.inf) -> None:
+        self.left = requests
+        self.deadline = time.monotonic() + seconds
+        self.spent_any = False
+
+    def take(self) -> bool:
+        """Whether one more request may be sent (and count it)."""
+        if self.spent_any and (self.left <= 0 or time.monotonic() > self.deadline):
+            return False
+        self.left -= 1
+        self.spent_any = True
+        return True
+
+    @property
+    def spent(self) -> bool:
+        return self.spent_any and (self.left <= 0 or time.monotonic() > self.deadline)
+
+
+@dataclass(frozen=True)
+class HourListing:
+    """Part of a table's one prefix listing: the hours listed whole, and where to go on."""
+
+    files: dict[datetime, list[LandingFile]]
+    # The key (relative to the root) to list after next time; None: the listing is complete.
+    resume_after: str | None = None
 
 
 class LandingZone(ABC):
@@ -97,13 +132,44 @@ class LandingZone(ABC):
     def hours(self, table: str) -> list[datetime]:
         """Every hour that has a folder (or, on a bucket, an object) for ``table``, sorted."""
 
-    @abstractmethod
+    def hour_files(
+        self, table: str, after: str = "", budget: ListBudget | None = None
+    ) -> HourListing:
+        """Every hour folder of ``table`` with its files (as ``files_in_hour`` gives them), from
+        the one prefix listing the sweep makes; on a bucket, from the key ``after`` on and
+        until ``budget`` is spent (``resume_after`` says where to go on). A folder walk here."""
+        return HourListing(
+            {h: fs for h in self.hours(table) if (fs := self.files_in_hour(table, h))}
+        )
+
+    def files_of_hours(
+        self, table: str, hours: Collection[datetime], budget: ListBudget | None = None
+    ) -> tuple[dict[datetime, list[LandingFile]], set[datetime]]:
+        """(files by hour, the hours listed): ``files_in_hour`` of each of ``hours`` until the
+        budget is spent (the rest are looked at on a later tick)."""
+        return {h: self.files_in_hour(table, h) for h in hours}, set(hours)
+
     def sweep(
         self, table: str, before: datetime, mark_ns: int
     ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]]]:
         """The full sweep's listing of the hours before ``before``: each hour's newest
         modification time (ns), and the files of the hours with one newer than ``mark_ns``
         (only those are fingerprinted: the rest the sweep's mark already covers)."""
+        newest, touched, _ = self.sweep_part(table, before, mark_ns)
+        return newest, touched
+
+    @abstractmethod
+    def sweep_part(
+        self,
+        table: str,
+        before: datetime,
+        mark_ns: int,
+        after: str = "",
+        budget: ListBudget | None = None,
+    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]], str | None]:
+        """``sweep`` from the key ``after`` on, until ``budget`` is spent, and the key to go on
+        after (None: the sweep is complete); a folder cut by the budget waits for the next call
+        (``hour_files``)."""
 
     @abstractmethod
     def table_names(self) -> list[str]:
@@ -164,11 +230,16 @@ class LocalZone(LandingZone):
     def hours(self, table: str) -> list[datetime]:
         return sorted({h for h, _ in layout.all_hour_folders(Path(self.root), table)})
 
-    def sweep(
-        self, table: str, before: datetime, mark_ns: int
-    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]]]:
+    def sweep_part(
+        self,
+        table: str,
+        before: datetime,
+        mark_ns: int,
+        after: str = "",
+        budget: ListBudget | None = None,
+    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]], str | None]:
         """A walk of the hour folders reading only modification times (cheap: no fingerprint),
-        then a listing of each folder touched since the mark."""
+        then a listing of each folder touched since the mark (whole: no request is billed)."""
         newest: dict[datetime, int] = {}
         for hour, folder in layout.all_hour_folders(Path(self.root), table):
             found = _newest_in_folder(folder) if hour < before else 0
@@ -177,7 +248,7 @@ class LocalZone(LandingZone):
         touched = {
             h: self.files_in_hour(table, h) for h, n in sorted(newest.items()) if n > mark_ns
         }
-        return newest, touched
+        return newest, touched, None
 
     def table_names(self) -> list[str]:
         try:
@@ -338,9 +409,11 @@ def refuse_outside(zone_root: str, path: str) -> str:
 
 __all__ = [
     "CHANGED",
+    "HourListing",
     "Landing",
     "LandingUnavailableError",
     "LandingZone",
+    "ListBudget",
     "LocalZone",
     "PinnedObject",
 ]
