@@ -21,6 +21,7 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.landing import discovery
 from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.formats.parquet import parquet_bytes
 from cdc_platform.lib.landing.layout import (
     BAD_NAME,
     IN_SUBFOLDER,
@@ -183,6 +184,132 @@ def test_a_parquet_file_whose_row_groups_expand_past_the_limit_is_set_aside(spar
     out = materialize(spark, table, lake["landing"], lake["warehouse"], [H5])
     assert "decodes to more than 1 MiB" in reasons(lake)["big.parquet"]
     assert out.events_read == 1 and logged_keys(lake) == [7]
+
+
+def dictionary_bomb(rows: int, width: int = 1000, wide: str = "int64") -> pa.Table:
+    """Events whose ``v`` is one ``width``-character string dictionary-encoded over ``rows``
+    rows: a few MB on disk, a footer of about the same, ``rows * width`` bytes decoded. With
+    ``wide="uint64"`` Spark cannot read it natively and it is decoded in Python."""
+    return pa.table(
+        {
+            "id": pa.array(range(rows), pa.type_for_alias(wide)),
+            "v": pa.array(["x" * width]).take(pa.array([0] * rows)).dictionary_encode(),
+            "cdc_operation_type": pa.array(["INSERT"]).take(pa.array([0] * rows)),
+            "cdc_change_seq": pa.array(range(rows), pa.int64()),
+            "cdc_commit_timestamp": pa.array([TS] * rows, pa.timestamp("us", tz="UTC")),
+        }
+    )
+
+
+def test_a_dictionary_bomb_is_refused_having_decoded_at_most_the_limit(tmp_path: Path) -> None:
+    """A footer is the writer's word: 300,000 rows of one 1,000-character string pass the
+    footer check (a few MB) and decode to 300 MB. The reader counts what the rows decode to,
+    batch by batch, and stops at ``max_file_bytes`` having held about that much at most."""
+    bomb = tmp_path / "bomb.parquet"
+    pq.write_table(dictionary_bomb(300_000, wide="uint64"), bomb)
+    footer = pq.ParquetFile(bomb).metadata
+    assert parquet_bytes(footer) < 16 * MiB and bomb.stat().st_size < 4 * MiB
+    growth = peak_growth_mib(
+        "import pyarrow.parquet as pq\n"
+        "from dataclasses import replace\n"
+        "from cdc_platform.lib.landing.reader import LandingReader\n"
+        "from cdc_platform.lib.landing.codecs import LandingFileError\n"
+        "from cdc_platform_tests.test_hostile_landing import TABLE\n"
+        f"reader = LandingReader(replace(TABLE, max_file_bytes=16 << 20), {str(tmp_path)!r})\n",
+        "try:\n"
+        f"    reader.load({str(bomb)!r})\n"
+        "    raise SystemExit('decoded')\n"
+        "except LandingFileError as exc:\n"
+        "    assert 'decodes to more than 16 MiB' in str(exc), exc\n",
+    )
+    assert growth < 64, growth
+
+
+def _tree_rss_mib(pid: int) -> tuple[float, float]:
+    """(Python, JVM) resident MiB of ``pid`` and its descendants, read from /proc."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, tuple[str, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        children.setdefault(int(rest.split()[1]), []).append(int(entry))
+        kib = next(
+            (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS")), 0
+        )
+        rss[int(entry)] = (name, kib)
+    python = jvm = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        name, kib = rss.get(p, ("", 0))
+        if name == "java":
+            jvm += kib
+        else:
+            python += kib
+        todo += children.get(p, [])
+    return python / 1024, jvm / 1024
+
+
+def test_parquet_bombs_are_set_aside_through_the_cli_with_bounded_memory(tmp_path: Path) -> None:
+    """Through ``dagster asset materialize``: two 1,000,000-row dictionary bombs (about 1 GB
+    decoded each, 64 MiB allowed), one Spark reads natively, one decoded in Python (a uint64
+    key), are set aside with the reason; the good file of the hour applies; and the Python
+    processes of the run's tree never hold anything near what the bombs decode to."""
+    import shutil
+    import threading
+
+    from cdc_platform.lib.config import REPO_ROOT, load_config
+    from cdc_platform_tests.helpers import materialize_with_cli
+
+    config = tmp_path / "cdc_platform.yaml"
+    config.write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        '  - name: t\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
+        "    max_file_bytes: 67108864\n"
+    )
+    platform = load_config(config)
+    folder = hour_folder(platform.landing_path, "t", H5)
+    folder.mkdir(parents=True)
+    pq.write_table(dictionary_bomb(1_000_000), folder / "native.parquet")
+    pq.write_table(dictionary_bomb(1_000_000, wide="uint64"), folder / "python.parquet")
+    write_parquet_events(
+        platform.landing_path, "t", H5, [ev("INSERT", 1, TS, 7, v="ok")], name="ok.parquet"
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "CDC_"))}
+    env |= {"CDC_PLATFORM_CONFIG": str(config), "DAGSTER_HOME": str(home)}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    peak = [0.0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], _tree_rss_mib(os.getpid())[0])
+
+    baseline = _tree_rss_mib(os.getpid())[0]
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        proc = materialize_with_cli("t", "2024-01-01-05:00...2024-01-01-05:00", env, cwd=tmp_path)
+    finally:
+        done.set()
+        watcher.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lake = {"warehouse": Path(str(platform.warehouse_root))}
+    found = reasons(lake)
+    assert set(found) == {"native.parquet", "python.parquet"}, found
+    assert all("decodes to more than 64 MiB" in why for why in found.values()), found
+    assert logged_keys(lake) == [7]
+    # The CLI, its Dagster step and the Spark Python workers: far below one bomb decoded.
+    assert peak[0] - baseline < 900, (peak[0], baseline)
 
 
 # -- 2. folder shapes that stopped a sensor --------------------------------------------------------

@@ -30,7 +30,7 @@ from cdc_platform.lib.columns import (
     TS,
     UNMODIFIED,
 )
-from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.codecs import LandingFileError, too_large
 from cdc_platform.lib.landing.formats.parquet import parquet_bytes
 from cdc_platform.lib.landing.reader import CHANGED_MARKER, FileReport, LandingReader
 from cdc_platform.lib.landing.rows import bad_rows_reason, has_text, is_string_like, row_reason
@@ -184,7 +184,12 @@ def validate_native(
                 spark.read.schema(from_arrow_schema(schema)).options(**NATIVE_READ_OPTIONS),
                 [os.path.abspath(r.path) for r in members],
             )
-            part = _validation_summary(df, pk, [n for n, _ in signature[len(pk) + 3 :]])
+            names = [n for n, _ in signature]
+            ranged = [n for n in names[len(pk) + 3 :] if _value_checked(schema.field(n).type)]
+            sized = {
+                n: schema.field(n).type for n in names if _fixed_width(schema.field(n).type) is None
+            }
+            part = _validation_summary(df, pk, ranged, sized)
             summary = part if summary is None else summary.unionByName(part)
         rows = summary.collect() if summary is not None else []
     except Exception as exc:  # e.g. corrupt pages behind a readable footer, a file gone
@@ -196,7 +201,10 @@ def validate_native(
         if r is None or row["conv"] or r.path in changed:
             continue
         first = row["first"]
-        if first is None:
+        cap = reader.table.max_file_bytes
+        if (row["bytes"] or 0) + row["rows"] * _fixed_bytes(r.schema) > cap:
+            out[r.path] = FileReport(r.path, row["rows"], r.schema, too_large(cap), native=True)
+        elif first is None:
             out[r.path] = FileReport(
                 r.path,
                 row["rows"],
@@ -279,11 +287,51 @@ _log = logging.getLogger(__name__)
 
 
 def _checked_signature(schema: pa.Schema, pk: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """The columns pass 1 checks, with their types: keys, change columns, then top-level dates
-    and timestamps (whose values must lie in the years 1 to 9999)."""
+    """The columns pass 1 reads, with their types: keys, change columns, then top-level dates,
+    timestamps and text (whose values are checked), then the other columns whose values'
+    size varies (what the file decodes to is counted, ``_decoded_size``)."""
     head = [*pk, *CDC_COLUMNS]
     ranged = [f.name for f in schema if f.name not in head and _value_checked(f.type)]
-    return tuple((n, str(schema.field(n).type)) for n in (*head, *ranged))
+    sized = [
+        f.name for f in schema if f.name not in (*head, *ranged) and _fixed_width(f.type) is None
+    ]
+    return tuple((n, str(schema.field(n).type)) for n in (*head, *ranged, *sized))
+
+
+def _fixed_width(t: pa.DataType) -> int | None:
+    """The bytes each value of ``t`` takes decoded, where every value takes as many (None:
+    text, binary and lists vary; a struct of fixed-width fields is fixed)."""
+    if pa.types.is_struct(t):
+        widths = [_fixed_width(f.type) for f in t]
+        return None if None in widths else sum(w for w in widths if w is not None)
+    if isinstance(t, pa.FixedWidthType) and not pa.types.is_fixed_size_binary(t):  # pyright: ignore[reportAttributeAccessIssue]
+        return max(t.bit_width // 8, 1)
+    return None
+
+
+def _decoded_size(value: Column, t: pa.DataType) -> Column:
+    """What one value of type ``t`` takes decoded, as Spark computes it (nulls take nothing
+    here; a fixed-width column is counted by the caller, rows times its width)."""
+    from pyspark.sql import functions as F
+
+    width = _fixed_width(t)
+    if width is not None:
+        return F.lit(width).cast("long")
+    if is_list(t):
+        inner = t.value_type
+        total = F.aggregate(
+            value, F.lit(0).cast("long"), lambda acc, x: acc + _decoded_size(x, inner)
+        )
+        return F.coalesce(total, F.lit(0).cast("long")) + 8
+    if pa.types.is_struct(t):
+        parts = [_decoded_size(value.getField(f.name), f.type) for f in t]
+        return sum(parts[1:], parts[0]) if parts else F.lit(0).cast("long")
+    return F.coalesce(F.octet_length(value), F.lit(0)).cast("long") + 8
+
+
+def _fixed_bytes(schema: pa.Schema) -> int:
+    """The decoded bytes per row of a file's fixed-width columns (Spark sizes the others)."""
+    return sum(_fixed_width(f.type) or 0 for f in schema)
 
 
 def _value_checked(t: pa.DataType) -> bool:
@@ -321,8 +369,11 @@ def _row_check(pk: Sequence[str]) -> Column:
     return F.coalesce(*[F.when(c, F.lit(i)) for i, c in enumerate(checks)])
 
 
-def _validation_summary(df: DataFrame, pk: Sequence[str], ranged: Sequence[str]) -> DataFrame:
-    """One row per file: rows, bad rows, the first bad (row, check, op), any out-of-range value."""
+def _validation_summary(
+    df: DataFrame, pk: Sequence[str], ranged: Sequence[str], sized: Mapping[str, pa.DataType]
+) -> DataFrame:
+    """One row per file: rows, bad rows, the first bad (row, check, op), any out-of-range value,
+    and the decoded bytes of its variable-size columns (``sized``)."""
     from pyspark.sql import functions as F
 
     from cdc_platform.lib.columns import col
@@ -358,8 +409,10 @@ def _validation_summary(df: DataFrame, pk: Sequence[str], ranged: Sequence[str])
         op.alias("op"),
         conv.alias("conv"),
         col(SEQ).alias("seq"),
+        _row_bytes(sized).alias("bytes"),
     )
     return rows.groupBy(_FILE).agg(
+        F.sum("bytes").alias("bytes"),
         F.count(F.lit(1)).alias("rows"),
         F.sum(F.col("check").isNotNull().cast("long")).alias("bad"),
         F.min(
@@ -372,6 +425,15 @@ def _validation_summary(df: DataFrame, pk: Sequence[str], ranged: Sequence[str])
         F.min("seq").alias("seq_min"),
         F.max("seq").alias("seq_max"),
     )
+
+
+def _row_bytes(sized: Mapping[str, pa.DataType]) -> Column:
+    from pyspark.sql import functions as F
+
+    from cdc_platform.lib.columns import col
+
+    parts = [_decoded_size(col(n), t) for n, t in sized.items()]
+    return sum(parts[1:], parts[0]) if parts else F.lit(0).cast("long")
 
 
 def _local_path(uri: str) -> str:

@@ -1,24 +1,32 @@
-"""Parquet landing files: read through the footer, which bounds what a file may expand to.
+"""Parquet landing files: read batch by batch, bounded by what they decode to.
 
 A plain Parquet file is read in place (seeking to its footer); a compressed or encrypted one
 is decoded first. Plain files whose columns Spark reads as their normalized types skip the
-Python decode altogether (``landing.native``).
+Python decode altogether (``landing.native``, which bounds them in Spark the same way).
+
+A footer is the writer's word: a long string dictionary-encoded over a million rows passes a
+footer check and decodes to gigabytes. So the rows are read a batch at a time, text kept as
+dictionaries while read, and what they decode to (``decoded_bytes``: every value expanded, as
+the reader's conversions will expand it) is counted against ``max_file_bytes``; past it the
+file is set aside and nothing more is decoded (docs/SECURITY.md, decoded-size bound).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cdc_platform.lib.landing.codecs import PARQUET_MAGIC, LandingFileError, too_large
 from cdc_platform.lib.landing.formats import Described, FileToRead, LandingFormat, Opener
 
-if TYPE_CHECKING:
-    pass
+__all__ = ["PARQUET", "check_parquet_size", "decoded_bytes", "parquet_bytes"]
 
-__all__ = ["PARQUET", "check_parquet_size", "parquet_bytes"]
+# Rows decoded at a time: small enough that one batch of wide rows stays far below any sane
+# ``max_file_bytes``, large enough that Arrow's per-batch overhead does not show.
+BATCH_ROWS = 8192
 
 
 def parquet_bytes(meta: pq.FileMetaData) -> int:
@@ -33,6 +41,28 @@ def check_parquet_size(meta: pq.FileMetaData, max_bytes: int) -> None:
         raise LandingFileError(too_large(max_bytes))
 
 
+def decoded_bytes(batch: pa.RecordBatch) -> int:
+    """What ``batch`` takes once every value is expanded: a dictionary column counted as the
+    values it indexes, not the dictionary it holds."""
+    return sum(_expanded_bytes(column) for column in batch.columns)
+
+
+def _expanded_bytes(column: pa.Array) -> int:
+    if not pa.types.is_dictionary(column.type):
+        return column.nbytes
+    values = column.dictionary
+    if _is_flat_text(values.type):
+        lengths = pc.binary_length(values).cast(pa.int64())  # pyright: ignore[reportAttributeAccessIssue]
+        used = pc.sum(pc.take(lengths, column.indices)).as_py() or 0  # pyright: ignore[reportAttributeAccessIssue]
+        return used + 8 * len(column)  # each value's offset, as a plain string column has
+    per_value = values.nbytes / max(len(values), 1)
+    return int(per_value * len(column)) + column.indices.nbytes
+
+
+def _is_flat_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+
+
 class Parquet(LandingFormat):
     name = "parquet"
     title = "Parquet"
@@ -44,10 +74,25 @@ class Parquet(LandingFormat):
         return head[:4] == PARQUET_MAGIC
 
     def read(self, source: BinaryIO, file: FileToRead) -> pa.Table:
-        """The file's rows, once its footer says they fit in ``max_file_bytes``."""
-        pf = pq.ParquetFile(source)
-        check_parquet_size(pf.metadata, file.table.max_file_bytes)
-        return pf.read(columns=list(file.columns) if file.columns else None)
+        """The file's rows, read while what they decode to fits in ``max_file_bytes``; text
+        is kept as dictionaries while counted, then given the file's own types."""
+        cap = file.table.max_file_bytes
+        meta = pq.read_metadata(source)
+        check_parquet_size(meta, cap)
+        schema = meta.schema.to_arrow_schema()
+        if file.columns:
+            schema = pa.schema([schema.field(n) for n in file.columns])
+        text = sorted({f.name for f in schema if _is_flat_text(f.type)})
+        pf = pq.ParquetFile(source, metadata=meta, read_dictionary=text)
+        batches, total = [], 0
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=file.columns):
+            total += decoded_bytes(batch)
+            if total > cap:
+                raise LandingFileError(too_large(cap))
+            batches.append(batch)
+        if not batches:
+            return schema.empty_table()
+        return pa.Table.from_batches(batches).cast(schema)
 
     def read_schema(self, source: BinaryIO) -> pa.Schema:
         return pq.read_schema(source)
