@@ -72,6 +72,12 @@ class EraseConfig(TableRunConfig):
         description="Why (recorded in the erased-keys ledger; 1 to 500 characters). Name the "
         "request, not the person."
     )
+    allow_absent: bool = Field(
+        default=False,
+        description="Record keys that have no event in the table as erased all the same (a "
+        "key that may arrive later). Off: such a request fails and writes nothing, since a key "
+        "that matches nothing is most often a value given in another form than the table's.",
+    )
 
 
 class ResyncConfig(TableRunConfig):
@@ -408,6 +414,7 @@ def _erase_job(platform: PlatformConfig) -> dg.JobDefinition:
                 context.run.run_id,
                 keyring.load(),  # the salt, whether or not the table's files need the keyring
                 to_ms(datetime.now(UTC)),
+                allow_absent=config.allow_absent,
             )
             meta = {
                 "operation": ERASE_JOB,

@@ -43,7 +43,7 @@ from cdc_platform.lib.history.protected_columns import (
 from cdc_platform.lib.history.table_key import PrimaryKeyChangedError, check_key
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.layout import hour_to_partition_key
-from cdc_platform.lib.pipeline import needs_keyring
+from cdc_platform.lib.pipeline import check_salts, needs_keyring
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
@@ -128,6 +128,9 @@ def operator_run(
         if not rebuilding:  # before the job writes anything
             check_key(history, table.key)
             check_protected_columns(Table.open(paths.changelog), table)
+        if keyring is not None and needs_keyring(table, platform.warehouse_root):
+            # A job that reads landing files or logs events: not with another hash salt.
+            check_salts(table, platform.warehouse_root, keyring.load())
         yield OperatorRun(context, platform, table, spark, keyring, history.version)
 
 

@@ -24,7 +24,9 @@ from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, fault_point
 from cdc_platform.lib.history.protected_columns import (
     changelog_properties,
+    check_hashing_salt,
     check_protected_columns,
+    record_hashing,
 )
 from cdc_platform.lib.history.table_key import check_key
 from cdc_platform.lib.landing.keyring import Keyring
@@ -94,6 +96,17 @@ def needs_keyring(table: TableConfig, warehouse_root: Where) -> bool:
     (``TableConfig.needs_keyring``), or keys erased from it, known by their salted hash."""
     paths = TablePaths.of(warehouse_root, table.name)
     return table.needs_keyring or erased_keys.recorded(paths.erased_keys)
+
+
+def check_salts(table: TableConfig, warehouse_root: Where, keyring: Keyring | None) -> None:
+    """Refuse a keyring whose hash_salt is not the one the table's erased keys or hashed columns
+    were recorded under (``pii.check_salt``): what an operator job that reads landing files or
+    logs events checks before it does."""
+    paths = TablePaths.of(warehouse_root, table.name)
+    salt = keyring.hash_salt if keyring is not None else None
+    if salt is not None:
+        erased_keys.check_ledger_salt(paths.erased_keys, salt)
+    check_hashing_salt(Table.open(paths.changelog), table, keyring)
 
 
 def materialize(
@@ -197,6 +210,7 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     log, history = Table.open(run.paths.changelog), Table.open(run.paths.history)
     check_key(history, run.table.key)
     check_protected_columns(log, run.table)
+    check_hashing_salt(log, run.table, run.keyring)  # another salt: refused before any read
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing, run.keyring)
@@ -432,6 +446,9 @@ class _Append:
             native,
             inspected={r.path: r for r in files},
         )
+        # How the batch's hashed cells were made, recorded before they are logged.
+        schemas = [r.schema for r in files]
+        record_hashing(self.paths.changelog, self.table, self.reader.salt, schemas)
         return changelog.append(
             self.spark,
             self.paths.changelog,
@@ -443,7 +460,7 @@ class _Append:
             revoked=self.revoked,
             forgotten=self.paths.forgotten_events,
             before_commit=before_commit,
-            properties=changelog_properties(self.table),
+            properties=changelog_properties(self.table, self.reader.salt, schemas),
             erased=self.erased,
         )
 

@@ -33,7 +33,7 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.codecs import LandingFileError, decode_file
 from cdc_platform.lib.landing.formats import FileToRead, LandingFormat, format_named
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
-from cdc_platform.lib.landing.pii import hash_column
+from cdc_platform.lib.landing.pii import hash_column, hashed_field, hashed_source
 from cdc_platform.lib.landing.row_id import row_ids
 from cdc_platform.lib.landing.rows import (
     first_invalid_row,
@@ -202,7 +202,7 @@ class LandingReader:
         """A file's columns as the table keeps them: blocked ones gone, hashed ones text."""
         return pa.schema(
             [
-                pa.field(f.name, pa.string() if f.name.lower() in self.hashed else f.type)
+                self._hashed_as(f, schema) if f.name.lower() in self.hashed else f
                 for f in schema
                 if f.name.lower() not in self.blocked
             ]
@@ -300,7 +300,17 @@ class LandingReader:
                 target = normalize_type(column.type)
                 convert = lambda a, target=target: to_type(a, target)  # noqa: E731
             cols.append(self._convert(name, column.combine_chunks(), convert, i))
-        return pa.table(cols, names=tbl.column_names)
+        out = pa.table(cols, names=tbl.column_names)
+        if not self.hashed:
+            return out
+        return out.cast(pa.schema([self._hashed_as(f, tbl.schema) for f in out.schema]))
+
+    def _hashed_as(self, field: pa.Field, source: pa.Schema) -> pa.Field:
+        """A hashed column's field, naming the type it was hashed in (``pii.hashed_field``):
+        an erasure hashes a cleartext in each type the change log records."""
+        if field.name.lower() not in self.hashed or hashed_source(field) is not None:
+            return field
+        return hashed_field(field.name, normalize_type(source.field(field.name).type))
 
     def _convert(
         self,
@@ -346,7 +356,9 @@ class LandingReader:
             if self.reads_footer_first():
                 # Blocked columns go; a hashed one keeps its type until its values are checked.
                 schema = self._read_schema(path)
-                schema = pa.schema([f for f in schema if f.name.lower() not in self.blocked])
+                schema = pa.schema(  # a file's own field metadata is not ours to keep
+                    [f.remove_metadata() for f in schema if f.name.lower() not in self.blocked]
+                )
                 self._check_names(schema)
                 missing = [c for c in needed if c not in schema.names]
                 if missing:
@@ -360,9 +372,7 @@ class LandingReader:
             else:
                 tbl = self.load(path)
                 schema = tbl.schema
-            schema = self._kept(
-                pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
-            )
+            schema = self._kept(pa.schema([f.with_type(normalize_type(f.type)) for f in schema]))
         except LandingFileError as exc:
             return FileReport(path, 0, None, str(exc), getattr(exc, "row", None))
         except LandingUnavailableError:

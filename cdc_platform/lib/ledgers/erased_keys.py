@@ -7,6 +7,12 @@ it: its hash, keyed by the keyring's ``hash_salt`` (an HMAC-SHA-256 of the key's
 without the salt, even for a key space small enough to try every value. A table with
 erased keys is therefore read only with the salt: without it, nothing is read (an erased key
 could come back).
+
+The ledger records the fingerprint of the salt its hashes were made with (the table property
+``pii.SALT_PROPERTY``, an HMAC of a fixed label, never the salt), from its creation on: a run
+whose keyring holds another salt (regenerated, restored from another backup) would recognise
+no erased key, so it is refused before it reads (``load``). A ledger from before the
+fingerprint records the keyring's salt at its next write (``add``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,10 +30,14 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cdc_platform.lib.columns import cols
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.pii import SALT_PROPERTY, check_salt, salt_fingerprint
 from cdc_platform.lib.landing.row_id import row_ids
 from cdc_platform.lib.ledgers.ledger import Ledger
+from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Where
+from cdc_platform.lib.storage.table import Table
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -42,6 +53,8 @@ SCHEMA = pa.schema(
         pa.field("erased_at", pa.timestamp("us", tz="UTC")),
     ]
 )
+# The column ``ErasedKeys.found`` collects.
+_FOUND = "_cdc_erased_key_hash"
 
 
 def key_hashes(key: Mapping[str, pa.Array], rows: int, salt: bytes) -> pa.Array:
@@ -95,6 +108,30 @@ class ErasedKeys:
             found = pc.is_in(key_hashes(cells, batch.num_rows, self.salt), value_set=hashes)  # pyright: ignore[reportAttributeAccessIssue]
             hit = pc.or_(hit, found)  # pyright: ignore[reportAttributeAccessIssue]
         return hit
+
+    def which(self, batch: pa.RecordBatch, key: Sequence[str]) -> pa.Array:
+        """Each row's recorded hash where its key is erased (``matches``), else null."""
+        out = pa.nulls(batch.num_rows, pa.string())
+        for types, hashes in self.groups:
+            cells = {c: _as_type(batch.column(c), types.field(c).type) for c in key}
+            mine = key_hashes(cells, batch.num_rows, self.salt)
+            out = pc.if_else(pc.is_in(mine, value_set=hashes), mine, out)  # pyright: ignore[reportAttributeAccessIssue]
+        return out
+
+    def found(self, events: DataFrame, key: Sequence[str]) -> set[str]:
+        """The recorded hashes some row of ``events`` has (one Spark job; hashes come back,
+        never a value)."""
+        from pyspark.sql.types import StringType, StructField, StructType
+
+        pk = list(key)
+
+        def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            for batch in batches:
+                yield pa.RecordBatch.from_arrays([self.which(batch, pk)], names=[_FOUND])
+
+        out = StructType([StructField(_FOUND, StringType(), True)])
+        hits = events.select(*cols(pk)).mapInArrow(run, out).dropna().distinct().collect()
+        return {r[0] for r in hits}
 
     def drop(self, events: DataFrame, key: Sequence[str]) -> DataFrame:
         """``events`` without the rows of an erased key, in a Spark task."""
@@ -171,7 +208,20 @@ def load(path: Where, keyring: Keyring | None) -> ErasedKeys | None:
             f"{path}: keys of this table were erased, and the keyring (CDC_KEYRING) has no "
             "hash_salt to recognise them: nothing is read without it"
         )
+    check_ledger_salt(path, salt)
     return ErasedKeys.of({_schema(t): h for t, h in by_types.items()}, salt)
+
+
+def check_ledger_salt(path: Where, salt: bytes) -> None:
+    """Refuse ``salt`` if the ledger's hashes were made with another (``pii.check_salt``)."""
+    check_salt(
+        Table.open(path).json_property(SALT_PROPERTY) if delta.exists(path) else None,
+        salt,
+        str(path),
+        "the table's erased keys",
+        "they would match no key, and a late file, a re-read hour, a re-sync or an adoption "
+        "would log them again",
+    )
 
 
 def _schema(text: str) -> pa.Schema:
@@ -190,9 +240,13 @@ def add(
     reason: str,
     run_id: str,
     at: datetime,
+    salt: bytes,
 ) -> int:
-    """Record the key hashes (of keys in ``key_types``) not recorded yet, in one commit;
-    returns how many were new."""
+    """Record the key hashes (of keys in ``key_types``, made with ``salt``) not recorded yet,
+    in one commit; returns how many were new. The salt's fingerprint is recorded first: with
+    the ledger, or on a ledger from before it (refused if another salt's is recorded)."""
+    check_ledger_salt(path, salt)
+    _record_fingerprint(path, salt)
     types = base64.b64encode(key_types.serialize().to_pybytes()).decode("ascii")
     ledger = Ledger(path, SCHEMA)
     known = set(ledger.read(["key_hash"]).column(0).to_pylist()) if ledger.exists() else set()
@@ -204,3 +258,14 @@ def add(
         ]
     )
     return len(new)
+
+
+def _record_fingerprint(path: Where, salt: bytes) -> None:
+    """The ledger created (empty) with the salt's fingerprint, or given it if it has none."""
+    value = json.dumps(salt_fingerprint(salt))
+    if not delta.exists(path):
+        delta.ensure_table(path, SCHEMA, "cdc_platform erased keys", None, {SALT_PROPERTY: value})
+        return
+    table = Table.open(path)
+    if table.json_property(SALT_PROPERTY) is None:
+        table.set_properties({SALT_PROPERTY: value})

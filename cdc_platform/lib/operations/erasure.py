@@ -11,9 +11,18 @@ to crash after (running the job again finishes it):
    on the version it decided on), and the merge recomputes the keys: their history rows and
    delete-only records go;
 3. the side tables that named them in the clear are cleaned: the retracted keys the merge has
-   caught up with, the forgotten-events ledger's rows of the keys, and quarantine reasons that
-   quote one of the given values (withheld);
-4. the current table is refreshed from the history.
+   caught up with, the forgotten-events ledger's rows of the keys, and every quarantine reason
+   (withheld: a reason written before the erasure may quote any cell of the key's file rows,
+   and from the first erasure on the reader quotes none);
+4. the current table is refreshed from the history; one left behind once ``current_table``
+   was turned off loses the keys' rows and keeps the others.
+
+A request is checked before anything is written: the keyring's salt must be the one the
+table's erased keys and hashed columns were recorded under, and each key must have events in
+the change log (or be erased already), unless the request allows it to be absent
+(``allow_absent``: a key that may arrive later). A hashed key column's value is tried as the
+stored hash (64 hex digits) and as a cleartext hashed in each source type the change log
+records for the column (``protected_columns.hashed_types``), every candidate being erased.
 
 The replaced files stay readable by time travel until a VACUUM past the retention removes them
 (``table_maintenance``). The request's values are never logged or written anywhere but the
@@ -22,6 +31,7 @@ commits above; the ledger records the hashes, the reason and the run.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +50,7 @@ from cdc_platform.lib.history.merge import (
     drop_caught_up_retractions,
     table_relative,
 )
+from cdc_platform.lib.history.protected_columns import check_hashing_salt, hashed_types
 from cdc_platform.lib.landing.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.pii import hash_column
 from cdc_platform.lib.ledgers import erased_keys, quarantine
@@ -59,7 +70,21 @@ MAX_REASON = 500
 # What a quarantine reason that quoted an erased value says instead.
 _FILE = "_cdc_tmp_ledger_file"
 _HASH = re.compile(r"[0-9a-f]{64}")
-WITHHELD = "reason withheld: it quoted a value of an erased key (materialize the hour again)"
+WITHHELD = (
+    "reason withheld: it may have quoted a value of an erased key (materialize the hour again)"
+)
+# A hashed key column whose source types the change log does not record (a log from before
+# the record): its cleartext is tried in each of these, where it casts.
+UNRECORDED_TYPES = (
+    pa.string(),
+    pa.int64(),
+    pa.float64(),
+    pa.bool_(),
+    pa.date32(),
+    pa.timestamp("us", tz="UTC"),
+)
+# Keys an error names by position at most (a request holds up to MAX_KEYS).
+_NAMED = 20
 
 
 class ErasureError(ValueError):
@@ -87,8 +112,10 @@ def erase(
     run_id: str,
     keyring: Keyring | None,
     now: datetime,
+    allow_absent: bool = False,
 ) -> EraseResult:
-    """Erase ``keys`` (each naming every key column, its value as text) from ``table``."""
+    """Erase ``keys`` (each naming every key column, its value as text) from ``table``; a key
+    without events fails the request, unless ``allow_absent``."""
     reason = reason.strip()
     if not reason or len(reason) > MAX_REASON:
         raise ErasureError(f"an erasure needs a reason of 1 to {MAX_REASON} characters")
@@ -101,12 +128,18 @@ def erase(
     log = Table.open(paths.changelog)
     if not log.exists:
         raise ErasureError(f"{paths.changelog}: the table has no events yet, nothing to erase")
-    typed = typed_keys(log.arrow_schema, table.key, keys, _hashed_keys(table), salt)
-    hashes = key_hashes({c: typed.column(c).combine_chunks() for c in table.key}, len(keys), salt)
-    new = erased_keys.add(paths.erased_keys, hashes.to_pylist(), typed.schema, reason, run_id, now)
+    erased_keys.check_ledger_salt(paths.erased_keys, salt)  # another salt: nothing written
+    check_hashing_salt(log, table, keyring)
+    pk = list(table.key)
+    cands = typed_keys(log, table.key, keys, _hashed_keys(table), salt)
+    typed = cands.keys
+    hashes = key_hashes({c: typed.column(c).combine_chunks() for c in pk}, typed.num_rows, salt)
+    _check_found(spark, paths, log, pk, cands, hashes.to_pylist(), salt, allow_absent)
+    new = erased_keys.add(
+        paths.erased_keys, hashes.to_pylist(), typed.schema, reason, run_id, now, salt
+    )
     erased = erased_keys.load(paths.erased_keys, keyring)  # all of them: a re-run finishes
     assert erased is not None
-    pk = list(table.key)
 
     def attempt() -> tuple[int, int, int]:
         log = Table.open(paths.changelog)
@@ -127,9 +160,12 @@ def erase(
     merge = apply_pending(spark, paths, pk, now, table.history_columns)
     drop_caught_up_retractions(paths)
     forgotten = _scrub_forgotten(spark, paths, pk, typed, salt)
-    withheld = _scrub_quarantine(paths, keys, typed)
-    if table.current_table and Table.open(paths.current).exists:
+    withheld = _scrub_quarantine(paths)
+    current = Table.open(paths.current)
+    if table.current_table and current.exists:
         current_table.refresh(spark, paths, pk)
+    elif current.exists:  # left behind once current_table was turned off: still readable
+        _scrub_rows(spark, current, pk, _erasing(typed, pk, salt))
     return EraseResult(
         tuple(hashes.to_pylist()), new, removed, found, rewritten, merge, forgotten, withheld
     )
@@ -140,17 +176,27 @@ def _hashed_keys(table: TableConfig) -> set[str]:
     return {c for c in table.key if c.lower() in hashed}
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The keys a request names, in the change log's types: one row per way of reading it (a
+    hashed key column's value as its stored hash, or hashed in each source type), and which
+    of the request's keys (0-based) each row reads."""
+
+    keys: pa.Table
+    given: tuple[int, ...]
+
+
 def typed_keys(
-    schema: pa.Schema,
+    log: Table,
     key: Sequence[str],
     given: Sequence[Mapping[str, str]],
     hashed: Collection[str],
     salt: bytes,
-) -> pa.Table:
-    """The request's keys in the change log's types, one row each. A key naming other columns
-    than the table's key, or a value that is not of its column's type, is refused, naming the
-    key by its position and the column, never the value. A ``hashed`` key column's value is
-    its stored hash (64 hex digits), or a string value, hashed as a file's string cell is."""
+) -> Candidates:
+    """The request's keys in the change log's types. A key naming other columns than the
+    table's key, or a value that is not of its column's type, is refused, naming the key by
+    its position and the column, never the value. A ``hashed`` key column's value is read
+    every way it can be (``_hash_options``): each way is a candidate row."""
     if not given or len(given) > MAX_KEYS:
         raise ErasureError(f"name 1 to {MAX_KEYS} keys to erase (got {len(given)})")
     by_lower = {c.lower(): c for c in key}
@@ -164,16 +210,50 @@ def typed_keys(
             )
         for lower, column in by_lower.items():
             values[column].append(named[lower])
-    arrays = {}
+    schema, recorded = log.arrow_schema, hashed_types(log)
+    options: dict[str, list[list[str]]] = {}
     for column in key:
-        field = schema.field(column)
         texts = values[column]
         if column in hashed:
-            clear = pa.array([None if _HASH.fullmatch(t) else t for t in texts], pa.string())
-            hashes = hash_column(clear, salt).to_pylist()
-            texts = [t if h is None else h for t, h in zip(texts, hashes, strict=True)]
-        arrays[column] = _cast(texts, field)
-    return pa.table(arrays)
+            types = recorded.get(column.lower()) or list(UNRECORDED_TYPES)
+            options[column] = [
+                _hash_options(t, types, salt, i, column) for i, t in enumerate(texts)
+            ]
+        else:
+            _cast(texts, schema.field(column))  # refused here, naming the key, if one is not
+            options[column] = [[t] for t in texts]
+    rows: dict[str, list[str]] = {c: [] for c in key}
+    owner: list[int] = []
+    for i in range(len(given)):
+        for combo in itertools.product(*(options[c][i] for c in key)):
+            owner.append(i)
+            for column, text in zip(key, combo, strict=True):
+                rows[column].append(text)
+    arrays = {c: _cast(rows[c], schema.field(c)) for c in key}
+    return Candidates(pa.table(arrays), tuple(owner))
+
+
+def _hash_options(
+    text: str, types: Sequence[pa.DataType], salt: bytes, i: int, column: str
+) -> list[str]:
+    """The hashes a hashed key column's ``text`` may stand for: itself, if it has a stored
+    hash's form (64 hex digits), and its hash as a file's cell of each of ``types`` is hashed
+    (``pii.hash_column`` of the value cast to the type), where it casts. Both are kept for an
+    ambiguous text (a cleartext of 64 hex digits): a stored hash's cleartext is unknown."""
+    out = {text} if _HASH.fullmatch(text) else set()
+    for t in types:
+        try:
+            value = pc.cast(pa.array([text], pa.string()), t)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            continue
+        out.add(hash_column(value, salt)[0].as_py())
+    if not out:
+        raise ErasureError(
+            f"key {i + 1}: the value given for {column!r} is neither a stored hash (64 hex "
+            f"digits) nor a value of a type the column was hashed from ({', '.join(map(str, types))});"
+            " the value is not quoted"
+        )
+    return sorted(out)
 
 
 def _cast(texts: list[str], field: pa.Field) -> pa.Array:
@@ -193,54 +273,96 @@ def _cast(texts: list[str], field: pa.Field) -> pa.Array:
     raise ErasureError(f"the values given for {field.name!r} are not of type {field.type}")
 
 
+def _check_found(
+    spark: SparkSession,
+    paths: TablePaths,
+    log: Table,
+    pk: list[str],
+    cands: Candidates,
+    hashes: Sequence[str],
+    salt: bytes,
+    allow_absent: bool,
+) -> None:
+    """Refuse the request, before anything is written, if one of its keys has no event in
+    the change log and was not erased before (a re-run finishes a request), unless
+    ``allow_absent``: a key that matches nothing is most often a value given in another form
+    than the table holds, and reporting success would erase nothing."""
+    if allow_absent:
+        return
+    known = set(
+        Ledger(paths.erased_keys, erased_keys.SCHEMA).read(["key_hash"]).column(0).to_pylist()
+    )
+    mine = ErasedKeys.of({cands.keys.schema: set(hashes) - known}, salt)
+    present = mine.found(log.read(spark), pk) if log.files else set()
+    hit = {i for i, h in zip(cands.given, hashes, strict=True) if h in present or h in known}
+    absent = [i + 1 for i in sorted(set(cands.given) - hit)]
+    if absent:
+        shown = ", ".join(map(str, absent[:_NAMED])) + (" ..." if len(absent) > _NAMED else "")
+        raise ErasureError(
+            f"key(s) {shown} of the request have no event in the change log {paths.changelog}"
+            " (a hashed key column's value was tried as its stored hash and as a cleartext of "
+            "each type the column was hashed from): nothing was erased. Check the values, or "
+            "set allow_absent: true to record them as erased all the same (a key that may "
+            "arrive later)"
+        )
+
+
+def _erasing(typed: pa.Table, shared: Sequence[str], salt: bytes) -> ErasedKeys:
+    """The request's keys (on the ``shared`` columns) as ``ErasedKeys``, to find their rows
+    in a side table keyed on them."""
+    cells = {c: typed.column(c).combine_chunks() for c in shared}
+    types = pa.schema([typed.schema.field(c) for c in shared])
+    return ErasedKeys.of({types: key_hashes(cells, typed.num_rows, salt).to_pylist()}, salt)
+
+
 def _scrub_forgotten(
     spark: SparkSession, paths: TablePaths, pk: list[str], typed: pa.Table, salt: bytes
 ) -> int:
     """Take the keys' rows out of the forgotten-events ledger (they name the key in the clear;
-    the erased-keys ledger keeps the events out now). Each file holding one is rewritten as one
-    file, so that its removal token stays one per file (``changelog.removal_committed``). A
-    ledger keyed on fewer of the columns (a rekey added one since) loses every row of the
-    erased key's values in those: more rows than the key's, never fewer."""
-    from pyspark.sql import functions as F
-
+    the erased-keys ledger keeps the events out now). A ledger keyed on fewer of the columns
+    (a rekey added one since) loses every row of the erased key's values in those: more rows
+    than the key's, never fewer."""
     ledger = Table.open(paths.forgotten_events)
     if not ledger.files:
         return 0
     shared = [c for c in pk if c in changelog.ledger_key(ledger, pk)]
     if not shared:
         return 0
-    cells = {c: typed.column(c).combine_chunks() for c in shared}
-    types = pa.schema([typed.schema.field(c) for c in shared])
-    mine = ErasedKeys.of({types: key_hashes(cells, typed.num_rows, salt).to_pylist()}, salt)
-    rows = ledger.read(spark).withColumn(
-        _FILE, table_relative(F.input_file_name(), ledger.location)
-    )
-    hits = mine.flag(rows, shared, GONE).filter(col(GONE)).groupBy(_FILE).count().collect()
+    return _scrub_rows(spark, ledger, shared, _erasing(typed, shared, salt))
+
+
+def _scrub_rows(spark: SparkSession, table: Table, key: list[str], mine: ErasedKeys) -> int:
+    """Rewrite the files of ``table`` holding rows of ``mine`` (on columns ``key``) without
+    them, in one commit; returns how many rows went. Each file is rewritten as one file, so
+    that a forgotten-events file's removal token stays one per file
+    (``changelog.removal_committed``)."""
+    from pyspark.sql import functions as F
+
+    if not table.files:
+        return 0
+    rows = table.read(spark).withColumn(_FILE, table_relative(F.input_file_name(), table.location))
+    hits = mine.flag(rows, key, GONE).filter(col(GONE)).groupBy(_FILE).count().collect()
     if not hits:
         return 0
     names = {r[_FILE] for r in hits}
-    holding = [f for f in ledger.files if f.path in names]
-    with ledger.committing() as rewrite:
+    holding = [f for f in table.files if f.path in names]
+    with table.committing() as rewrite:
         for f in holding:
-            kept = mine.flag(ledger.read(spark, [f]), shared, GONE).filter(~col(GONE))
+            kept = mine.flag(table.read(spark, [f]), key, GONE).filter(~col(GONE))
             rewrite.write(kept.drop(GONE).coalesce(1))
         removed = sum(int(r["count"]) for r in hits)
         rewrite.commit(delta.removes_for(holding), metadata={"cdc_platform.erased_rows": removed})
     return removed
 
 
-def _scrub_quarantine(
-    paths: TablePaths, given: Sequence[Mapping[str, str]], typed: pa.Table
-) -> int:
-    """Withhold every quarantine reason quoting one of the keys' values (as given, or as the
-    column's type prints it): a reason quotes a cell as its file held it."""
-    texts = {t for k in given for t in k.values()}
-    texts |= {str(v) for c in typed.column_names for v in typed.column(c).to_pylist()}
-    texts = {t for t in texts if t.strip()}  # an empty value would match between any words
-    # A value as a word of its own: an id 1 is quoted as "1" or "'1'", not inside "row 12".
-    quotes = [re.compile(r"(?<![\w.])" + re.escape(t) + r"(?![\w.])") for t in texts]
+def _scrub_quarantine(paths: TablePaths) -> int:
+    """Withhold every quarantine reason not withheld yet: one written before the erasure may
+    quote any cell of a file row of an erased key (its key's or another column's, whole or cut
+    short), and the file is not read again here to tell. From the first erasure on, the
+    reader quotes no cell (``pipeline``: ``hide_values``), so a reason materialized again is
+    safe to keep."""
     rows = Ledger(paths.quarantine, quarantine.SCHEMA).rows()
-    quoting = [r for r in rows if any(q.search(r["reason"] or "") for q in quotes)]
+    quoting = [r for r in rows if r["reason"] != WITHHELD]
     if quoting:
         for r in quoting:
             r["reason"] = WITHHELD

@@ -379,6 +379,29 @@ def num_records(add: AddAction) -> int:
     return int(json.loads(add.stats)["numRecords"])
 
 
+def stats_only_for(adds: Sequence[AddAction], columns: Sequence[str]) -> list[AddAction]:
+    """``adds`` with the bounds and null counts of ``columns`` only (and their row counts): a
+    side table that names keys in the clear keeps them out of its Delta log, which no VACUUM
+    removes (an erasure's retracted keys, ``merge.record_retracted_keys``)."""
+    out = []
+    for a in adds:
+        stats = json.loads(a.stats) if a.stats else {}
+        for part in ("minValues", "maxValues", "nullCount"):
+            if part in stats:
+                stats[part] = {c: v for c, v in stats[part].items() if c in columns}
+        out.append(
+            AddAction(
+                path=a.path,
+                size=a.size,
+                partition_values=a.partition_values,
+                modification_time=a.modification_time,
+                data_change=a.data_change,
+                stats=json.dumps(stats),
+            )
+        )
+    return out
+
+
 def removes_for(files: Sequence[DataFile], data_change: bool = True) -> list[RemoveAction]:
     """Remove actions for ``files``; ``data_change=False`` for a rewrite that changes no row."""
     now_ms = int(time.time() * 1000)

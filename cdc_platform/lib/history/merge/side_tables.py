@@ -131,7 +131,9 @@ def record_retracted_keys(
         delta.arrow_schema_of(rows), "cdc_platform keys an un-apply recomputes"
     )
     with side.committing() as record:
-        record.write(rows.coalesce(1))
+        written = record.write(rows.coalesce(1))
+        # The keys are in the clear (an erasure's too): the Delta log keeps no bound of theirs.
+        record.adds[:] = delta.stats_only_for(written, [AFTER_LOG_VERSION])
         record.commit(delta.removes_for(_caught_up(side, applied)))
 
 
