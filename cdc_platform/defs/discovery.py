@@ -5,7 +5,10 @@ folder seen for the first time is reported once: a warning in the tick's log (th
 under the sensor's ticks) with its columns and the ``tables:`` entry to paste, and a
 ``new_table`` alert through the ``alert_webhook`` resource. An alert that cannot be delivered
 stays in the cursor and is retried on later ticks (``defs.alerts.deliver``); nothing raises
-into the tick. The cursor is JSON: ``{"reported": [names], "pending": [alerts]}``.
+into the tick. On a bucket a tick lists within a budget (``discovery.unlisted_budget``): a
+folder not decided when it is spent (thousands of junk keys, say) goes on next tick where it
+stopped, the longest waiting first. The cursor is JSON: ``{"reported": [names], "pending":
+[alerts], "scanning": [[name, key listed up to], ...]}``.
 
 With a ``discover:`` template, the tables the Definitions were built with (at code-location
 load) already have assets; the report says so. A folder appearing later gets its asset when
@@ -24,7 +27,12 @@ import dagster as dg
 from cdc_platform.defs.alerts import AlertWebhookResource, deliver
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.fleet.alerts import new_table_alert
-from cdc_platform.lib.landing.discovery import DiscoveredTable, describe, unlisted_tables
+from cdc_platform.lib.landing.discovery import (
+    DiscoveredTable,
+    describe,
+    unlisted_budget,
+    unlisted_tables,
+)
 from cdc_platform.lib.landing.zone import LandingUnavailableError, LandingZone
 
 NEW_TABLES_SENSOR_NAME = "cdc_new_tables"
@@ -36,10 +44,15 @@ class NewTablesCursor:
 
     reported: list[str] = field(default_factory=list)
     pending: list[dict[str, Any]] = field(default_factory=list)
+    # Folders whose listing goes on next tick (name -> the key it goes on after), in order.
+    scanning: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
+        data: dict[str, Any] = {"reported": sorted(self.reported), "pending": self.pending}
+        if self.scanning:
+            data["scanning"] = [[n, k] for n, k in self.scanning.items()]
         return json.dumps(
-            {"reported": sorted(self.reported), "pending": self.pending},
+            data,
             separators=(",", ":"),
             sort_keys=True,
         )
@@ -54,11 +67,13 @@ class NewTablesCursor:
             not isinstance(data, dict)
             or not isinstance(data.get("reported", []), list)
             or not isinstance(data.get("pending", []), list)
+            or not isinstance(data.get("scanning", []), list)
         ):
             raise ValueError("unsupported new-table cursor; reset the sensor cursor")
         return cls(
             reported=[str(n) for n in data.get("reported") or []],
             pending=list(data.get("pending") or []),
+            scanning={str(n): str(k) for n, k in data.get("scanning") or []},
         )
 
 
@@ -132,7 +147,7 @@ def build_new_tables_sensor(
                 skip_reason=f"landing root {landing_root} does not exist; "
                 f"{delivered} alert(s) sent, {len(state.pending)} pending",
             )
-        names = unlisted_tables(landing, listed)
+        names = unlisted_tables(landing, listed, unlisted_budget(), state.scanning)
         reported = set(state.reported)
         new = []
         for name in names:
@@ -173,6 +188,8 @@ def build_new_tables_sensor(
         found = f"{len(names)} unlisted table folder(s)" + (
             f" ({', '.join(names)})" if names else ""
         )
+        if state.scanning:
+            found += f" ({len(state.scanning)} folder(s) to be listed further next tick)"
         summary = (
             f"{found}: {len(new)} new"
             + (f" ({', '.join(new)})" if new else "")

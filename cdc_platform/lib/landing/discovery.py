@@ -6,9 +6,11 @@ paste into the config (:meth:`DiscoveredTable.config_snippet`), and
 :func:`with_discovered_tables` gives every unlisted plain-Parquet table a :class:`TableConfig`
 from the config's ``discover:`` template.
 
-Only cheap reads: a listing of the landing root, a walk of an unlisted table's folders down to
-its first landing file, and of that file its first bytes, its Parquet footer or its CSV header
-and first rows. Encrypted files are never decrypted (no key is loaded here), and a
+Only cheap reads: a listing of the landing root, the one prefix listing of an unlisted table's
+hour folders (on a bucket, page by page until a landing file shows up, within a budget of
+requests: a folder of junk keys costs a bounded number, and the new-tables sensor goes on where
+it stopped next tick), and of its first file its first bytes, its Parquet footer or its CSV
+header and first rows. Encrypted files are never decrypted (no key is loaded here), and a
 ZSTD-compressed Parquet file is not decompressed (its footer is at its end): their columns are
 reported as unknown, and the snippet says so.
 """
@@ -37,7 +39,12 @@ from cdc_platform.lib.landing.codecs import (
 )
 from cdc_platform.lib.landing.formats import FORMATS, format_of_head, format_of_name
 from cdc_platform.lib.landing.layout import LandingFile
-from cdc_platform.lib.landing.zone import Landing, LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.zone import (
+    Landing,
+    LandingUnavailableError,
+    LandingZone,
+    ListBudget,
+)
 from cdc_platform.lib.storage.warehouse import current_table_name
 
 __all__ = [
@@ -59,6 +66,15 @@ _HEAD_BYTES = 4096
 _ZSTD_SUFFIXES = (".zst", ".zstd")
 _AES_SUFFIXES = (".aes", ".enc")
 Opener = Callable[[], BinaryIO]
+# On a bucket: what looking for unlisted tables may list in one call (a tick of the new-tables
+# sensor, a code-location load with ``discover:``), and describing one table.
+UNLISTED_LIST_REQUESTS = 100
+UNLISTED_LIST_SECONDS = 20.0
+
+
+def unlisted_budget() -> ListBudget:
+    """The listing budget of one search for unlisted tables."""
+    return ListBudget(UNLISTED_LIST_REQUESTS, UNLISTED_LIST_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -146,27 +162,67 @@ class DiscoveredTable:
 # -- listing ---------------------------------------------------------------------------------------
 
 
-def unlisted_tables(landing_root: Landing, known_names: Iterable[str]) -> list[str]:
+def unlisted_tables(
+    landing_root: Landing,
+    known_names: Iterable[str],
+    budget: ListBudget | None = None,
+    progress: dict[str, str] | None = None,
+) -> list[str]:
     """Table folders under ``landing_root`` that ``known_names`` does not list, sorted.
 
     A table folder is a folder (not a symlink: the landing zone's links are never followed)
     named as a config table may be named, holding at least one ``year=/month=/day=/hour=``
     folder with a landing file. Hidden (``.``) and ``_`` folders, files and folders with no
     landing file are not. Names compare case-insensitively, as the config's do.
+
+    On a bucket each folder is listed page by page until a landing file shows up, and only
+    while ``budget`` lasts. ``progress`` (table -> the key its listing goes on after) holds,
+    afterwards, every folder not decided yet: listed up to the budget without a file, or not
+    reached. Given back to the next call, those go on from there, the longest waiting first.
     """
     known = {n.lower() for n in known_names}
     landing = LandingZone.of(landing_root)
+    progress = {} if progress is None else progress
+    candidates = [
+        n for n in landing.table_names() if _TABLE_NAME_RE.match(n) and n.lower() not in known
+    ]
+    for gone in [n for n in progress if n not in candidates]:
+        del progress[gone]
+    waiting = list(progress)
+    order = [n for n in candidates if n not in progress] + waiting
     found = []
-    for name in landing.table_names():
-        if not _TABLE_NAME_RE.match(name) or name.lower() in known:
-            continue
+    for name in order:
         try:
-            landed = first_landing_file(landing, name) is not None
+            page, after = _first_page(landing, name, budget, progress.pop(name, ""))
         except OSError:  # unreadable (permissions): not a table folder this platform can read
-            landed = False
-        if landed:
+            page, after = None, None
+        if after is not None:  # not decided: goes on next time, after the others waiting
+            progress[name] = after
+        if page is not None:
             found.append(name)
-    return found
+    return sorted(found)
+
+
+def _first_page(
+    landing: LandingZone, table: str, budget: ListBudget | None, after: str = ""
+) -> tuple[dict[datetime, list[LandingFile]] | None, str | None]:
+    """(the hours of the first listing page holding a landing file, or None; where the
+    listing goes on when ``budget`` ran out first): the table's one prefix listing, a page at a
+    time from ``after`` (a folder walk, whole, off a bucket)."""
+    while budget is None or budget.take():
+        part = landing.hour_files(table, after, ListBudget(1))
+        if any(_readable(f) for files in part.files.values() for f in files):
+            return part.files, None
+        if part.resume_after is None:
+            return None, None
+        after = part.resume_after
+    return None, after
+
+
+def _readable(f: LandingFile) -> bool:
+    """A file to describe: not set aside, and no control character in its name (it would go
+    into the snippet, the log and the alert)."""
+    return f.set_aside is None and os.path.basename(f.path).isprintable()
 
 
 def first_landing_file(landing_root: Landing, table: str) -> tuple[datetime, str] | None:
@@ -176,14 +232,16 @@ def first_landing_file(landing_root: Landing, table: str) -> tuple[datetime, str
 
 
 def _first_file(landing_root: Landing, table: str) -> tuple[datetime, LandingFile, int] | None:
-    """(hour, listing, files skipped) of the first landing file of the earliest hour with one.
-    A file whose name has a control character (a newline, say) is skipped and counted: its
-    name would go into the snippet, the log and the alert."""
+    """(hour, listing, files skipped) of the first landing file of the earliest hour with one:
+    on a bucket, of the first listing page holding one, within ``unlisted_budget`` (key order
+    is time order, but for unpadded folders). A file whose name has a control character (a
+    newline, say) is skipped and counted: its name would go into the snippet, the log and the
+    alert."""
     skipped = 0
-    landing = LandingZone.of(landing_root)
-    for hour in landing.hours(table):
-        readable = [f for f in landing.files_in_hour(table, hour) if f.set_aside is None]
-        named = [f for f in readable if os.path.basename(f.path).isprintable()]
+    page, _ = _first_page(LandingZone.of(landing_root), table, unlisted_budget())
+    for hour, files in sorted((page or {}).items()):
+        readable = [f for f in files if f.set_aside is None]
+        named = [f for f in readable if _readable(f)]
         skipped += len(readable) - len(named)
         if named:
             return hour, named[0], skipped
@@ -354,11 +412,21 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
     # A table discovered before keeps its asset while the store does not answer: its change
     # log in the warehouse says it was discovered (a load during an outage drops nothing).
     written = cache(partial(_written_tables, platform))
+    undecided: dict[str, str] = {}
     try:
-        names = unlisted_tables(platform.landing_root, [t.name for t in platform.tables])
+        names = unlisted_tables(
+            platform.landing_root, [t.name for t in platform.tables], unlisted_budget(), undecided
+        )
     except LandingUnavailableError as exc:  # the bucket does not answer now
         _log.warning(f"discover: the landing zone cannot be listed ({exc})")
         names = sorted(written())
+    if undecided:  # past the listing budget: kept if discovered before, else on a later load
+        kept = sorted(n for n in undecided if n in written())
+        _log.warning(
+            f"discover: {len(undecided)} folder(s) not looked at in full within the listing "
+            f"budget ({UNLISTED_LIST_REQUESTS} requests); kept as discovered before: {kept}"
+        )
+        names = sorted({*names, *kept})
     added: list[TableConfig] = []
     for name in names:
         if name.lower() in taken:
@@ -368,7 +436,7 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
             _refuse_if_written(platform, name, owner)
             _log.warning(derived_name_reason(name, owner))
             continue
-        if not _plain_parquet(platform, name, written):
+        if name not in undecided and not _plain_parquet(platform, name, written):
             continue
         taken.add(name.lower())
         added.append(

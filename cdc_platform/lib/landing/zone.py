@@ -136,11 +136,21 @@ class LandingZone(ABC):
         self, table: str, after: str = "", budget: ListBudget | None = None
     ) -> HourListing:
         """Every hour folder of ``table`` with its files (as ``files_in_hour`` gives them), from
-        the one prefix listing the sweep makes; on a bucket, from the key ``after`` on and
-        until ``budget`` is spent (``resume_after`` says where to go on). A folder walk here."""
-        return HourListing(
-            {h: fs for h in self.hours(table) if (fs := self.files_in_hour(table, h))}
-        )
+        the one prefix listing the sweep makes, from the key ``after`` on and until ``budget``
+        is spent (``resume_after`` says where to go on). Here a folder walk: each hour folder
+        (named by its padded spelling) is one request of the budget."""
+        found: dict[datetime, list[LandingFile]] = {}
+        for hour in self.hours(table):
+            name = layout.folder_spellings(table, hour)[0]
+            if after and name <= after:
+                continue
+            if budget is not None and not budget.take():
+                return HourListing(found, after)
+            files = self.files_in_hour(table, hour)
+            if files:
+                found[hour] = files
+            after = name
+        return HourListing(found, None)
 
     def files_of_hours(
         self, table: str, hours: Collection[datetime], budget: ListBudget | None = None
