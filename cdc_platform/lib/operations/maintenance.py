@@ -37,11 +37,16 @@ the table's folder; the config guarantees no other table or landing folder is in
 names never start with ``_``, the folder of the change logs, and the roots do not overlap).
 
 Run it for every table of the config: ``python -m cdc_platform.lib.operations.maintenance``.
+That command takes no Dagster pool slot (``lib`` knows no Dagster), so it keeps the default
+retention (a shorter one is ``table_maintenance``'s ``allow_short_retention``, in the slot) and
+refuses a table whose ``rekey_table`` or ``protect_columns`` run did not finish
+(``rebuild_under_way``): its commits would come between that run's and the run that finishes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +58,8 @@ from deltalake.transaction import AddAction
 from cdc_platform.lib.columns import ACTIVE, CURRENT, cols
 from cdc_platform.lib.config import load_config
 from cdc_platform.lib.history import merge
+from cdc_platform.lib.history.protected_columns import protecting
+from cdc_platform.lib.history.table_key import recorded_rekey
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.table import Commit, Table
@@ -259,23 +266,55 @@ def _is_data_file(info: pafs.FileInfo, folder: str) -> bool:
     )
 
 
+def rebuild_under_way(paths: TablePaths) -> str | None:
+    """Why the command-line VACUUM leaves a table alone (None: it does not): a ``rekey_table``
+    or ``protect_columns`` run stopped between its commits; launching it again finishes it."""
+    try:
+        rekey = recorded_rekey(Table.open(paths.history))
+        lists = protecting(Table.open(paths.changelog))
+    except ValueError as exc:  # a property not written by cdc_platform
+        return f"{exc} Not vacuumed."
+    job = rekey.job if rekey is not None and rekey.pending else None
+    if job is None and lists is not None:
+        job = "protect_columns"
+    if job is None:
+        return None
+    return (
+        f"{paths.history}: a {job} run did not finish; not vacuumed. Launch {job} for the table"
+        " again (it finishes the rebuild), then run this command again."
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="VACUUM every table of the config.")
     parser.add_argument("--retention-hours", type=int, default=DEFAULT_RETENTION_HOURS)
     parser.add_argument("--dry-run", action="store_true", help="list, delete nothing")
     args = parser.parse_args(argv)
+    if args.retention_hours < DEFAULT_RETENTION_HOURS:
+        parser.error(
+            f"--retention-hours {args.retention_hours} is below {DEFAULT_RETENTION_HOURS}: this"
+            " command holds no table's pool slot, so a run writing meanwhile could lose its"
+            " files. Launch table_maintenance with retention_hours and allow_short_retention:"
+            " true instead (it holds the slot)."
+        )
     platform = load_config()
+    refused = 0
     for table in platform.tables:
+        paths = TablePaths.of(platform.warehouse_root, table.name)
+        why = rebuild_under_way(paths)
+        if why is not None:
+            print(f"{table.name}: {why}", file=sys.stderr)
+            refused += 1
+            continue
         removed = vacuum(
-            TablePaths.of(platform.warehouse_root, table.name),
-            args.retention_hours,
-            dry_run=args.dry_run,
-            current_table=table.current_table,
+            paths, args.retention_hours, dry_run=args.dry_run, current_table=table.current_table
         )
         verb = "would remove" if args.dry_run else "removed"
         print(f"{table.name}: {verb} {len(removed)} file(s) or folder(s)")
         for path in removed:
             print(f"  {path}")
+    if refused:
+        sys.exit(f"{refused} table(s) not vacuumed (above)")
 
 
 if __name__ == "__main__":

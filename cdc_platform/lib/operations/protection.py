@@ -29,6 +29,7 @@ import pyarrow as pa
 from cdc_platform.lib.columns import ROW_ID, cols
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog, current_table
+from cdc_platform.lib.history.merge import fault_point
 from cdc_platform.lib.history.protected_columns import (
     PROTECTED_COLUMNS_PROPERTY,
     PROTECTING_PROPERTY,
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
 # What the change log's rewrite records in its commit, so a run after a crash knows the log
 # already follows the lists even before its property says so.
 REWRITTEN_TO = "cdc_platform.protected_columns"
+# The crash-safety tests' point between the rewrite's commit and the one recording the lists.
+AFTER_REWRITE_FAULT = "after_protected_log_rewrite"
 
 
 class ProtectionError(ValueError):
@@ -208,7 +211,7 @@ def _protected_log(
         log.set_properties({PROTECTING_PROPERTY: text})
         log = log.reopened()
         assert log.dt is not None
-    if log.dt.history(limit=1)[0].get(REWRITTEN_TO) != text:  # not rewritten yet
+    if not rewritten_since_under_way(log, text):
         blocked = [n for n in log.arrow_schema.names if n.lower() in set(wanted["block"])]
         hashed = _newly_hashed(log, recorded, wanted)
         schema = pa.schema(
@@ -223,8 +226,52 @@ def _protected_log(
             rest = pa.schema([f for f in schema if f.name != ROW_ID])
             events = with_row_ids(events.drop(ROW_ID), rest)
         log = rewrite_changelog(log, events, schema, table.key, {REWRITTEN_TO: text})
+        fault_point(AFTER_REWRITE_FAULT)
     log.set_properties({PROTECTED_COLUMNS_PROPERTY: text, PROTECTING_PROPERTY: "null"})
     return log.reopened()
+
+
+def rewritten_since_under_way(log: Table, text: str) -> bool:
+    """Whether a commit since the one that set the lists under way (``PROTECTING_PROPERTY``)
+    rewrote the log to them (``REWRITTEN_TO``). Every commit since is read, not the latest
+    alone: a VACUUM or any other tool may have committed after the rewrite, and hashing the
+    log again would store hash(hash(x)). Read newest first, in growing pages."""
+    assert log.dt is not None
+    limit = _HISTORY_PAGE
+    while True:
+        entries = log.dt.history(limit=limit)
+        for entry in entries:
+            if entry.get(REWRITTEN_TO) == text:
+                return True
+            if _sets_under_way(entry):
+                return False
+        if len(entries) < limit:
+            break
+        limit *= 4
+    raise ProtectionError(
+        f"{log}: the commit that set {PROTECTING_PROPERTY} is no longer in the change log's"
+        " history (its log entries were cleaned up), so whether the rewrite happened cannot be"
+        " told: a second rewrite would hash hashed cells. Nothing was written; restore the"
+        " change log from a backup taken before the protect_columns run, then launch it again."
+    )
+
+
+# Commits read per page of ``rewritten_since_under_way`` (few follow the lists under way).
+_HISTORY_PAGE = 16
+
+
+def _sets_under_way(entry: dict) -> bool:
+    """A commit that set ``PROTECTING_PROPERTY`` to lists (delta-rs and Spark record the
+    properties a SET TBLPROPERTIES set as a JSON object in its parameters)."""
+    if entry.get("operation") != "SET TBLPROPERTIES":
+        return False
+    raw = (entry.get("operationParameters") or {}).get("properties")
+    try:
+        props = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return False
+    value = props.get(PROTECTING_PROPERTY) if isinstance(props, dict) else None
+    return isinstance(value, str) and value != "null"
 
 
 def _apply(
