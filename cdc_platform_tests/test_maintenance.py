@@ -14,7 +14,7 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from deltalake.transaction import AddAction
 
-from cdc_platform.lib.operations.maintenance import vacuum
+from cdc_platform.lib.operations.maintenance import DEFAULT_RETENTION_HOURS, vacuum
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -124,3 +124,84 @@ def test_committed_files_in_segment_sub_folders_are_kept(tmp_path: Path) -> None
     vacuum(paths, retention_hours=0, enforce_retention_duration=False)
     assert part.exists()
     assert sorted(delta.read_arrow(paths.history)["id"].to_pylist()) == [0, 5]
+
+
+ERASED, KEPT, ERASED_NAME = 918273645, 2, "Zelda Quux-Purged"
+
+
+def parquet_cells(warehouse: Path) -> str:
+    """Every cell of every Parquet data file under the warehouse (the Delta logs' checkpoints
+    aside: their statistics are docs/limitations.md's)."""
+    files = [p for p in sorted(warehouse.rglob("*.parquet")) if "_delta_log" not in p.parts]
+    return "\n".join(repr(pq.read_table(p).to_pylist()) for p in files)
+
+
+def test_a_short_retention_is_an_explicit_choice_that_purges_an_erased_key(
+    spark, tmp_path: Path, keyring: Path
+) -> None:
+    """docs/operating.md sends the operator to ``table_maintenance`` with a short retention to
+    purge the files an erasure replaced: without ``allow_short_retention`` it is refused before
+    anything is removed, saying how; with it the erased key's cells leave every data file."""
+    from datetime import UTC, datetime, timedelta
+
+    from cdc_platform_tests.helpers import event as ev
+    from cdc_platform_tests.helpers import (
+        materialize_with_checks,
+        one_table_config,
+        run_operator_job,
+        write_parquet_events,
+    )
+    from cdc_platform_tests.test_pii import failure_of
+
+    platform = one_table_config(tmp_path, "primary_key: [id]\n    current_table: true")
+    h0 = datetime(2024, 1, 1, tzinfo=UTC)
+    events = [
+        ev("INSERT", 1, h0 + timedelta(minutes=1), ERASED, name=ERASED_NAME),
+        ev("INSERT", 2, h0 + timedelta(minutes=2), KEPT, name="b"),
+    ]
+    write_parquet_events(platform.landing_path, "t", h0, events)
+    assert materialize_with_checks(platform, "t", h0).success
+    erased = run_operator_job(
+        platform, "erase_key", "erase", keys=[{"id": str(ERASED)}], reason="request DSR-1"
+    )
+    assert erased.success, failure_of(erased)
+    warehouse = Path(platform.warehouse_root.uri)
+    assert ERASED_NAME in parquet_cells(warehouse)  # the replaced files, until a VACUUM
+
+    refused = run_operator_job(
+        platform, "table_maintenance", "compact_and_vacuum", retention_hours=0
+    )
+    assert not refused.success
+    assert "allow_short_retention: true" in failure_of(refused)
+    assert ERASED_NAME in parquet_cells(warehouse)  # nothing was removed
+
+    purged = run_operator_job(
+        platform,
+        "table_maintenance",
+        "compact_and_vacuum",
+        retention_hours=0,
+        allow_short_retention=True,
+    )
+    assert purged.success, failure_of(purged)
+    cells = parquet_cells(warehouse)
+    assert ERASED_NAME not in cells and str(ERASED) not in cells
+    assert "'b'" in cells  # the other key's rows stay
+    assert DeltaTable(str(TablePaths.of(platform.warehouse_root, "t").history)).to_pyarrow_table()[
+        "id"
+    ].to_pylist() == [KEPT]
+
+
+def test_a_negative_retention_is_refused_whatever_is_allowed(spark, tmp_path: Path) -> None:
+    from cdc_platform_tests.helpers import one_table_config, run_operator_job
+    from cdc_platform_tests.test_pii import failure_of
+
+    platform = one_table_config(tmp_path, "primary_key: [id]")
+    result = run_operator_job(
+        platform,
+        "table_maintenance",
+        "compact_and_vacuum",
+        retention_hours=-1,
+        allow_short_retention=True,
+    )
+    assert not result.success and "retention_hours -1 is negative" in failure_of(result)
+    assert DEFAULT_RETENTION_HOURS == 168

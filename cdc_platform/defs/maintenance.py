@@ -9,6 +9,11 @@ make the Automation page slow and the daemon's loop long. The op holds the table
 while it works (``defs.operations``), so it never overlaps a materialization or an operator job of the same table. What it did is
 recorded as an observation of the table's asset (files and bytes before and after), visible
 on the asset's page beside its materializations.
+
+A retention below Delta's default (168 hours) is an explicit choice, ``allow_short_retention``,
+checked before the op waits for the slot (``MaintenanceConfig.refusal``). It is safe here because the
+slot keeps the table's own runs from writing meanwhile (files younger than the retention are a
+writer's files in flight); it shortens time travel to that many hours.
 """
 
 from datetime import UTC, datetime, timedelta
@@ -45,7 +50,29 @@ class MaintenanceConfig(TableRunConfig):
         description="VACUUM removes files no longer referenced for at least this many hours "
         "(time travel reaches back as far).",
     )
+    allow_short_retention: bool = Field(
+        default=False,
+        description=f"True: a retention_hours below {DEFAULT_RETENTION_HOURS} is meant (to "
+        "purge the files an erase_key or protect_columns replaced sooner); time travel then "
+        "reaches back only that far.",
+    )
     vacuum: bool = Field(default=True, description="False: compact only.")
+
+    def refusal(self) -> str | None:
+        """Why the retention is refused before the op waits or reads anything (None: it is
+        not): a negative one, or one below the default not asked for explicitly."""
+        hours, default = self.retention_hours, DEFAULT_RETENTION_HOURS
+        if hours < 0:
+            return f"retention_hours {hours} is negative. Nothing was done."
+        if hours < default and self.vacuum and not self.allow_short_retention:
+            return (
+                f"retention_hours {hours} is below the default {default}: add"
+                " allow_short_retention: true to the run config to VACUUM the files replaced"
+                " since (the table's pool slot keeps its runs out meanwhile; time travel then"
+                f" reaches back {hours} hours), or leave retention_hours at {default}."
+                " Nothing was done."
+            )
+        return None
 
 
 def maintenance_schedule_name(platform: PlatformConfig, table: TableConfig) -> str:
@@ -64,6 +91,9 @@ def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
     def compact_and_vacuum(
         context: dg.OpExecutionContext, config: MaintenanceConfig, spark: SparkResource
     ) -> None:
+        refusal = config.refusal()
+        if refusal is not None:
+            raise dg.Failure(refusal)
         with operator_run(context, platform, config, spark, refuse=()) as run:
             table, paths = run.table, run.paths
             metadata: dict[str, int | None] = {}
@@ -81,7 +111,12 @@ def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
                     f"{c.table}_files_rewritten": c.files_rewritten,
                 }
             if config.vacuum:
-                removed = vacuum(paths, config.retention_hours, current_table=table.current_table)
+                removed = vacuum(
+                    paths,
+                    config.retention_hours,
+                    enforce_retention_duration=not config.allow_short_retention,
+                    current_table=table.current_table,
+                )
                 metadata["vacuumed_files"] = len(removed)
             context.log_event(
                 dg.AssetObservation(
