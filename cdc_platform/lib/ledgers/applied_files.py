@@ -9,6 +9,10 @@ Why not the change log's ``_cdc_source_file``: a file whose events were all dupl
 logged before (a re-delivery), or that holds no rows, is read but never appears there, and a
 file name says nothing about a file rewritten in place. This ledger holds every file read with
 the size and mtime the sensor fingerprints, so "applied" means exactly "this content was read".
+
+Each run adds a small file (8,760 a year for an hourly table): ``table_maintenance`` compacts
+them into files sorted by partition (``compact``) and VACUUMs the replaced ones, and a read of
+some partitions (the sensor's reconcile) opens only the files whose statistics may hold them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pyarrow as pa
 
 from cdc_platform.lib.landing.layout import LandingFile
 from cdc_platform.lib.landing.zone import Landing, LandingZone
-from cdc_platform.lib.ledgers.ledger import Ledger
+from cdc_platform.lib.ledgers.ledger import Compacted, Ledger
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -50,7 +54,18 @@ class AppliedFile:
 
 
 def ledger_path(warehouse_root: Where, table: str) -> Location:
-    return TablePaths.of(warehouse_root, table).changelog.parent / "applied_files"
+    return of_table(TablePaths.of(warehouse_root, table))
+
+
+def of_table(paths: TablePaths) -> Location:
+    """The ledger beside the table's change log (``_cdc/<table>/applied_files``)."""
+    return paths.changelog.parent / "applied_files"
+
+
+def compact(path: Where) -> Compacted:
+    """Few files sorted by partition in place of the runs' small ones (``Ledger.compact``):
+    no row changes, and a read of some partitions skips the rest by statistics."""
+    return Ledger(path, SCHEMA).compact(["partition", "file"])
 
 
 def identity(landing_root: Landing, f: LandingFile) -> FileIdentity:
@@ -85,9 +100,12 @@ def record(
 
 
 def applied_by_partition(path: Where, partitions: Iterable[str]) -> dict[str, set[FileIdentity]]:
-    """The (file, size, mtime_ns) recorded for each of ``partitions`` (one read of the ledger)."""
+    """The (file, size, mtime_ns) recorded for each of ``partitions`` (one read of the files
+    whose statistics may hold them)."""
     wanted = set(partitions)
-    tbl = Ledger(path, SCHEMA).read(columns=["partition", "file", "size", "mtime_ns"])
+    tbl = Ledger(path, SCHEMA).read(
+        columns=["partition", "file", "size", "mtime_ns"], where_in=("partition", wanted)
+    )
     out: dict[str, set[FileIdentity]] = {}
     for row in tbl.to_pylist():
         if row["partition"] in wanted:

@@ -11,6 +11,8 @@ Compaction (``compact``) keeps file counts bounded after months of hourly runs:
   moved to the compacted version, so the rewritten files are not mistaken for new events. A
   crash between those commits only makes the next run recompute the keys of the compacted
   files, which is correct and self-healing.
+- Applied-files ledger: one small file per run; its small files become few, sorted by
+  partition (``applied_files.compact``), so the sensor's reads stay flat over a year of runs.
 
 Both commits mark their files ``dataChange=false``: readers and streaming consumers know that
 no row changed.
@@ -60,6 +62,7 @@ from cdc_platform.lib.config import load_config
 from cdc_platform.lib.history import merge
 from cdc_platform.lib.history.protected_columns import protecting
 from cdc_platform.lib.history.table_key import recorded_rekey
+from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.table import Commit, Table
@@ -92,13 +95,21 @@ def compact(
     *,
     small_rows: int = delta.ROWS_PER_FILE // 2,
 ) -> list[Compaction]:
-    """Compact the history table and the change log of one table (see the module docstring)."""
+    """Compact the history table, the change log and the applied-files ledger of one table
+    (see the module docstring)."""
     return [
         _compact_history(
             spark, paths, list(primary_key), min(small_rows, merge.HISTORY_ROWS_PER_FILE // 2)
         ),
         _compact_changelog(spark, paths, list(primary_key), small_rows),
+        compact_applied_files(paths),
     ]
+
+
+def compact_applied_files(paths: TablePaths) -> Compaction:
+    """The applied-files ledger's small files as few, sorted by partition (no Spark)."""
+    done = applied_files.compact(applied_files.of_table(paths))
+    return _summary("applied_files", done.files, done.removed, done.adds, done.version)
 
 
 def _segment(f: delta.DataFile) -> str:
@@ -201,7 +212,7 @@ def vacuum(
     current_table: bool = False,
 ) -> list[str]:
     """VACUUM the history table and every side table (change log, quarantine, delete-only,
-    revoked files, retracted keys, forgotten events, erased keys) of one table, and
+    revoked files, retracted keys, forgotten events, erased keys, applied files) of one table, and
     its current table if it has one (``current_table``: only then, since without the config
     flag that folder name may be another table's); the paths removed (or, with ``dry_run``,
     that would be)."""
@@ -215,6 +226,7 @@ def vacuum(
         paths.retracted_keys,
         paths.forgotten_events,  # an erasure rewrites it: the old files hold the key
         paths.erased_keys,
+        applied_files.of_table(paths),  # compacted: the runs' small files replaced
     ]
     if current_table:
         tables.append(paths.current)
