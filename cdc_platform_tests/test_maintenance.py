@@ -205,3 +205,12 @@ def test_a_negative_retention_is_refused_whatever_is_allowed(spark, tmp_path: Pa
     )
     assert not result.success and "retention_hours -1 is negative" in failure_of(result)
     assert DEFAULT_RETENTION_HOURS == 168
+
+
+def test_the_command_line_vacuum_refuses_a_short_retention(capsys) -> None:
+    """It holds no pool slot: a run writing meanwhile could lose its files; the job can."""
+    from cdc_platform.lib.operations.maintenance import main
+
+    with pytest.raises(SystemExit):
+        main(["--retention-hours", "0"])
+    assert "allow_short_retention: true" in capsys.readouterr().err
