@@ -12,6 +12,7 @@ sorted by the column its readers filter on, and ``read(where_in=...)`` then open
 
 from __future__ import annotations
 
+import bisect
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,7 @@ def matching_files(files: Sequence[delta.DataFile], where_in: WhereIn) -> list[d
     for f in files:
         lo, hi = f.min_values.get(column), f.max_values.get(column)
         bounded = isinstance(lo, str) and isinstance(hi, str) and len(hi) < _STAT_CHARS
-        if not bounded or any(str(lo) <= v <= str(hi) for v in wanted):
+        first = bisect.bisect_left(wanted, str(lo))  # the least value not below the file's
+        if not bounded or (first < len(wanted) and wanted[first] <= str(hi)):
             kept.append(f)
     return kept
