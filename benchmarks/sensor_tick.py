@@ -9,6 +9,15 @@ every tick of every table counted in requests, the exact figure S3 bills and thr
 reference is what listing each lookback hour folder would cost (one request per hour folder and
 spelling). Run: ``.venv/bin/python benchmarks/sensor_tick.py --bucket [--tables N --hours N]``.
 The seconds are moto's (it scans the whole bucket for every listing), not S3's.
+
+A reset cursor on a bucket (``--reset``): one table of ``--hours`` hours (``--files`` objects
+each), every file already in the applied-files ledger; each tick's requests until the seeding
+sweep is done (``LIST_REQUESTS_PER_TICK`` a tick at most; the sensor also stops listing after
+``LIST_SECONDS_PER_TICK``, left out here: moto's seconds are not S3's). Before: two listings an
+hour.
+Junk keys (``--junk``): an unlisted table folder of one zero-byte key per hour of a year, each
+in a sub-folder (no landing file); the requests of each ``cdc_new_tables`` tick and of a
+code-location load with ``discover:``. Before: two listings an hour, every tick and load.
 """
 
 from __future__ import annotations
@@ -22,12 +31,13 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, PartitionRequest, evaluate
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.layout import folder_spellings, hour_folder
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
 
@@ -64,7 +74,16 @@ def main() -> None:
     parser.add_argument("--bucket", action="store_true", help="a landing zone in an S3 bucket")
     parser.add_argument("--tables", type=int, default=200)
     parser.add_argument("--hours", type=int, default=720)
+    parser.add_argument("--files", type=int, default=1, help="objects per hour (--reset)")
+    parser.add_argument("--reset", action="store_true", help="a reset cursor on a bucket")
+    parser.add_argument("--junk", action="store_true", help="junk keys on a bucket")
     args = parser.parse_args()
+    if args.reset:
+        reset_ticks(args.hours, args.files)
+        return
+    if args.junk:
+        junk_ticks(8784 if args.hours == 720 else args.hours)
+        return
     if args.bucket:
         bucket_ticks(args.tables, args.hours)
         return
@@ -207,6 +226,109 @@ def bucket_ticks(n_tables: int, n_hours: int) -> None:
             f"fingerprints, {len(largest.pending)} hours pending (asked for, not applied: no run "
             "applies them here)"
         )
+
+
+def _moto_zone() -> tuple[Any, Any]:
+    """An empty bucket landing zone in moto's in-process S3, and moto's backend (to put
+    objects with a past last-modified time, fast)."""
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")
+    from moto.core.models import DEFAULT_ACCOUNT_ID
+    from moto.s3.models import s3_backends
+
+    from cdc_platform.lib.landing.object_store import S3Landing
+    from cdc_platform.lib.storage.stores import Location
+
+    zone = S3Landing(Location.of(f"s3://landing-{time.time_ns()}/cdc", {"aws_region": "us-east-1"}))
+    zone.client.create_bucket(Bucket=zone.bucket)
+    return zone, s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+
+
+def reset_ticks(n_hours: int, per_hour: int) -> None:
+    """A reset cursor's ticks, in requests, until its seeding sweep is done."""
+    from moto import mock_aws
+
+    from cdc_platform.lib.fleet.sensor_cursor import LIST_REQUESTS_PER_TICK
+    from cdc_platform.lib.landing.layout import hour_to_partition_key
+    from cdc_platform.lib.landing.zone import ListBudget
+    from cdc_platform.lib.ledgers.applied_files import identity
+
+    with mock_aws():
+        zone, backend = _moto_zone()
+        for h in range(n_hours):
+            hour = START + timedelta(hours=h)
+            for i in range(per_hour):
+                key = zone.key_of(f"{_hour_key('orders', hour)}/part-{i:05d}.parquet")
+                stored = backend.put_object(zone.bucket, key, b"PAR1 small file")
+                stored.last_modified = (hour + timedelta(minutes=65)).replace(tzinfo=None)
+        ledger = {  # every file applied already, as the ledger records it
+            hour_to_partition_key(h): {identity(zone, f) for f in fs}
+            for h, fs in zone.hour_files("orders").files.items()
+        }
+        table = TableConfig(name="orders", primary_key=("id",), start=START, lookback_hours=6)
+        now = START + timedelta(hours=n_hours, minutes=5)
+        print(f"reset cursor: 1 table x {n_hours} hours x {per_hour} object(s), all applied")
+        listings = sum(len(folder_spellings("orders", h)) for h in _hours(n_hours))
+        pages = -(-n_hours * per_hour // 1000)
+        print(
+            f"before: {2 * pages + listings + 1:,} requests in the first tick (the seed's "
+            f"listing, {listings:,} hour folders, the window, the sweep's listing)"
+        )
+        state, tick = CursorState(), 0
+        while True:
+            before = zone.requests
+            requests, state = evaluate(
+                table,
+                zone,
+                now + timedelta(minutes=tick),
+                state,
+                applied=lambda keys: {k: ledger[k] for k in keys if k in ledger},
+                # The cap in requests only: moto's seconds are not S3's.
+                budget=ListBudget(LIST_REQUESTS_PER_TICK),
+            )
+            asked = sum(len(r.partition_keys) for r in requests)
+            tick += 1
+            print(
+                f"tick {tick}: {zone.requests - before:>4} requests, {asked} partition(s) "
+                f"asked for, sweep {'goes on' if state.sweep else 'done'}"
+            )
+            if state.sweep is None:
+                break
+
+
+def junk_ticks(n_keys: int) -> None:
+    """An unlisted folder of junk keys: requests per new-tables tick and per load."""
+    from moto import mock_aws
+
+    from cdc_platform.lib.landing.discovery import unlisted_budget, unlisted_tables
+
+    with mock_aws():
+        zone, backend = _moto_zone()
+        _put_one = backend.put_object
+        _put_one(zone.bucket, zone.key_of(f"{_hour_key('orders', START)}/p.parquet"), b"PAR1")
+        for h in range(n_keys):
+            key = f"{_hour_key('junk', START + timedelta(hours=h))}/sub/x"
+            _put_one(zone.bucket, zone.key_of(key), b"")
+        print(f"junk: {n_keys:,} zero-byte keys, one per hour, in sub-folders of 'junk'")
+        listings = sum(len(folder_spellings("junk", h)) for h in _hours(n_keys))
+        print(
+            f"before: {1 + -(-n_keys // 1000) + listings:,} requests every tick and every load "
+            f"(the root, the junk folder's listing, {listings:,} hour folders)"
+        )
+        before = zone.requests
+        found = unlisted_tables(zone, ["orders"], unlisted_budget(), {})
+        print(f"code-location load (discover:): {zone.requests - before} requests, found {found}")
+        progress: dict[str, str] = {}
+        for tick in range(1, 4):
+            before = zone.requests
+            found = unlisted_tables(zone, ["orders"], unlisted_budget(), progress)
+            print(
+                f"cdc_new_tables tick {tick}: {zone.requests - before} requests, found {found}, "
+                f"{len(progress)} folder(s) to go on with"
+            )
+
+
+def _hours(n: int) -> list[datetime]:
+    return [START + timedelta(hours=h) for h in range(n)]
 
 
 def _hour_key(table: str, hour: datetime) -> str:

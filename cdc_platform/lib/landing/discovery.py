@@ -176,9 +176,10 @@ def unlisted_tables(
     landing file are not. Names compare case-insensitively, as the config's do.
 
     On a bucket each folder is listed page by page until a landing file shows up, and only
-    while ``budget`` lasts. ``progress`` (table -> the key its listing goes on after) holds,
-    afterwards, every folder not decided yet: listed up to the budget without a file, or not
-    reached. Given back to the next call, those go on from there, the longest waiting first.
+    while ``budget`` lasts: first a page for each folder (a table's first page holds its first
+    files), then the folders not decided yet go on, the longest waiting first. ``progress``
+    (table -> the key its listing goes on after) holds, afterwards, every folder not decided:
+    given back to the next call, those go on from there.
     """
     known = {n.lower() for n in known_names}
     landing = LandingZone.of(landing_root)
@@ -186,21 +187,47 @@ def unlisted_tables(
     candidates = [
         n for n in landing.table_names() if _TABLE_NAME_RE.match(n) and n.lower() not in known
     ]
-    for gone in [n for n in progress if n not in candidates]:
-        del progress[gone]
-    waiting = list(progress)
-    order = [n for n in candidates if n not in progress] + waiting
-    found = []
-    for name in order:
-        try:
-            page, after = _first_page(landing, name, budget, progress.pop(name, ""))
-        except OSError:  # unreadable (permissions): not a table folder this platform can read
-            page, after = None, None
-        if after is not None:  # not decided: goes on next time, after the others waiting
-            progress[name] = after
-        if page is not None:
-            found.append(name)
+    before = {n: k for n, k in progress.items() if n in candidates}
+    order = [n for n in candidates if n not in before] + list(before)
+    found: list[str] = []
+    undecided: dict[str, str] = {}
+    for name in order:  # a page each
+        if budget is not None and not budget.take():
+            undecided[name] = before.get(name, "")
+            continue
+        _look(landing, name, ListBudget(1), before.get(name, ""), found, undecided)
+    waited = dict(undecided)
+    undecided.clear()
+    for name, after in waited.items():  # then on, the longest waiting first
+        if budget is not None and budget.spent:
+            undecided[name] = after
+            continue
+        _look(landing, name, budget, after, found, undecided)
+    # Those that went on this time wait the longest next time.
+    stalled = {n: k for n, k in undecided.items() if k == waited.get(n)}
+    progress.clear()
+    progress.update(stalled)
+    progress.update({n: k for n, k in undecided.items() if n not in stalled})
     return sorted(found)
+
+
+def _look(
+    landing: LandingZone,
+    name: str,
+    budget: ListBudget | None,
+    after: str,
+    found: list[str],
+    undecided: dict[str, str],
+) -> None:
+    """List ``name`` from ``after`` within ``budget``: found, undecided, or neither."""
+    try:
+        page, after_now = _first_page(landing, name, budget, after)
+    except OSError:  # unreadable (permissions): not a table folder this platform can read
+        return
+    if page is not None:
+        found.append(name)
+    elif after_now is not None:
+        undecided[name] = after_now
 
 
 def _first_page(
