@@ -102,3 +102,24 @@ def test_a_ledger_in_a_bucket_is_compacted_and_read_by_partition(platform) -> No
     assert (done.files_before, done.files_after, done.files_rewritten) == (6, 1, 6)
     assert applied_files.applied(path) == before_all
     assert applied_files.applied_by_partition(path, due) == before_due
+
+
+def test_a_filtered_read_skips_only_files_whose_bounds_exclude_every_value() -> None:
+    from cdc_platform.lib.ledgers.ledger import matching_files
+    from cdc_platform.lib.storage.delta import DataFile
+
+    def file(name: str, lo: object, hi: object) -> DataFile:
+        bounds = ({"partition": lo}, {"partition": hi}) if lo is not None else ({}, {})
+        return DataFile(name, 1, 1, *bounds)
+
+    files = [
+        file("jan", "2024-01-01-00:00", "2024-01-31-23:00"),
+        file("feb", "2024-02-01-00:00", "2024-02-29-23:00"),
+        file("none", None, None),  # no statistics: always read
+        file("cut", "2024-03", "2024-03-" + "9" * 40),  # a bound that may have been cut
+    ]
+    names = lambda values: [f.path for f in matching_files(files, ("partition", values))]  # noqa: E731
+    assert names(["2024-01-31-23:00"]) == ["jan", "none", "cut"]
+    assert names(["2024-02-01-00:00", "2023-12-31-23:00"]) == ["feb", "none", "cut"]
+    assert names(["2024-01-31-23:30"]) == ["none", "cut"]  # between two files
+    assert names([]) == ["none", "cut"]
