@@ -88,7 +88,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_s = time.perf_counter() - t0
     paths = TablePaths.of(filtered, TABLE.name)
     key_types = pa.schema([pa.field("id", pa.int64())])
-    erased_keys.add(paths.erased_keys, hashes.to_pylist(), key_types, "benchmark", "bench", now)
+    erased_keys.add(
+        paths.erased_keys, hashes.to_pylist(), key_types, "benchmark", "bench", now, salt
+    )
     t0 = time.perf_counter()
     materialize(spark, TABLE, landing.root, filtered, hours, KEYRING)
     filtered_s = time.perf_counter() - t0

@@ -428,7 +428,7 @@ def _erase_job(platform: PlatformConfig) -> dg.JobDefinition:
                 "delta_version": r.merge.history_version,
             }
             run.done(
-                f"erased {len(r.key_hashes)} key(s) ({r.keys_found} with events): "
+                f"erased {len(config.keys)} key(s) ({r.keys_found} with events): "
                 f"{r.events_removed} event(s) removed; the replaced files stay until a VACUUM "
                 "past the retention",
                 (),

@@ -93,7 +93,9 @@ class ErasureError(ValueError):
 
 @dataclass(frozen=True)
 class EraseResult:
-    key_hashes: tuple[str, ...]  # the request's keys, as the ledger records them
+    # The request's keys as the ledger records them: one per way a key was read (a hashed key
+    # column's value as its stored hash, or hashed in each source type).
+    key_hashes: tuple[str, ...]
     newly_recorded: int  # 0 on a re-run
     events_removed: int
     keys_found: int  # keys with events in the change log
