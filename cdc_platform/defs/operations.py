@@ -116,7 +116,9 @@ def operator_run(
     """The skeleton every operator job shares: find the table the run names, hold its pool
     slot, refuse a config whose key or protected columns are not the table's (``table_key``,
     ``protected_columns``; but for ``rebuilding``, the jobs that change them, which check what
-    they need), note the history version before the work (the checks after it cover what
+    they need), refuse a keyring whose hash salt is not the one the table's erased keys or
+    hashed columns were recorded under (a job given the keyring: it reads landing files or logs
+    events; ``pipeline.check_salts``), note the history version before the work (the checks after it cover what
     changed since), and turn the library's refusals (``refuse``) into a failure without a
     traceback."""
     table = table_named(platform, config.table)
