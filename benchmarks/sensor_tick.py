@@ -269,8 +269,9 @@ def reset_ticks(n_hours: int, per_hour: int) -> None:
         print(f"reset cursor: 1 table x {n_hours} hours x {per_hour} object(s), all applied")
         listings = sum(len(folder_spellings("orders", h)) for h in _hours(n_hours))
         pages = -(-n_hours * per_hour // 1000)
+        window = -(-min(6, n_hours) * per_hour // 1000)  # the lookback's listing, in pages
         print(
-            f"before: {2 * pages + listings + 1:,} requests in the first tick (the seed's "
+            f"before: {2 * pages + listings + window:,} requests in the first tick (the seed's "
             f"listing, {listings:,} hour folders, the window, the sweep's listing)"
         )
         state, tick = CursorState(), 0
