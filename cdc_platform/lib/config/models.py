@@ -170,8 +170,9 @@ class TableConfig:
     max_file_bytes: PositiveInt = Field(
         default=DEFAULT_MAX_BYTES,
         description="A landing file whose plaintext (decrypted and decompressed; for Parquet, "
-        "its uncompressed row groups) is larger is set aside, decoding stopped there: a "
-        "decompression bomb costs a reading task about twice this much memory at most.",
+        "what its rows decode to, counted batch by batch as they are read) is larger is set "
+        "aside, decoding stopped there: a decompression bomb costs a reading task about twice "
+        "this much memory at most.",
     )
     expected_delivery_hours: PositiveInt | None = Field(
         default=None,
