@@ -253,3 +253,31 @@ def test_a_ledger_from_before_the_fingerprint_takes_the_salt_of_its_next_erasure
         erased_keys.load(path, Keyring({}, {}, NEW_SALT))
     with pytest.raises(SaltChangedError, match=SALT_CHANGED):
         erased_keys.add(path, hashes, types, "again", "z", at, NEW_SALT)
+
+
+def test_a_resync_records_the_source_type_a_hashed_key_arrives_in(spark, tmp_path, keyring):
+    """A re-sync snapshot may bring a hashed key column in a type the files never had (an
+    integer ``ref`` where the files held text): the re-sync records it, so an erasure of the
+    snapshot's key hashes its cleartext as that integer and finds the rows."""
+    import pyarrow.parquet as pq
+
+    one_table_config(tmp_path, "primary_key: [id, ref]\n    hash_columns: [id, ref]")
+    config = tmp_path / "cdc_platform.yaml"
+    config.write_text(config.read_text() + f"snapshot_roots: [{tmp_path / 'snapshots'}]\n")
+    platform = load_config(config)
+    paths = TablePaths.of(platform.warehouse_root, "t")
+    rows = [ev("INSERT", 1, H0 + timedelta(minutes=1), OTHER, ref="b", name="b")]
+    write_parquet_events(platform.landing_path, "t", H0, rows)
+    assert materialize_with_checks(platform, "t", H0).success
+    snapshot = tmp_path / "snapshots" / "t"
+    snapshot.mkdir(parents=True)
+    snapshot_rows = {"id": [TARGET], "ref": pa.array([5], pa.int64()), "name": [NAME]}
+    pq.write_table(pa.table(snapshot_rows), snapshot / "part-0.parquet")
+    resynced = run_operator_job(platform, "resync_table", "resync", snapshot=str(snapshot))
+    assert resynced.success, failure_of(resynced)
+    assert NAME in live(paths.history)
+    result = erase_job(platform, [{"id": str(TARGET), "ref": "5"}])
+    assert result.success, failure_of(result)
+    (observed,) = result.asset_observations_for_node("erase")
+    assert observed.metadata["keys_found"].value == 1
+    assert NAME not in live(paths.history) + live(paths.changelog)

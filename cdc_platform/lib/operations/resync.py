@@ -54,7 +54,7 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up
-from cdc_platform.lib.history.protected_columns import changelog_properties
+from cdc_platform.lib.history.protected_columns import changelog_properties, record_hashing
 from cdc_platform.lib.landing.codecs import LandingFileError
 from cdc_platform.lib.landing.keyring import Keyring
 from cdc_platform.lib.landing.reading import (
@@ -266,6 +266,9 @@ def resync(
     # A re-run after its events were un-applied logs them again (the user asks for it).
     own_sources = [source_name(at), *(reader.relative(p) for p in with_rows)]
     revoked_files.remove(paths.revoked_files, own_sources)
+    # A hashed column's source types, so an erasure hashes a cleartext as these rows were.
+    schemas = [r.schema for r in reports]
+    record_hashing(paths.changelog, table, reader.salt, schemas)
     snapshot_keys = events.select(*cols(pk), col(TS)) if events is not None else None
     shape = spark_schema(event_schema(fields))
     replaced: list[int] = []  # keys whose history a committed removal took (any attempt)
@@ -308,7 +311,7 @@ def resync(
                 now,
                 revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
                 fence=changelog.Fence(version),
-                properties=changelog_properties(table),
+                properties=changelog_properties(table, reader.salt, schemas),
                 erased=erased_keys.loader(paths.erased_keys, keyring),
             ).new_events
         return keys_closed, new_events
