@@ -15,7 +15,7 @@ import pytest
 
 from cdc_platform.defs.factory import build_definitions
 from cdc_platform.lib.columns import TS_TYPE
-from cdc_platform.lib.config import TableConfig, load_config
+from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.operations.resync import ResyncError, resync, resync_seqs, source_name
 from cdc_platform.lib.pipeline import materialize
@@ -293,24 +293,42 @@ def test_key_columns_named_like_the_checks_working_names_resync(spark, lake, key
     assert versions(paths) == seen
 
 
-def test_the_dagster_job_resync_table(spark, tmp_path: Path):
+def job_site(spark, tmp_path: Path) -> tuple[PlatformConfig, TablePaths]:
+    """A config of table ``t`` with ``snapshot`` as its snapshot root, its two days applied."""
     (tmp_path / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\nsnapshot_roots: [snapshot]\ntables:\n"
         '  - name: t\n    primary_key: [id]\n    start: "2020-01-02-00:00"\n'
     )
     platform = load_config(tmp_path / "cdc_platform.yaml")
-    paths = build(spark, platform.landing_path, platform.warehouse_root)
-    folder = snapshot(tmp_path, {"id": ["a"], "counter": [30]})
-    defs = build_definitions(platform)
-    result = defs.resolve_job_def("resync_table").execute_in_process(
-        run_config={
-            "ops": {
-                "resync": {"config": {"table": "t", "snapshot": str(folder), "at": R.isoformat()}}
-            }
-        },
-        resources=dagster_resources(),
-        instance=dg.DagsterInstance.ephemeral(),
+    return platform, build(spark, platform.landing_path, platform.warehouse_root)
+
+
+def resync_job(
+    platform: PlatformConfig, folder: Path, raise_on_error: bool = True
+) -> dg.ExecuteInProcessResult:
+    """The ``resync_table`` job at R over ``folder``, in process."""
+    return (
+        build_definitions(platform)
+        .resolve_job_def("resync_table")
+        .execute_in_process(
+            run_config={
+                "ops": {
+                    "resync": {
+                        "config": {"table": "t", "snapshot": str(folder), "at": R.isoformat()}
+                    }
+                }
+            },
+            resources=dagster_resources(),
+            instance=dg.DagsterInstance.ephemeral(),
+            raise_on_error=raise_on_error,
+        )
     )
+
+
+def test_the_dagster_job_resync_table(spark, tmp_path: Path):
+    platform, paths = job_site(spark, tmp_path)
+    folder = snapshot(tmp_path, {"id": ["a"], "counter": [30]})
+    result = resync_job(platform, folder)
     assert result.success
     (mat,) = result.asset_materializations_for_node("resync")
     assert mat.partition == "2020-01-03-06:00"
@@ -382,32 +400,12 @@ def test_a_snapshot_entry_that_is_not_a_data_file_refuses_the_whole_resync(
 def test_the_resync_table_job_refuses_a_snapshot_with_a_symlinked_file(spark, tmp_path: Path):
     """Through the job: a snapshot of two files whose second is a symlink fails the run and
     closes no key (the second file's key ``b`` stays live)."""
-    (tmp_path / "cdc_platform.yaml").write_text(
-        "landing_root: landing\nwarehouse_root: warehouse\nsnapshot_roots: [snapshot]\ntables:\n"
-        '  - name: t\n    primary_key: [id]\n    start: "2020-01-02-00:00"\n'
-    )
-    platform = load_config(tmp_path / "cdc_platform.yaml")
-    paths = build(spark, platform.landing_path, platform.warehouse_root)
+    platform, paths = job_site(spark, tmp_path)
     before = rows_of(paths)
     folder = snapshot(tmp_path, {"id": ["a"], "counter": [30]})
     pq.write_table(pa.table({"id": ["b"], "counter": [5]}), tmp_path / "b.parquet")
     (folder / "part-1.parquet").symlink_to(tmp_path / "b.parquet")
-    result = (
-        build_definitions(platform)
-        .resolve_job_def("resync_table")
-        .execute_in_process(
-            run_config={
-                "ops": {
-                    "resync": {
-                        "config": {"table": "t", "snapshot": str(folder), "at": R.isoformat()}
-                    }
-                }
-            },
-            resources=dagster_resources(),
-            instance=dg.DagsterInstance.ephemeral(),
-            raise_on_error=False,
-        )
-    )
+    result = resync_job(platform, folder, raise_on_error=False)
     assert not result.success
     (failure,) = result.get_step_failure_events()
     assert "part-1.parquet: a symbolic link" in str(failure.step_failure_data.error)
