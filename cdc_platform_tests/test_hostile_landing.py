@@ -225,6 +225,48 @@ def test_a_dictionary_bomb_is_refused_having_decoded_at_most_the_limit(tmp_path:
     assert growth < 64, growth
 
 
+def nested_bomb(kind: str) -> pa.Table:
+    """About 300 MB decoded in a few kB: one row listing a 1,000-character dictionary string
+    300,000 times, 3,000 structs holding one 100 kB dictionary string, or 3,000 dictionary-
+    encoded 100 kB fixed-size binaries."""
+    if kind == "list":
+        text = pa.DictionaryArray.from_arrays(pa.array([0] * 300_000, pa.int32()), ["x" * 1000])
+        column: pa.Array = pa.ListArray.from_arrays(pa.array([0, 300_000], pa.int32()), text)
+    else:
+        value = "y" * 100_000
+        inner = pa.DictionaryArray.from_arrays(pa.array([0] * 3000, pa.int32()), [value])
+        if kind == "struct":
+            column = pa.StructArray.from_arrays([inner], ["s"])
+        else:
+            column = pa.array([value.encode()] * 3000, pa.binary(100_000)).dictionary_encode()
+    return pa.table({"id": pa.array(range(len(column)), pa.int64()), "v": column})
+
+
+@pytest.mark.parametrize("kind", ["list", "struct", "fixed"])
+def test_a_nested_or_fixed_width_bomb_is_refused_having_decoded_at_most_the_limit(
+    tmp_path: Path, kind: str
+) -> None:
+    """Text kept as dictionaries inside lists and structs, and fixed-width values counted from
+    the footer's value counts: each bomb decodes to about 300 MB and is refused at 16 MiB,
+    having raised the reader's peak by far less."""
+    bomb = tmp_path / "bomb.parquet"
+    pq.write_table(nested_bomb(kind), bomb)
+    assert bomb.stat().st_size < 4 * MiB and parquet_bytes(pq.read_metadata(bomb)) < 16 * MiB
+    growth = peak_growth_mib(
+        "from dataclasses import replace\n"
+        "from cdc_platform.lib.landing.reader import LandingReader\n"
+        "from cdc_platform.lib.landing.codecs import LandingFileError\n"
+        "from cdc_platform_tests.test_hostile_landing import TABLE\n"
+        f"reader = LandingReader(replace(TABLE, max_file_bytes=16 << 20), {str(tmp_path)!r})\n",
+        "try:\n"
+        f"    reader.load({str(bomb)!r})\n"
+        "    raise SystemExit('decoded')\n"
+        "except LandingFileError as exc:\n"
+        "    assert 'decodes to more than 16 MiB' in str(exc), exc\n",
+    )
+    assert growth < 64, growth
+
+
 def test_parquet_bombs_are_set_aside_through_the_cli_with_bounded_memory(tmp_path: Path) -> None:
     """Through ``dagster asset materialize``: two 1,000,000-row dictionary bombs (about 1 GB
     decoded each, 64 MiB allowed), one Spark reads natively, one decoded in Python (a uint64

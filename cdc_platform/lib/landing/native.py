@@ -31,7 +31,7 @@ from cdc_platform.lib.columns import (
     UNMODIFIED,
 )
 from cdc_platform.lib.landing.codecs import LandingFileError, too_large
-from cdc_platform.lib.landing.formats.parquet import parquet_bytes
+from cdc_platform.lib.landing.formats.parquet import fixed_width_bytes, parquet_bytes
 from cdc_platform.lib.landing.reader import CHANGED_MARKER, FileReport, LandingReader
 from cdc_platform.lib.landing.rows import bad_rows_reason, has_text, is_string_like, row_reason
 from cdc_platform.lib.landing.safe_open import (
@@ -145,10 +145,27 @@ def native_report(reader: LandingReader, path: str) -> FileReport | None:
         return None
     if not _natively_readable(schema, meta, reader.table.file_key):
         return None
-    if parquet_bytes(meta) > reader.table.max_file_bytes:
+    if max(parquet_bytes(meta), fixed_width_bytes(meta)) > reader.table.max_file_bytes:
         return None  # the inspection sets it aside, saying why
+    if _nested_text(meta, set(schema.names)):
+        return None  # nested text: one row may hold a million copies; counted as read in Python
     normalized = pa.schema([pa.field(f.name, normalize_type(f.type)) for f in schema])
     return FileReport(path, meta.num_rows, normalized, native=True)
+
+
+def _nested_text(meta: pq.FileMetaData, top_level: set[str]) -> bool:
+    """Whether a text leaf sits inside a list, map or struct: one row may hold a million
+    copies of one dictionary string, which Spark's reader would build whole; such a file is
+    read in Python, counted batch by batch (``formats.parquet``)."""
+    for c in range(meta.num_columns):
+        leaf = meta.schema.column(c)
+        if leaf.physical_type != "BYTE_ARRAY":
+            continue
+        if leaf.path not in top_level or leaf.max_repetition_level > 0:
+            return True
+        if leaf.max_definition_level > 1:
+            return True
+    return False
 
 
 def validate_native(

@@ -13,6 +13,7 @@ file is set aside and nothing more is decoded (docs/SECURITY.md, decoded-size bo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import BinaryIO
 
 import pyarrow as pa
@@ -36,20 +37,64 @@ def parquet_bytes(meta: pq.FileMetaData) -> int:
 
 def check_parquet_size(meta: pq.FileMetaData, max_bytes: int) -> None:
     """Refuse a Parquet file whose row groups expand past ``max_bytes`` (a Parquet bomb:
-    its pages compress as well as any ZSTD stream) before any page is read."""
-    if parquet_bytes(meta) > max_bytes:
+    its pages compress as well as any ZSTD stream) before any page is read: by the sizes its
+    footer gives, and by its fixed-width values, each leaf's value count times its width
+    (Arrow decodes no more values than the footer counts)."""
+    if max(parquet_bytes(meta), fixed_width_bytes(meta)) > max_bytes:
         raise LandingFileError(too_large(max_bytes))
 
 
+# The decoded width of a value of each fixed-width Parquet physical type.
+_WIDTHS = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+
+
+def fixed_width_bytes(meta: pq.FileMetaData) -> int:
+    """What the file's fixed-width leaves decode to: values times width (a dictionary-encoded
+    ``fixed_size_binary`` of 100 kB values is a few bytes a value on disk)."""
+    total = 0
+    for c in range(meta.num_columns):
+        leaf = meta.schema.column(c)
+        width = leaf.length if leaf.physical_type == "FIXED_LEN_BYTE_ARRAY" else None
+        width = width or _WIDTHS.get(leaf.physical_type, 0)
+        values = sum(meta.row_group(g).column(c).num_values for g in range(meta.num_row_groups))
+        total += width * values
+    return total
+
+
+def _text_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None) -> list[str]:
+    """The paths of the variable-length leaves (text, binary) of ``columns`` (None: all), at any
+    depth: read as dictionaries, a value repeated a million times is held once."""
+    wanted = columns or meta.schema.to_arrow_schema().names
+    paths = []
+    for c in range(meta.num_columns):
+        leaf = meta.schema.column(c)
+        if leaf.physical_type == "BYTE_ARRAY" and any(
+            leaf.path == n or leaf.path.startswith(n + ".") for n in wanted
+        ):
+            paths.append(leaf.path)
+    return paths
+
+
 def decoded_bytes(batch: pa.RecordBatch) -> int:
-    """What ``batch`` takes once every value is expanded: a dictionary column counted as the
-    values it indexes, not the dictionary it holds."""
+    """What ``batch`` takes once every value is expanded: a dictionary counted as the values
+    it indexes, not the dictionary it holds, at any depth of lists, maps and structs."""
     return sum(_expanded_bytes(column) for column in batch.columns)
 
 
 def _expanded_bytes(column: pa.Array) -> int:
-    if not pa.types.is_dictionary(column.type):
-        return column.nbytes
+    t = column.type
+    if pa.types.is_dictionary(t):
+        return _expanded_dictionary(column)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
+        return 8 * len(column) + _expanded_bytes(column.flatten())
+    if pa.types.is_fixed_size_list(t):
+        return _expanded_bytes(column.flatten())
+    if pa.types.is_struct(t):
+        return len(column) + sum(_expanded_bytes(f) for f in column.flatten())
+    return column.nbytes
+
+
+def _expanded_dictionary(column: pa.Array) -> int:
     values = column.dictionary
     if _is_flat_text(values.type):
         lengths = pc.binary_length(values).cast(pa.int64())  # pyright: ignore[reportAttributeAccessIssue]
@@ -60,7 +105,12 @@ def _expanded_bytes(column: pa.Array) -> int:
 
 
 def _is_flat_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+    return (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+    )
 
 
 class Parquet(LandingFormat):
@@ -75,14 +125,14 @@ class Parquet(LandingFormat):
 
     def read(self, source: BinaryIO, file: FileToRead) -> pa.Table:
         """The file's rows, read while what they decode to fits in ``max_file_bytes``; text
-        is kept as dictionaries while counted, then given the file's own types."""
+        is kept as dictionaries (at any depth) while counted, then given the file's own types."""
         cap = file.table.max_file_bytes
         meta = pq.read_metadata(source)
         check_parquet_size(meta, cap)
         schema = meta.schema.to_arrow_schema()
         if file.columns:
             schema = pa.schema([schema.field(n) for n in file.columns])
-        text = sorted({f.name for f in schema if _is_flat_text(f.type)})
+        text = _text_leaves(meta, file.columns)
         pf = pq.ParquetFile(source, metadata=meta, read_dictionary=text)
         batches, total = [], 0
         for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=file.columns):
