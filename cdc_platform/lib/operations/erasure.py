@@ -59,7 +59,7 @@ from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.operations.revocation import GONE, remove_events
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
+from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -166,11 +166,19 @@ def erase(
     current = Table.open(paths.current)
     if table.current_table and current.exists:
         current_table.refresh(spark, paths, pk)
-    elif current.exists:  # left behind once current_table was turned off: still readable
+    elif current.exists and not _is_a_history_table(paths, table.name):
+        # Left behind once current_table was turned off: still readable, so the key goes.
         _scrub_rows(spark, current, pk, _erasing(typed, pk, salt))
     return EraseResult(
         tuple(hashes.to_pylist()), new, removed, found, rewritten, merge, forgotten, withheld
     )
+
+
+def _is_a_history_table(paths: TablePaths, name: str) -> bool:
+    """Whether ``<table>_current`` is another table's history (one named so, with a change log
+    of its own): never this table's to rewrite."""
+    other = TablePaths.of(paths.current.parent, current_table_name(name))
+    return Table.open(other.changelog).exists
 
 
 def _hashed_keys(table: TableConfig) -> set[str]:
@@ -217,7 +225,10 @@ def typed_keys(
     for column in key:
         texts = values[column]
         if column in hashed:
-            types = recorded.get(column.lower()) or list(UNRECORDED_TYPES)
+            # The recorded types first; the common ones too, since events logged before the
+            # types were recorded may have been hashed in any of them.
+            seen = list(recorded.get(column.lower(), ()))
+            types = seen + [t for t in UNRECORDED_TYPES if t not in seen]
             options[column] = [
                 _hash_options(t, types, salt, i, column) for i, t in enumerate(texts)
             ]
