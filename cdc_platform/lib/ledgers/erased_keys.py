@@ -208,20 +208,24 @@ def load(path: Where, keyring: Keyring | None) -> ErasedKeys | None:
             f"{path}: keys of this table were erased, and the keyring (CDC_KEYRING) has no "
             "hash_salt to recognise them: nothing is read without it"
         )
-    check_ledger_salt(path, salt)
+    if not check_ledger_salt(path, salt):  # a ledger from before the fingerprint: pinned now
+        _record_fingerprint(path, salt)
     return ErasedKeys.of({_schema(t): h for t, h in by_types.items()}, salt)
 
 
-def check_ledger_salt(path: Where, salt: bytes) -> None:
-    """Refuse ``salt`` if the ledger's hashes were made with another (``pii.check_salt``)."""
+def check_ledger_salt(path: Where, salt: bytes) -> bool:
+    """Refuse ``salt`` if the ledger's hashes were made with another (``pii.check_salt``);
+    whether the ledger records a fingerprint at all."""
+    recorded = Table.open(path).json_property(SALT_PROPERTY) if delta.exists(path) else None
     check_salt(
-        Table.open(path).json_property(SALT_PROPERTY) if delta.exists(path) else None,
+        recorded,
         salt,
         str(path),
         "the table's erased keys",
         "they would match no key, and a late file, a re-read hour, a re-sync or an adoption "
         "would log them again",
     )
+    return recorded is not None
 
 
 def _schema(text: str) -> pa.Schema:
