@@ -150,9 +150,14 @@ def one_table_config(tmp_path: Path, table_lines: str) -> PlatformConfig:
 
 
 def run_operator_job(
-    platform: PlatformConfig, job: str, op: str, **config: Any
+    platform: PlatformConfig,
+    job: str,
+    op: str,
+    instance: dg.DagsterInstance | None = None,
+    **config: Any,
 ) -> dg.ExecuteInProcessResult:
-    """Launch an operator job on table ``t`` as the Launchpad does; failures are returned."""
+    """Launch an operator job on table ``t`` as the Launchpad does; failures are returned. The
+    instance is an in-memory one (no concurrency pools) unless given."""
     from cdc_platform.defs.factory import build_definitions
 
     return (
@@ -161,10 +166,14 @@ def run_operator_job(
         .execute_in_process(
             run_config={"ops": {op: {"config": {"table": "t", **config}}}},
             resources=dagster_resources(),
-            instance=dg.DagsterInstance.ephemeral(),
+            instance=instance or dg.DagsterInstance.ephemeral(),
             raise_on_error=False,
         )
     )
+
+
+# The deployment's pools (dagster.yaml): one slot per table.
+POOLS = {"concurrency": {"pools": {"default_limit": 1}}}
 
 
 def materialize_with_cli(

@@ -7,13 +7,14 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import dagster as dg
 import pyarrow as pa
 
 from cdc_platform.lib.landing.layout import LandingFile, hour_to_partition_key
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.storage.stores import Where
-from cdc_platform_tests.helpers import one_table_config, run_operator_job
+from cdc_platform_tests.helpers import POOLS, one_table_config, run_operator_job
 from cdc_platform_tests.test_object_store import bucket, platform  # noqa: F401  (fixtures)
 from cdc_platform_tests.test_pii import failure_of
 
@@ -53,13 +54,15 @@ def test_maintenance_compacts_and_vacuums_the_ledger_and_reads_are_unchanged(spa
     before_rows = sorted(map(repr, ledger.rows()))
     assert len(ledger.files_read()) == HOURS + 1
 
-    result = run_operator_job(
-        config,
-        "table_maintenance",
-        "compact_and_vacuum",
-        retention_hours=0,
-        allow_short_retention=True,
-    )
+    with dg.instance_for_test(overrides=POOLS) as instance:
+        result = run_operator_job(
+            config,
+            "table_maintenance",
+            "compact_and_vacuum",
+            instance,
+            retention_hours=0,
+            allow_short_retention=True,
+        )
     assert result.success, failure_of(result)
     (observed,) = result.asset_observations_for_node("compact_and_vacuum")
     meta = {k: v.value for k, v in observed.metadata.items()}

@@ -8,6 +8,7 @@ import os
 import uuid
 from pathlib import Path
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -144,13 +145,14 @@ def test_a_short_retention_is_an_explicit_choice_that_purges_an_erased_key(
     anything is removed, saying how; with it the erased key's cells leave every data file."""
     from datetime import UTC, datetime, timedelta
 
-    from cdc_platform_tests.helpers import event as ev
     from cdc_platform_tests.helpers import (
+        POOLS,
         materialize_with_checks,
         one_table_config,
         run_operator_job,
         write_parquet_events,
     )
+    from cdc_platform_tests.helpers import event as ev
     from cdc_platform_tests.test_pii import failure_of
 
     platform = one_table_config(tmp_path, "primary_key: [id]\n    current_table: true")
@@ -175,13 +177,25 @@ def test_a_short_retention_is_an_explicit_choice_that_purges_an_erased_key(
     assert "allow_short_retention: true" in failure_of(refused)
     assert ERASED_NAME in parquet_cells(warehouse)  # nothing was removed
 
-    purged = run_operator_job(
+    unpooled = run_operator_job(
         platform,
         "table_maintenance",
         "compact_and_vacuum",
         retention_hours=0,
         allow_short_retention=True,
     )
+    assert not unpooled.success  # no slot to keep the table's runs out: refused
+    assert "needs the table's concurrency pool slot" in failure_of(unpooled)
+    assert ERASED_NAME in parquet_cells(warehouse)
+    with dg.instance_for_test(overrides=POOLS) as instance:
+        purged = run_operator_job(
+            platform,
+            "table_maintenance",
+            "compact_and_vacuum",
+            instance,
+            retention_hours=0,
+            allow_short_retention=True,
+        )
     assert purged.success, failure_of(purged)
     cells = parquet_cells(warehouse)
     assert ERASED_NAME not in cells and str(ERASED) not in cells

@@ -86,6 +86,15 @@ def maintenance_run_config(table: TableConfig) -> dict[str, Any]:
     return {"ops": {MAINTENANCE_OP: {"config": {"table": table.name}}}}
 
 
+# A VACUUM without Delta's retention check deletes a run's written, not yet committed files:
+# safe only while the table's pool slot keeps its runs out.
+SHORT_RETENTION_NEEDS_SLOT = (
+    "allow_short_retention needs the table's concurrency pool slot, and this Dagster instance"
+    " gave none (no concurrency pools, or a pool without a limit: dagster.yaml sets"
+    " pools.default_limit: 1): nothing was done; run it on the deployment's instance"
+)
+
+
 def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
     @dg.op(name=MAINTENANCE_OP)
     def compact_and_vacuum(
@@ -95,6 +104,8 @@ def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
         if refusal is not None:
             raise dg.Failure(refusal)
         with operator_run(context, platform, config, spark, refuse=()) as run:
+            if config.allow_short_retention and not run.holds_slot:
+                raise dg.Failure(SHORT_RETENTION_NEEDS_SLOT)
             table, paths = run.table, run.paths
             metadata: dict[str, int | None] = {}
             for c in compact(run.session, paths, table.key):

@@ -76,6 +76,8 @@ class OperatorRun:
     spark: SparkResource
     keyring_resource: KeyringResource | None
     version_before: int | None
+    # Whether the table's pool slot is held (False: an instance without pools or limits).
+    holds_slot: bool = True
 
     @property
     def session(self) -> "SparkSession":
@@ -124,7 +126,7 @@ def operator_run(
     table = table_named(platform, config.table)
     tag_run_with_table(context, table)
     refusals = (PrimaryKeyChangedError, ProtectedColumnsChangedError, KeyringError)
-    with table_pool_slot(context, table), refused(*refuse, *refusals):
+    with table_pool_slot(context, table) as held, refused(*refuse, *refusals):
         paths = TablePaths.of(platform.warehouse_root, table.name)
         history = Table.open(paths.history)
         if not rebuilding:  # before the job writes anything
@@ -133,7 +135,7 @@ def operator_run(
         if keyring is not None and needs_keyring(table, platform.warehouse_root):
             # A job that reads landing files or logs events: not with another hash salt.
             check_salts(table, platform.warehouse_root, keyring.load())
-        yield OperatorRun(context, platform, table, spark, keyring, history.version)
+        yield OperatorRun(context, platform, table, spark, keyring, history.version, held)
 
 
 def pool_name(table: TableConfig) -> str:
@@ -144,8 +146,9 @@ def pool_name(table: TableConfig) -> str:
 @contextmanager
 def table_pool_slot(
     context: dg.OpExecutionContext, table: TableConfig, wait_seconds: float | None = None
-) -> Iterator[None]:
-    """Hold ``table``'s pool slot for the block (see the module docstring)."""
+) -> Iterator[bool]:
+    """Hold ``table``'s pool slot for the block (see the module docstring); whether it is
+    held (``pool_slot``)."""
     step_key = context.get_step_execution_context().step.key
     with pool_slot(
         context.instance,
@@ -154,8 +157,8 @@ def table_pool_slot(
         step_key,
         context.log,
         POOL_WAIT_SECONDS if wait_seconds is None else wait_seconds,
-    ):
-        yield
+    ) as held:
+        yield held
 
 
 @contextmanager
@@ -167,21 +170,22 @@ def pool_slot(
     log: Any,
     wait_seconds: float,
     poll_seconds: float | None = None,
-) -> Iterator[None]:
+) -> Iterator[bool]:
     """Claim a slot of ``pool`` for ``(run_id, step_key)`` as Dagster's executor does for an op
     with a static pool (``instance_concurrency_context.py``), waiting while another run holds
     it; free it (or the pending claim) on the way out, whatever happens. After
     ``wait_seconds`` the run fails, naming the holder. An instance whose storage has no
-    concurrency pools (an in-memory one) runs the block without a slot, saying so."""
+    concurrency pools (an in-memory one), or a pool without a limit, runs the block without a
+    slot, saying so; the block is given whether the slot is held."""
     storage = instance.event_log_storage
     if not storage.supports_global_concurrency_limits:
         log.warning(f"{pool}: this Dagster instance has no concurrency pools; running without one")
-        yield
+        yield False
         return
     storage.initialize_concurrency_limit_to_default(pool)
     if storage.get_concurrency_info(pool).limit is None:
         log.warning(f"{pool}: the pool has no limit (dagster.yaml sets pools.default_limit: 1)")
-        yield
+        yield False
         return
     poll = _POLL_SECONDS if poll_seconds is None else poll_seconds
     started = time.monotonic()
@@ -206,7 +210,7 @@ def pool_slot(
                 next_log = now + POOL_LOG_EVERY_SECONDS
             time.sleep(max(0.0, min(poll, wait_seconds - (now - started))))
         log.info(f"{pool}: holding the table's slot")
-        yield
+        yield True
     finally:
         storage.free_concurrency_slot_for_step(run_id, step_key)
 
