@@ -234,10 +234,10 @@ def test_an_erasure_leaves_the_key_in_no_delta_log_no_stale_current_table_and_no
         assert str(TARGET) not in path.read_text(), path
 
 
-def test_a_ledger_from_before_the_fingerprint_takes_the_salt_of_its_next_erasure(tmp_path):
-    """An erased-keys ledger written before the fingerprint cannot tell which salt it was: it
-    is read with the keyring's, and its next erasure records that salt's fingerprint, after
-    which another salt is refused."""
+def test_a_ledger_from_before_the_fingerprint_takes_the_salt_of_its_first_load(tmp_path):
+    """An erased-keys ledger written before the fingerprint cannot tell which salt it was: its
+    first read (the first run after the upgrade) records the keyring's salt, after which
+    another salt is refused, by a read and by an erasure alike."""
     path = tmp_path / "erased_keys"
     types = pa.schema([pa.field("id", pa.int64())])
     at = datetime(2024, 1, 2, tzinfo=UTC)
@@ -246,13 +246,36 @@ def test_a_ledger_from_before_the_fingerprint_takes_the_salt_of_its_next_erasure
     row = {"key_hash": hashes[0], "key_types": encoded, "reason": "r", "run_id": "x"}
     row["erased_at"] = at
     Ledger(path, erased_keys.SCHEMA).append([row])  # as the ledger was written before
-    assert erased_keys.load(path, Keyring({}, {}, NEW_SALT)) is not None  # nothing to compare
+    assert erased_keys.load(path, Keyring({}, {}, HASH_SALT)) is not None  # pinned now
     assert erased_keys.add(path, hashes, types, "again", "y", at, HASH_SALT) == 0
-    assert erased_keys.load(path, Keyring({}, {}, HASH_SALT)) is not None
     with pytest.raises(SaltChangedError, match=SALT_CHANGED):
         erased_keys.load(path, Keyring({}, {}, NEW_SALT))
     with pytest.raises(SaltChangedError, match=SALT_CHANGED):
         erased_keys.add(path, hashes, types, "again", "z", at, NEW_SALT)
+
+
+def test_an_erasure_leaves_another_table_named_like_the_current_table_alone(
+    spark, tmp_path, keyring
+):
+    """With ``current_table`` off, ``<table>_current`` may be another table of the config: the
+    erasure of ``t``'s key never rewrites ``t_current``'s history."""
+    config = tmp_path / "cdc_platform.yaml"
+    config.write_text(
+        "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
+        '  - name: t\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
+        '  - name: t_current\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'
+    )
+    platform = load_config(config)
+    for table in ("t", "t_current"):
+        rows = [ev("INSERT", 1, H0 + timedelta(minutes=1), TARGET, name=f"{table} row")]
+        write_parquet_events(platform.landing_path, table, H0, rows)
+        assert materialize_with_checks(platform, table, H0).success
+    other = TablePaths.of(platform.warehouse_root, "t_current").history
+    before = live(other)
+    result = erase_job(platform, [{"id": str(TARGET)}])
+    assert result.success, failure_of(result)
+    assert "t row" not in live(TablePaths.of(platform.warehouse_root, "t").history)
+    assert live(other) == before and "t_current row" in before
 
 
 def test_a_resync_records_the_source_type_a_hashed_key_arrives_in(spark, tmp_path, keyring):
