@@ -186,6 +186,23 @@ def test_a_parquet_file_whose_row_groups_expand_past_the_limit_is_set_aside(spar
     assert out.events_read == 1 and logged_keys(lake) == [7]
 
 
+def refused_at_16_mib_growing(bomb: Path) -> float:
+    """``bomb`` loaded by a reader allowing 16 MiB, in a process of its own: it must be refused
+    for its size; how far the load raised the process's peak RSS (MiB)."""
+    return peak_growth_mib(
+        "from dataclasses import replace\n"
+        "from cdc_platform.lib.landing.reader import LandingReader\n"
+        "from cdc_platform.lib.landing.codecs import LandingFileError\n"
+        "from cdc_platform_tests.test_hostile_landing import TABLE\n"
+        f"reader = LandingReader(replace(TABLE, max_file_bytes=16 << 20), {str(bomb.parent)!r})\n",
+        "try:\n"
+        f"    reader.load({str(bomb)!r})\n"
+        "    raise SystemExit('decoded')\n"
+        "except LandingFileError as exc:\n"
+        "    assert 'decodes to more than 16 MiB' in str(exc), exc\n",
+    )
+
+
 def dictionary_bomb(rows: int, width: int = 1000, wide: str = "int64") -> pa.Table:
     """Events whose ``v`` is one ``width``-character string dictionary-encoded over ``rows``
     rows: a few MB on disk, a footer of about the same, ``rows * width`` bytes decoded. With
@@ -209,20 +226,7 @@ def test_a_dictionary_bomb_is_refused_having_decoded_at_most_the_limit(tmp_path:
     pq.write_table(dictionary_bomb(300_000, wide="uint64"), bomb)
     footer = pq.ParquetFile(bomb).metadata
     assert parquet_bytes(footer) < 16 * MiB and bomb.stat().st_size < 4 * MiB
-    growth = peak_growth_mib(
-        "import pyarrow.parquet as pq\n"
-        "from dataclasses import replace\n"
-        "from cdc_platform.lib.landing.reader import LandingReader\n"
-        "from cdc_platform.lib.landing.codecs import LandingFileError\n"
-        "from cdc_platform_tests.test_hostile_landing import TABLE\n"
-        f"reader = LandingReader(replace(TABLE, max_file_bytes=16 << 20), {str(tmp_path)!r})\n",
-        "try:\n"
-        f"    reader.load({str(bomb)!r})\n"
-        "    raise SystemExit('decoded')\n"
-        "except LandingFileError as exc:\n"
-        "    assert 'decodes to more than 16 MiB' in str(exc), exc\n",
-    )
-    assert growth < 64, growth
+    assert refused_at_16_mib_growing(bomb) < 64
 
 
 def nested_bomb(kind: str) -> pa.Table:
@@ -252,19 +256,7 @@ def test_a_nested_or_fixed_width_bomb_is_refused_having_decoded_at_most_the_limi
     bomb = tmp_path / "bomb.parquet"
     pq.write_table(nested_bomb(kind), bomb)
     assert bomb.stat().st_size < 4 * MiB and parquet_bytes(pq.read_metadata(bomb)) < 16 * MiB
-    growth = peak_growth_mib(
-        "from dataclasses import replace\n"
-        "from cdc_platform.lib.landing.reader import LandingReader\n"
-        "from cdc_platform.lib.landing.codecs import LandingFileError\n"
-        "from cdc_platform_tests.test_hostile_landing import TABLE\n"
-        f"reader = LandingReader(replace(TABLE, max_file_bytes=16 << 20), {str(tmp_path)!r})\n",
-        "try:\n"
-        f"    reader.load({str(bomb)!r})\n"
-        "    raise SystemExit('decoded')\n"
-        "except LandingFileError as exc:\n"
-        "    assert 'decodes to more than 16 MiB' in str(exc), exc\n",
-    )
-    assert growth < 64, growth
+    assert refused_at_16_mib_growing(bomb) < 64
 
 
 def test_parquet_bombs_are_set_aside_through_the_cli_with_bounded_memory(tmp_path: Path) -> None:
