@@ -288,7 +288,9 @@ def test_maintenance_holds_the_tables_pool_slot_and_tags_the_run(tmp_path, monke
     with dg.instance_for_test(overrides=POOL_OVERRIDES) as instance:
         storage = instance.event_log_storage
 
-        def vacuum(paths: Any, retention_hours: int, current_table: bool) -> list[str]:
+        def vacuum(
+            paths: Any, retention_hours: int, current_table: bool, enforce_retention_duration: bool
+        ) -> list[str]:
             held = storage.get_concurrency_info(pool).claimed_slots
             calls.append((str(paths.history), [s.run_id for s in held]))
             return ["a", "b"]

@@ -225,10 +225,7 @@ def typed_keys(
     for column in key:
         texts = values[column]
         if column in hashed:
-            # The recorded types first; the common ones too, since events logged before the
-            # types were recorded may have been hashed in any of them.
-            seen = list(recorded.get(column.lower(), ()))
-            types = seen + [t for t in UNRECORDED_TYPES if t not in seen]
+            types = recorded.get(column.lower()) or list(UNRECORDED_TYPES)
             options[column] = [
                 _hash_options(t, types, salt, i, column) for i, t in enumerate(texts)
             ]

@@ -64,7 +64,9 @@ def fixed_width_bytes(meta: pq.FileMetaData) -> int:
 def _text_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None) -> list[str]:
     """The paths of the variable-length leaves (text, binary) of ``columns`` (None: all), at any
     depth: read as dictionaries, a value repeated a million times is held once."""
-    wanted = columns or meta.schema.to_arrow_schema().names
+    schema = meta.schema.to_arrow_schema()
+    # A map's keys and values stay as they are: Arrow casts no dictionary inside a map back.
+    wanted = [n for n in columns or schema.names if not _has_map(schema.field(n).type)]
     paths = []
     for c in range(meta.num_columns):
         leaf = meta.schema.column(c)
@@ -73,6 +75,16 @@ def _text_leaves(meta: pq.FileMetaData, columns: Sequence[str] | None) -> list[s
         ):
             paths.append(leaf.path)
     return paths
+
+
+def _has_map(t: pa.DataType) -> bool:
+    if pa.types.is_map(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_has_map(f.type) for f in t)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _has_map(t.value_type)
+    return False
 
 
 def decoded_bytes(batch: pa.RecordBatch) -> int:
@@ -85,7 +97,9 @@ def _expanded_bytes(column: pa.Array) -> int:
     t = column.type
     if pa.types.is_dictionary(t):
         return _expanded_dictionary(column)
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
+    if pa.types.is_map(t):
+        return 8 * len(column) + _expanded_bytes(column.keys) + _expanded_bytes(column.items)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
         return 8 * len(column) + _expanded_bytes(column.flatten())
     if pa.types.is_fixed_size_list(t):
         return _expanded_bytes(column.flatten())
