@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from scale import (  # noqa: E402  (benchmarks/ is not a package)
+from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
     DATA_COLUMNS,
     START_US,
     TABLE,

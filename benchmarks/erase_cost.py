@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from scale import (  # noqa: E402  (benchmarks/ is not a package)
+from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
     TABLE,
     cached_landing,
     commit_bytes,

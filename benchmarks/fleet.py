@@ -78,7 +78,7 @@ from freshness import (  # noqa: E402
     wait_for,
     write_instance,
 )
-from scale import EventGenerator, git_head, log, met, print_table, rss_bytes, tree_pids  # noqa: E402
+from merge_at_scale import EventGenerator, git_head, log, met, print_table, rss_bytes, tree_pids  # noqa: E402
 from ui_at_scale import free_port, graphql, table_names, wait_until_loaded  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 

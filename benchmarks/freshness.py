@@ -77,7 +77,7 @@ import pyarrow.dataset as ds  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import yaml  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
-from scale import HOUR_US, US, EventGenerator, git_head, log, met, print_table  # noqa: E402
+from merge_at_scale import HOUR_US, US, EventGenerator, git_head, log, met, print_table  # noqa: E402
 
 from cdc_platform import connect_server  # noqa: E402
 from cdc_platform.defs.factory import build_table_definitions  # noqa: E402

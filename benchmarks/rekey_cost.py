@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from scale import (  # noqa: E402  (benchmarks/ is not a package)
+from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
     TABLE,
     build_cached_table,
     cached_landing,
