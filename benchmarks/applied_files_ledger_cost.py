@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from cdc_platform.lib.landing.layout import LandingFile, hour_to_partition_key  # noqa: E402
+from cdc_platform.lib.landing.where.layout import LandingFile, hour_to_partition_key  # noqa: E402
 from cdc_platform.lib.ledgers import applied_files  # noqa: E402
 from cdc_platform.lib.ledgers.ledger import Ledger  # noqa: E402
 from cdc_platform.lib.operations.maintenance import compact_applied_files, vacuum  # noqa: E402

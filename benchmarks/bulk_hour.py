@@ -60,7 +60,7 @@ from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
     split_evenly,
 )
 
-from cdc_platform.lib.landing.layout import hour_folder  # noqa: E402
+from cdc_platform.lib.landing.where.layout import hour_folder  # noqa: E402
 
 MB = 1e6
 GENERATOR_VERSION = 1  # bump when the generated data changes, so cached hours are rebuilt

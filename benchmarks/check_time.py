@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cdc_platform.demo.generate import CUSTOMERS, ORDERS, PRIMARY_KEYS, generate_landing_zone
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.landing.layout import all_hour_folders
+from cdc_platform.lib.landing.where.layout import all_hour_folders
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark.session import build_spark_session
 from cdc_platform.lib.storage.delta import read_arrow

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cdc_platform import connect_server  # noqa: E402
-from cdc_platform.lib.landing.layout import hour_to_partition_key  # noqa: E402
+from cdc_platform.lib.landing.where.layout import hour_to_partition_key  # noqa: E402
 from cdc_platform_tests.helpers import event, write_parquet_events  # noqa: E402
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)

@@ -38,11 +38,11 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.codecs import decode_file, encode_file_bytes
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import hour_folder
-from cdc_platform.lib.landing.reading import (
-    LandingReader,
+from cdc_platform.lib.landing.decoding.codecs import decode_file, encode_file_bytes
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.where.layout import hour_folder
+from cdc_platform.lib.landing.reading.file_reader import LandingReader
+from cdc_platform.lib.landing.reading.passes import (
     event_schema,
     inspect_files,
     read_events,

@@ -90,7 +90,7 @@ from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
 )
 
 from cdc_platform.lib.columns import END, START  # noqa: E402
-from cdc_platform.lib.landing.layout import hour_folder  # noqa: E402
+from cdc_platform.lib.landing.where.layout import hour_folder  # noqa: E402
 from cdc_platform.lib.pipeline import materialize  # noqa: E402
 from cdc_platform.lib.spark.session import build_spark_session, delta_conf  # noqa: E402
 from cdc_platform.lib.storage import delta  # noqa: E402

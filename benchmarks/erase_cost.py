@@ -41,7 +41,7 @@ from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
     table_bytes,
 )
 
-from cdc_platform.lib.landing.keyring import Keyring  # noqa: E402
+from cdc_platform.lib.landing.decoding.keyring import Keyring  # noqa: E402
 from cdc_platform.lib.ledgers import erased_keys  # noqa: E402
 from cdc_platform.lib.operations.erasure import erase  # noqa: E402
 from cdc_platform.lib.pipeline import materialize  # noqa: E402

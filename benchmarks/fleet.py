@@ -87,7 +87,7 @@ from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, AlertWebhookResource  #
 from cdc_platform.defs.factory import build_definitions  # noqa: E402
 from cdc_platform.defs.fleet import FLEET_SENSOR, FleetCursor  # noqa: E402
 from cdc_platform.lib.config import CONFIG_ENV_VAR, load_config  # noqa: E402
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key  # noqa: E402
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key  # noqa: E402
 from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
 
 TARGET_IDLE_CORE_SHARE = 0.10  # of one core, daemon + code server, at 500 tables

@@ -83,7 +83,7 @@ from cdc_platform import connect_server  # noqa: E402
 from cdc_platform.defs.factory import build_table_definitions  # noqa: E402
 from cdc_platform.defs.sensors import PARTITION_TAG  # noqa: E402
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, load_config  # noqa: E402
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key  # noqa: E402
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key  # noqa: E402
 from cdc_platform.lib.spark.connect import CONNECT_AUTH_ENV  # noqa: E402
 from cdc_platform.lib.spark.deployment import SPARK_REMOTE_ENV  # noqa: E402
 from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402

@@ -93,7 +93,7 @@ import pyarrow.parquet as pq
 import cdc_platform
 from cdc_platform.lib.columns import TMAX, unix_micros
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark.connect import CONNECT_AUTH_ENV, DEFAULT_CONNECT_AUTH
 from cdc_platform.lib.spark.deployment import SparkDeployment

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark.session import build_spark_session
 from cdc_platform.lib.storage import delta

@@ -59,7 +59,7 @@ from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
 )
 
 from cdc_platform.lib.history import invariants  # noqa: E402
-from cdc_platform.lib.landing.layout import hour_folder  # noqa: E402
+from cdc_platform.lib.landing.where.layout import hour_folder  # noqa: E402
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize  # noqa: E402
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost  # noqa: E402
 from cdc_platform.lib.spark.session import build_spark_session  # noqa: E402

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, PartitionRequest, evaluate
-from cdc_platform.lib.landing.layout import folder_spellings, hour_folder
+from cdc_platform.lib.landing.where.layout import folder_spellings, hour_folder
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
 
@@ -155,7 +155,7 @@ def bucket_ticks(n_tables: int, n_hours: int) -> None:
     from moto.core.models import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
 
-    from cdc_platform.lib.landing.object_store import S3Landing
+    from cdc_platform.lib.landing.where.object_store import S3Landing
     from cdc_platform.lib.storage.stores import Location
 
     with mock_aws():
@@ -235,7 +235,7 @@ def _moto_zone() -> tuple[Any, Any]:
     from moto.core.models import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
 
-    from cdc_platform.lib.landing.object_store import S3Landing
+    from cdc_platform.lib.landing.where.object_store import S3Landing
     from cdc_platform.lib.storage.stores import Location
 
     zone = S3Landing(Location.of(f"s3://landing-{time.time_ns()}/cdc", {"aws_region": "us-east-1"}))
@@ -248,8 +248,8 @@ def reset_ticks(n_hours: int, per_hour: int) -> None:
     from moto import mock_aws
 
     from cdc_platform.lib.fleet.sensor_cursor import LIST_REQUESTS_PER_TICK
-    from cdc_platform.lib.landing.layout import hour_to_partition_key
-    from cdc_platform.lib.landing.zone import ListBudget
+    from cdc_platform.lib.landing.where.layout import hour_to_partition_key
+    from cdc_platform.lib.landing.where.zone import ListBudget
     from cdc_platform.lib.ledgers.applied_files import identity
 
     with mock_aws():

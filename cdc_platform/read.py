@@ -25,8 +25,8 @@ live version of every key that exists, which is ``as_of`` TMAX.
 describe how the platform writes the table, not the data.
 
 **Timestamps.** ``ts`` is a ``datetime`` (naive means UTC, as everywhere in the platform) or an
-ISO-8601 string read by the platform's one parser (``lib/landing/timestamps.py``: no zone means UTC, a
-date alone means midnight). Anything else raises ``TypeError``; an unparsable string
+ISO-8601 string read by the platform's one parser (``lib/landing/rows/timestamps.py``: no zone
+means UTC, a date alone means midnight). Anything else raises ``TypeError``; an unparsable string
 ``ValueError``.
 
 **Files read.** Reads use one Delta snapshot and skip files by their Delta statistics. Every
@@ -93,7 +93,7 @@ def as_of_instant(ts: datetime | str) -> datetime:
     if isinstance(ts, str):
         import pyarrow as pa
 
-        from cdc_platform.lib.landing.timestamps import CAST_ERRORS, parse_timestamps
+        from cdc_platform.lib.landing.rows.timestamps import CAST_ERRORS, parse_timestamps
 
         try:
             parsed = parse_timestamps(pa.array([ts], pa.string()))[0].as_py()

@@ -18,7 +18,7 @@ from deltalake import DeltaTable
 from cdc_platform.defs.alerts import AlertWebhookResource
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.storage.stores import Where
 
 # The ``keyring`` fixture's hash salt (conftest.py).

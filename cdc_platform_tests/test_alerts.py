@@ -28,7 +28,7 @@ from cdc_platform.defs.run_alerts import build_run_failure_alert_sensor
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.fleet.alerts import AlertDeliveryError, build_alert, post_alert, redact_url
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.webhook import SECRET_PATH, SECRET_QUERY, Webhook

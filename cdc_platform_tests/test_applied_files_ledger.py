@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 import pyarrow as pa
 
-from cdc_platform.lib.landing.layout import LandingFile, hour_to_partition_key
+from cdc_platform.lib.landing.where.layout import LandingFile, hour_to_partition_key
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.storage.stores import Where

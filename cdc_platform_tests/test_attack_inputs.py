@@ -28,10 +28,10 @@ from deltalake import DeltaTable, write_deltalake
 from cdc_platform.lib.config import ConfigError, TableConfig, parse_config
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.landing.discovery import describe
-from cdc_platform.lib.landing.layout import files_in_hour, hour_folder
-from cdc_platform.lib.landing.native import NativeGuard, native_report
-from cdc_platform.lib.landing.reader import LandingReader
-from cdc_platform.lib.landing.zone import LocalZone
+from cdc_platform.lib.landing.reading.file_reader import LandingReader
+from cdc_platform.lib.landing.reading.native import NativeGuard, native_report
+from cdc_platform.lib.landing.where.layout import files_in_hour, hour_folder
+from cdc_platform.lib.landing.where.zone import LocalZone
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
 from cdc_platform.lib.operations.resync import ResyncError, SnapshotReader, resync
 from cdc_platform.lib.pipeline import materialize

@@ -25,11 +25,12 @@ from cdc_platform.defs.sensors import partitions_of
 from cdc_platform.lib.config import load_config
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, evaluate
-from cdc_platform.lib.landing import discovery, object_store
+from cdc_platform.lib.landing import discovery
+from cdc_platform.lib.landing.where import object_store
 from cdc_platform.lib.landing.discovery import unlisted_tables, with_discovered_tables
-from cdc_platform.lib.landing.layout import hour_to_partition_key
-from cdc_platform.lib.landing.object_store import S3Landing
-from cdc_platform.lib.landing.zone import LandingZone, ListBudget
+from cdc_platform.lib.landing.where.layout import hour_to_partition_key
+from cdc_platform.lib.landing.where.object_store import S3Landing
+from cdc_platform.lib.landing.where.zone import LandingZone, ListBudget
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform_tests.test_object_landing import (

@@ -43,8 +43,8 @@ from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.demo.s3 import free_port
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.landing.codecs import encode_file_bytes
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.decoding.codecs import encode_file_bytes
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,

@@ -15,7 +15,7 @@ import zstandard
 from cryptography.hazmat.primitives import padding
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from cdc_platform.lib.landing.codecs import (
+from cdc_platform.lib.landing.decoding.codecs import (
     LandingFileError,
     compress_zstd,
     decode_file,
@@ -23,8 +23,8 @@ from cdc_platform.lib.landing.codecs import (
     encrypt_bytes,
     open_decoded_stream,
 )
-from cdc_platform.lib.landing.formats import FORMATS
-from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.decoding.formats import FORMATS
+from cdc_platform.lib.landing.decoding.keyring import Keyring
 
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(100, 132))

@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.codecs import (
+from cdc_platform.lib.landing.decoding.codecs import (
     LandingFileError,
     decode_file,
     encode_file_bytes,
     open_decoded_stream,
 )
-from cdc_platform.lib.landing.formats.csv import arrow_type, read_csv_events
+from cdc_platform.lib.landing.decoding.formats.csv import arrow_type, read_csv_events
 
 CDC = ["cdc_operation_type", "cdc_change_seq", "cdc_commit_timestamp"]
 TS = "2024-01-01T05:06:07.123Z"

@@ -24,7 +24,7 @@ from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.merge import FAULT_ENV
 from cdc_platform.lib.history.versions import TMAX
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark.deployment import SparkDeployment
 from cdc_platform.lib.storage.warehouse import TablePaths

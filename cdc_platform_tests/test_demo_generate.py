@@ -23,7 +23,7 @@ from cdc_platform.demo.generate import (
     MAX_DELAY_HOURS,
     generate_landing_zone,
 )
-from cdc_platform.lib.landing.layout import all_hour_folders, hour_folder
+from cdc_platform.lib.landing.where.layout import all_hour_folders, hour_folder
 from cdc_platform_tests.reference import TMAX, reference_history, truncate_to_ms
 
 START = datetime(2024, 1, 1, tzinfo=UTC)

@@ -29,15 +29,15 @@ from cdc_platform.lib.config import (
     parse_config,
 )
 from cdc_platform.lib.history.versions import TMAX
-from cdc_platform.lib.landing.codecs import encode_file_bytes
+from cdc_platform.lib.landing.decoding.codecs import encode_file_bytes
 from cdc_platform.lib.landing.discovery import (
     describe,
     guess_primary_key,
     unlisted_tables,
     with_discovered_tables,
 )
-from cdc_platform.lib.landing.formats.csv import read_csv_events
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.decoding.formats.csv import read_csv_events
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,

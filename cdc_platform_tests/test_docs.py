@@ -37,7 +37,7 @@ import yaml
 
 from cdc_platform import config_reference
 from cdc_platform.lib import config as cfg
-from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events

@@ -15,7 +15,7 @@ from deltalake import DeltaTable
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history.versions import TMAX
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -275,8 +275,8 @@ def test_plain_normalized_parquet_is_read_natively_and_gives_the_same_events(spa
     by Spark's vectorized reader (no Python decoding); a file needing conversion (int32, ms
     timestamps, naive data timestamps) is decoded in Python; both give the same events as
     decoding everything in Python, and a bad native file is set aside with the same reason."""
-    from cdc_platform.lib.landing.reading import (
-        LandingReader,
+    from cdc_platform.lib.landing.reading.file_reader import LandingReader
+    from cdc_platform.lib.landing.reading.passes import (
         event_schema,
         inspect_files,
         read_events,

@@ -35,8 +35,8 @@ from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history.invariants import CHECK_NAMES, NO_QUARANTINE
 from cdc_platform.lib.history.merge import TOUCHED_KEYS
 from cdc_platform.lib.history.versions import TMAX
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.storage.stores import Location

@@ -18,8 +18,8 @@ from deltalake import DeltaTable
 
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.history import current_table
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.pii import SaltChangedError, hash_column
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.rows.pii import SaltChangedError, hash_column
 from cdc_platform.lib.ledgers import erased_keys, quarantine
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.operations.erasure import WITHHELD

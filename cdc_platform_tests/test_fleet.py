@@ -30,7 +30,7 @@ from cdc_platform.lib.fleet.sensor_cursor import (
     PartitionRequest,
     batch,
 )
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import Clock, dagster_resources, write_parquet_events

@@ -25,8 +25,8 @@ from deltalake import DeltaTable
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import IN_SUBFOLDER, SYMLINK, hour_folder
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.where.layout import IN_SUBFOLDER, SYMLINK, hour_folder
 from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import LandingRootMissingError, materialize
 from cdc_platform.lib.storage.table import Table

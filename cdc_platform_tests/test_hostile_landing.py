@@ -20,9 +20,11 @@ from deltalake import DeltaTable
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.landing import discovery
-from cdc_platform.lib.landing.codecs import LandingFileError
-from cdc_platform.lib.landing.formats.parquet import parquet_bytes
-from cdc_platform.lib.landing.layout import (
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError
+from cdc_platform.lib.landing.decoding.formats.parquet import parquet_bytes
+from cdc_platform.lib.landing.reading.file_reader import LandingReader, changed_files_named
+from cdc_platform.lib.landing.reading.passes import event_schema
+from cdc_platform.lib.landing.where.layout import (
     BAD_NAME,
     IN_SUBFOLDER,
     all_hour_folders,
@@ -30,9 +32,7 @@ from cdc_platform.lib.landing.layout import (
     fingerprint,
     hour_folder,
 )
-from cdc_platform.lib.landing.reader import LandingReader, changed_files_named
-from cdc_platform.lib.landing.reading import event_schema
-from cdc_platform.lib.landing.safe_open import CHANGED, FileId
+from cdc_platform.lib.landing.where.safe_open import CHANGED, FileId
 from cdc_platform.lib.ledgers import quarantine
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -114,7 +114,9 @@ def test_a_zstd_bomb_is_refused_having_decoded_at_most_the_limit() -> None:
     sample of a stream decodes about what is read, whatever the file expands to."""
     growth = peak_growth_mib(
         "import io\n"
-        "from cdc_platform.lib.landing.codecs import LandingFileError, decode_file, open_decoded_stream\n"
+        "from cdc_platform.lib.landing.decoding.codecs import (\n"
+        "    LandingFileError, decode_file, open_decoded_stream,\n"
+        ")\n"
         "from cdc_platform_tests.test_hostile_landing import zeros_bomb\n"
         "bomb = zeros_bomb(128 << 20)\n"
         "assert len(bomb) < 16 * 1024\n",
@@ -191,8 +193,8 @@ def refused_at_16_mib_growing(bomb: Path) -> float:
     for its size; how far the load raised the process's peak RSS (MiB)."""
     return peak_growth_mib(
         "from dataclasses import replace\n"
-        "from cdc_platform.lib.landing.reader import LandingReader\n"
-        "from cdc_platform.lib.landing.codecs import LandingFileError\n"
+        "from cdc_platform.lib.landing.reading.file_reader import LandingReader\n"
+        "from cdc_platform.lib.landing.decoding.codecs import LandingFileError\n"
         "from cdc_platform_tests.test_hostile_landing import TABLE\n"
         f"reader = LandingReader(replace(TABLE, max_file_bytes=16 << 20), {str(bomb.parent)!r})\n",
         "try:\n"
@@ -648,8 +650,8 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
 def materialize_through_the_asset(platform: Any) -> None:
     """The hour 05:00 of table t through its Dagster asset (in process)."""
     import dagster as dg
-
     from cdc_platform.defs.factory import build_table_definitions
+
     from cdc_platform_tests.helpers import dagster_resources
 
     defs = build_table_definitions(platform, platform.table("t"))

@@ -31,7 +31,7 @@ from cdc_platform.defs.factory import (
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.versions import TMAX
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark.session import (
     ADAPTIVE,

@@ -17,7 +17,7 @@ from deltalake import DeltaTable
 from cdc_platform.defs.factory import build_definitions, build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.history import invariants, table_key
-from cdc_platform.lib.landing.row_id import row_ids
+from cdc_platform.lib.landing.rows.row_id import row_ids
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths

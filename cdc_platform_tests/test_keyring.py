@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc_platform.lib.landing.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
 
 K1 = bytes(range(32))
 K2 = bytes(range(50, 82))
@@ -127,7 +127,7 @@ def test_keys_for_order_and_normalisation():
 
 def test_a_table_reader_ships_only_that_tables_keys():
     from cdc_platform.lib.config import TableConfig
-    from cdc_platform.lib.landing.reading import LandingReader
+    from cdc_platform.lib.landing.reading.file_reader import LandingReader
 
     ring = Keyring.from_mapping(GOOD)
     orders = ring.for_table("orders")

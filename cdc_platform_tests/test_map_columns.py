@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.landing.layout import hour_folder
-from cdc_platform.lib.landing.row_id import row_ids
+from cdc_platform.lib.landing.rows.row_id import row_ids
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     materialize_with_checks,

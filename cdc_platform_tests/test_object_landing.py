@@ -1,6 +1,6 @@
 """A landing zone in an S3 bucket (moto's S3 server): listed by prefix, read pinned by ETag.
 
-The zone's own calls (``lib.landing.object_store``) are tested against the server directly:
+The zone's own calls (``lib.landing.where.object_store``) are tested against the server directly:
 hostile keys set aside, never a stopped listing; a window listed in one request from its first
 key; a read refused when the object was overwritten after the listing, or while it was read;
 paths outside the root refused; a store that does not answer failing loud. The landing sensor's
@@ -31,19 +31,19 @@ from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, ConfigError, load_config
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, evaluate
-from cdc_platform.lib.landing import object_store
-from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.where import object_store
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError
 from cdc_platform.lib.landing.discovery import (
     describe,
     unlisted_tables,
     with_discovered_tables,
 )
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import BAD_KEY, IN_SUBFOLDER, hour_to_partition_key
-from cdc_platform.lib.landing.object_store import S3Landing
-from cdc_platform.lib.landing.reader import LandingReader
-from cdc_platform.lib.landing.safe_open import CHANGED, OUTSIDE
-from cdc_platform.lib.landing.zone import LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.where.layout import BAD_KEY, IN_SUBFOLDER, hour_to_partition_key
+from cdc_platform.lib.landing.where.object_store import S3Landing
+from cdc_platform.lib.landing.reading.file_reader import LandingReader
+from cdc_platform.lib.landing.where.safe_open import CHANGED, OUTSIDE
+from cdc_platform.lib.landing.where.zone import LandingUnavailableError, LandingZone
 from cdc_platform.lib.ledgers import applied_files, quarantine
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.operations import revocation

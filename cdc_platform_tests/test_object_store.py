@@ -35,7 +35,7 @@ from cdc_platform.defs.factory import build_definitions
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.lib.config import ConfigError, PlatformConfig, load_config
 from cdc_platform.lib.history import changelog, merge
-from cdc_platform.lib.landing.layout import LandingFile
+from cdc_platform.lib.landing.where.layout import LandingFile
 from cdc_platform.lib.ledgers import applied_files, quarantine
 from cdc_platform.lib.operations import maintenance
 from cdc_platform.lib.spark.session import spark_conf

@@ -17,7 +17,7 @@ import pytest
 
 from cdc_platform import read
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.timestamps import CLOCK_SKEW
+from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
 from cdc_platform.lib.operations.resync import ResyncError, resync
 from cdc_platform.lib.operations.truncation import truncate

@@ -18,7 +18,7 @@ from deltalake import DeltaTable
 from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.lib.config import PlatformConfig, load_config
-from cdc_platform.lib.landing.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (

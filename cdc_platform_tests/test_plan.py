@@ -10,7 +10,7 @@ import dagster as dg
 
 from cdc_platform.defs.plans import build_plan_job
 from cdc_platform.lib.config import load_config
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.operations.plan import plan
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.operations.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths

@@ -13,11 +13,11 @@ import pytest
 
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.codecs import compress_zstd
+from cdc_platform.lib.landing.decoding.codecs import compress_zstd
+from cdc_platform.lib.landing.decoding.formats import FORMATS, LandingFormat
 from cdc_platform.lib.landing.discovery import sniff_encoding
-from cdc_platform.lib.landing.formats import FORMATS, LandingFormat
-from cdc_platform.lib.landing.reader import LandingReader
-from cdc_platform.lib.landing.reading import unify_schema
+from cdc_platform.lib.landing.reading.file_reader import LandingReader
+from cdc_platform.lib.landing.reading.passes import unify_schema
 
 TABLE = TableConfig(name="x", primary_key=("id",), start=datetime(2024, 1, 1, tzinfo=UTC))
 EXPECTED = datetime(2024, 1, 1, 5, 0, 0, 123000, tzinfo=UTC)

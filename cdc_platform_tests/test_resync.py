@@ -362,7 +362,7 @@ def _unlistable_folder(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             raise PermissionError(13, "Permission denied", path)
         return real(path)
 
-    monkeypatch.setattr("cdc_platform.lib.landing.zone.os.scandir", scandir)
+    monkeypatch.setattr("cdc_platform.lib.landing.where.zone.os.scandir", scandir)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.merge import HistoryColumnsError, record_settings
 from cdc_platform.lib.history.provenance import EVENTS, version_sources
 from cdc_platform.lib.history.versions import TMAX, HistoryColumns
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths

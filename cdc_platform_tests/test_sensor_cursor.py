@@ -29,8 +29,8 @@ from cdc_platform.lib.fleet.sensor_cursor import (
     evaluate,
     reconcile,
 )
-from cdc_platform.lib.landing.layout import hour_folder, hour_to_partition_key
-from cdc_platform.lib.landing.layout import partition_key_to_hour as hour_of
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.landing.where.layout import partition_key_to_hour as hour_of
 
 H = timedelta(hours=1)
 START = datetime(2024, 1, 1, tzinfo=UTC)
@@ -364,7 +364,7 @@ def test_500_hourly_ticks_keep_the_cursor_bounded_and_request_each_change_once(
 
 def ledger_rows(root: Path, hour: datetime) -> dict[str, set[tuple[str, int, int]]]:
     """What the applied-files ledger records once a run read the hour's files."""
-    from cdc_platform.lib.landing.layout import files_in_hour
+    from cdc_platform.lib.landing.where.layout import files_in_hour
     from cdc_platform.lib.ledgers import applied_files
 
     files = files_in_hour(root, "orders", hour)

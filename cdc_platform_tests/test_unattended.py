@@ -19,7 +19,7 @@ from deltalake import DeltaTable
 from cdc_platform.defs.sensors import PARTITION_TAG, REASON_TAG
 from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.fleet.sensor_cursor import REASON_RETRY
-from cdc_platform.lib.landing.layout import hour_to_partition_key
+from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, write_parquet_events

@@ -33,7 +33,7 @@ from cdc_platform.lib.landing.discovery import (
     unlisted_budget,
     unlisted_tables,
 )
-from cdc_platform.lib.landing.zone import LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.where.zone import LandingUnavailableError, LandingZone
 
 NEW_TABLES_SENSOR_NAME = "cdc_new_tables"
 

@@ -44,8 +44,8 @@ from cdc_platform.lib.history import current_table, invariants
 from cdc_platform.lib.history.protected_columns import ProtectedColumnsChangedError
 from cdc_platform.lib.history.table_key import PrimaryKeyChangedError
 from cdc_platform.lib.landing.discovery import with_discovered_tables
-from cdc_platform.lib.landing.keyring import KeyringError
-from cdc_platform.lib.landing.layout import hours_between
+from cdc_platform.lib.landing.decoding.keyring import KeyringError
+from cdc_platform.lib.landing.where.layout import hours_between
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, needs_keyring
 from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
 

@@ -55,7 +55,7 @@ from cdc_platform.defs.sensors import (
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import BatchRequest, CursorState, batch, tick_budget
-from cdc_platform.lib.landing.zone import Landing
+from cdc_platform.lib.landing.where.zone import Landing
 from cdc_platform.lib.storage.stores import Where
 
 FLEET_SENSOR = "cdc_landing"

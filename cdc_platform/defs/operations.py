@@ -41,8 +41,8 @@ from cdc_platform.lib.history.protected_columns import (
     check_protected_columns,
 )
 from cdc_platform.lib.history.table_key import PrimaryKeyChangedError, check_key
-from cdc_platform.lib.landing.keyring import Keyring, KeyringError
-from cdc_platform.lib.landing.layout import hour_to_partition_key
+from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.pipeline import check_salts, needs_keyring
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths

@@ -15,7 +15,7 @@ from pydantic import Field
 from cdc_platform.defs.operations import TableRunConfig, operator_run, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
-from cdc_platform.lib.landing.layout import hours_between, partition_key_to_hour
+from cdc_platform.lib.landing.where.layout import hours_between, partition_key_to_hour
 from cdc_platform.lib.operations.plan import MergePlan, plan
 
 PLAN_JOB = "merge_plan"

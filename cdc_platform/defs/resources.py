@@ -16,7 +16,7 @@ import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 from pydantic import Field, PrivateAttr
 
-from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.spark.connect import connect_session_usable
 from cdc_platform.lib.spark.deployment import RUN_TUNABLE, SparkDeployment, run_conf
 from cdc_platform.lib.storage.stores import Location, Where

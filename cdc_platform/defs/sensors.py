@@ -34,12 +34,12 @@ from cdc_platform.lib.fleet.sensor_cursor import (
     reconcile,
     tick_budget,
 )
-from cdc_platform.lib.landing.layout import (
+from cdc_platform.lib.landing.where.layout import (
     hour_to_partition_key,
     hours_between,
     partition_key_to_hour,
 )
-from cdc_platform.lib.landing.zone import Landing, LandingZone, ListBudget
+from cdc_platform.lib.landing.where.zone import Landing, LandingZone, ListBudget
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Where
 

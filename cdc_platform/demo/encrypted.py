@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.codecs import encode_file_bytes
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.decoding.codecs import encode_file_bytes
+from cdc_platform.lib.landing.where.layout import hour_folder
 
 CDC = ("cdc_operation_type", "cdc_change_seq", "cdc_commit_timestamp")
 

@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cdc_platform.lib.landing.layout import hour_folder
+from cdc_platform.lib.landing.where.layout import hour_folder
 
 CUSTOMERS = "customers"
 ORDERS = "orders"

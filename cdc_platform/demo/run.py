@@ -21,9 +21,9 @@ from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
-from cdc_platform.lib.landing.layout import hour_to_partition_key
-from cdc_platform.lib.landing.object_store import S3Landing
-from cdc_platform.lib.landing.zone import LandingZone, LocalZone
+from cdc_platform.lib.landing.where.layout import hour_to_partition_key
+from cdc_platform.lib.landing.where.object_store import S3Landing
+from cdc_platform.lib.landing.where.zone import LandingZone, LocalZone
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Where
 from cdc_platform.lib.storage.warehouse import TablePaths

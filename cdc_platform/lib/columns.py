@@ -49,7 +49,8 @@ END = "_fivetran_end"
 ACTIVE = "_fivetran_active"
 SYNCED = "_fivetran_synced"
 HISTORY_SYSTEM_COLUMNS = (START, END, ACTIVE, SYNCED)
-# A keyless table's key: the hash of a row's values (``landing.row_id``, HISTORY_MODE section 3).
+# A keyless table's key: the hash of a row's values (``landing.rows.row_id``, HISTORY_MODE
+# section 3).
 # Not a system column of either list: it is the table's key column, in the change log too.
 ROW_ID = "_fivetran_id"
 # What the merge derives for each version beyond the contract's columns (extra `_cdc_` system

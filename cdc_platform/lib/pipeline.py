@@ -29,19 +29,23 @@ from cdc_platform.lib.history.protected_columns import (
     record_hashing,
 )
 from cdc_platform.lib.history.table_key import check_key
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import hour_to_partition_key
-from cdc_platform.lib.landing.native import NativeGuard, NativeReadChangedError
-from cdc_platform.lib.landing.reader import FileReport, LandingReader, changed_files_named
-from cdc_platform.lib.landing.reading import (
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.reading.file_reader import (
+    FileReport,
+    LandingReader,
+    changed_files_named,
+)
+from cdc_platform.lib.landing.reading.native import NativeGuard, NativeReadChangedError
+from cdc_platform.lib.landing.reading.passes import (
     event_schema,
     inspect_files,
     read_events,
     unify_schema,
     with_row_id,
 )
-from cdc_platform.lib.landing.safe_open import CHANGED
-from cdc_platform.lib.landing.zone import Landing, LandingZone
+from cdc_platform.lib.landing.where.layout import hour_to_partition_key
+from cdc_platform.lib.landing.where.safe_open import CHANGED
+from cdc_platform.lib.landing.where.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers import applied_files, erased_keys, quarantine, revoked_files
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored

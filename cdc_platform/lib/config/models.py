@@ -44,8 +44,8 @@ from cdc_platform.lib.config.fields import (
     TablesPerRun,
     WidenTypes,
 )
-from cdc_platform.lib.landing.codecs import DEFAULT_MAX_BYTES
-from cdc_platform.lib.landing.formats import FORMATS
+from cdc_platform.lib.landing.decoding.codecs import DEFAULT_MAX_BYTES
+from cdc_platform.lib.landing.decoding.formats import FORMATS
 from cdc_platform.lib.storage.roots import checked_root, overlaps
 from cdc_platform.lib.storage.stores import OBJECT_STORE_SCHEMES, Location
 from cdc_platform.lib.storage.warehouse import current_table_name
@@ -59,7 +59,7 @@ _STRICT = ConfigDict(extra="forbid", arbitrary_types_allowed=True, hide_input_in
 
 
 def _format(value: object) -> str:
-    """A landing format of the registry (``landing.formats``), whatever its case."""
+    """A landing format of the registry (``landing.decoding.formats``), whatever its case."""
     name = str(value).lower()
     if name not in FORMATS:
         raise ValueError(f"{value!r} is not one of {list(FORMATS)}")
@@ -96,7 +96,7 @@ class TableConfig:
         default="parquet",
         description="How landing files are written: "
         + "; ".join(f"`{f.name}`, {f.summary}" for f in FORMATS.values())
-        + " (one module each in `lib/landing/formats/`).",
+        + " (one module each in `lib/landing/decoding/formats/`).",
         json_schema_extra={"enum": list(FORMATS)},
     )
     compression: Compression = Field(
@@ -307,7 +307,7 @@ class TableConfig:
 
     @property
     def protects_columns(self) -> bool:
-        """True when some column is hashed or blocked as files are read (``landing.pii``)."""
+        """True when some column is hashed or blocked as files are read (``landing.rows.pii``)."""
         return bool(self.hash_columns or self.block_columns)
 
     @property

@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.layout import (
+from cdc_platform.lib.landing.where.layout import (
     HOUR,
     LandingFile,
     fingerprint,
@@ -38,7 +38,7 @@ from cdc_platform.lib.landing.layout import (
     hours_between,
     partition_key_to_hour,
 )
-from cdc_platform.lib.landing.zone import (
+from cdc_platform.lib.landing.where.zone import (
     Landing,
     LandingUnavailableError,
     LandingZone,

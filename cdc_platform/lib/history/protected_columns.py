@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping
 import pyarrow as pa
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.pii import (
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.rows.pii import (
     SALT_PROPERTY,
     check_salt,
     hashed_source,

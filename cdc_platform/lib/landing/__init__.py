@@ -1,6 +1,7 @@
-"""Landing input: from files in the landing zone to change events.
+"""Landing input: from files in the landing zone to change events, in folders by role.
 
-The zone's layout and the safe opening of its files, decoding (decrypt, decompress), the
-formats (``formats/``), reading in Spark tasks with bad files set aside, and the discovery of
-new tables. Nothing here writes a Delta table.
+``where/``: the zone's layout, its listing and the safe opening of its files; ``decoding/``:
+decrypt, decompress and the formats; ``rows/``: the rules every decoded row is held to;
+``reading/``: reading in Spark tasks with bad files set aside; ``discovery``: new tables.
+Nothing here writes a Delta table.
 """

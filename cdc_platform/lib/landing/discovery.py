@@ -32,14 +32,14 @@ import yaml
 
 from cdc_platform.lib.columns import CDC_COLUMNS, is_reserved
 from cdc_platform.lib.config import PARTITION_FORMAT, ConfigError, PlatformConfig, TableConfig
-from cdc_platform.lib.landing.codecs import (
+from cdc_platform.lib.landing.decoding.codecs import (
     LandingFileError,
     looks_like_zstd,
     open_decoded_stream,
 )
-from cdc_platform.lib.landing.formats import FORMATS, format_of_head, format_of_name
-from cdc_platform.lib.landing.layout import LandingFile
-from cdc_platform.lib.landing.zone import (
+from cdc_platform.lib.landing.decoding.formats import FORMATS, format_of_head, format_of_name
+from cdc_platform.lib.landing.where.layout import LandingFile
+from cdc_platform.lib.landing.where.zone import (
     Landing,
     LandingUnavailableError,
     LandingZone,

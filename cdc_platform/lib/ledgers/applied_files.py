@@ -23,8 +23,8 @@ from datetime import datetime
 
 import pyarrow as pa
 
-from cdc_platform.lib.landing.layout import LandingFile
-from cdc_platform.lib.landing.zone import Landing, LandingZone
+from cdc_platform.lib.landing.where.layout import LandingFile
+from cdc_platform.lib.landing.where.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers.ledger import Compacted, Ledger
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where

@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdc_platform.lib.columns import cols
-from cdc_platform.lib.landing.keyring import Keyring, KeyringError
-from cdc_platform.lib.landing.pii import SALT_PROPERTY, check_salt, salt_fingerprint
-from cdc_platform.lib.landing.row_id import row_ids
+from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.rows.pii import SALT_PROPERTY, check_salt, salt_fingerprint
+from cdc_platform.lib.landing.rows.row_id import row_ids
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Where

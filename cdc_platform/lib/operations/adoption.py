@@ -45,9 +45,9 @@ from cdc_platform.lib.columns import (
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.reading import event_schema
-from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.reading.passes import event_schema
+from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.pipeline import to_ms
 from cdc_platform.lib.storage import delta

@@ -51,8 +51,8 @@ from cdc_platform.lib.history.merge import (
     table_relative,
 )
 from cdc_platform.lib.history.protected_columns import check_hashing_salt, hashed_types
-from cdc_platform.lib.landing.keyring import Keyring, KeyringError
-from cdc_platform.lib.landing.pii import hash_column
+from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.rows.pii import hash_column
 from cdc_platform.lib.ledgers import erased_keys, quarantine
 from cdc_platform.lib.ledgers.erased_keys import ErasedKeys, key_hashes
 from cdc_platform.lib.ledgers.ledger import Ledger

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from cdc_platform.lib.columns import CURRENT, LAST_EVENT_AT, TS, col, cols
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.keyring import Keyring
+from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where

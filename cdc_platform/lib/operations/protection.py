@@ -38,8 +38,8 @@ from cdc_platform.lib.history.protected_columns import (
     recorded_protected_columns,
 )
 from cdc_platform.lib.history.table_key import PROTECT_JOB, Rekey, check_key, recorded_rekey
-from cdc_platform.lib.landing.keyring import Keyring, KeyringError
-from cdc_platform.lib.landing.pii import hash_column
+from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.rows.pii import hash_column
 from cdc_platform.lib.operations.rekey import (
     RekeyResult,
     check_history_columns,

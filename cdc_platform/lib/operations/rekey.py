@@ -8,7 +8,7 @@ first file would have. The run goes in four steps, each a commit:
    until step 4 every run, materialization or operator job is refused (``table_key.check_key``),
    so nothing folds events under either key in between;
 2. a switch between keyed and keyless rewrites the change log with (or without) each event's
-   ``_fivetran_id``, computed as the reader computes it for a new file (``landing.row_id``);
+   ``_fivetran_id``, computed as the reader computes it for a new file (``landing.rows.row_id``);
 3. the history is replaced by the fold under the new key: one strict overwrite commit with its
    new schema and the change-log version it reflects. The old rows stay readable by time
    travel, at the version the table records (``Rekey.from_version``);
@@ -67,7 +67,7 @@ from cdc_platform.lib.history.table_key import (
     same_key,
 )
 from cdc_platform.lib.history.versions import build_versions
-from cdc_platform.lib.landing.row_id import row_ids
+from cdc_platform.lib.landing.rows.row_id import row_ids
 from cdc_platform.lib.ledgers import erased_keys
 from cdc_platform.lib.spark.session import persisted
 from cdc_platform.lib.storage import delta

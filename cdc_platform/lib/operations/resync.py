@@ -55,18 +55,18 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up
 from cdc_platform.lib.history.protected_columns import changelog_properties, record_hashing
-from cdc_platform.lib.landing.codecs import LandingFileError
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.reading import (
-    LandingReader,
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.reading.file_reader import LandingReader
+from cdc_platform.lib.landing.reading.passes import (
     event_schema,
     inspect_files,
     read_events,
     unify_schema,
     with_row_id,
 )
-from cdc_platform.lib.landing.timestamps import CLOCK_SKEW, ahead_of
-from cdc_platform.lib.landing.zone import IncompleteSnapshotError, LandingZone, LocalZone
+from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW, ahead_of
+from cdc_platform.lib.landing.where.zone import IncompleteSnapshotError, LandingZone, LocalZone
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
 from cdc_platform.lib.pipeline import to_ms

@@ -40,9 +40,9 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import APP_ID, MergeResult, apply_pending, record_retracted_keys
 from cdc_platform.lib.history.merge import table_relative as _table_relative
-from cdc_platform.lib.landing.keyring import Keyring
-from cdc_platform.lib.landing.layout import is_data_file
-from cdc_platform.lib.landing.zone import Landing, LandingZone
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.where.layout import is_data_file
+from cdc_platform.lib.landing.where.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers import revoked_files
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, to_ms
 from cdc_platform.lib.storage import delta

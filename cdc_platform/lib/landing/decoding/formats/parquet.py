@@ -2,7 +2,7 @@
 
 A plain Parquet file is read in place (seeking to its footer); a compressed or encrypted one
 is decoded first. Plain files whose columns Spark reads as their normalized types skip the
-Python decode altogether (``landing.native``, which bounds them in Spark the same way).
+Python decode altogether (``landing.reading.native``, which bounds them in Spark the same way).
 
 A footer is the writer's word: a long string dictionary-encoded over a million rows passes a
 footer check and decodes to gigabytes. So the rows are read a batch at a time, text kept as
@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cdc_platform.lib.landing.codecs import PARQUET_MAGIC, LandingFileError, too_large
-from cdc_platform.lib.landing.formats import Described, FileToRead, LandingFormat, Opener
+from cdc_platform.lib.landing.decoding.codecs import PARQUET_MAGIC, LandingFileError, too_large
+from cdc_platform.lib.landing.decoding.formats import Described, FileToRead, LandingFormat, Opener
 
 __all__ = ["PARQUET", "check_parquet_size", "decoded_bytes", "parquet_bytes"]
 

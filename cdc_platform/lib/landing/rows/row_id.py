@@ -84,7 +84,7 @@ def _name(name: str) -> bytes:
 
 def value_encoder(t: pa.DataType) -> Encoder:
     """The byte form of a value of type ``t``: a one-letter tag, then the value (also what a
-    hashed column's salt is hashed with, ``landing.pii``)."""
+    hashed column's salt is hashed with, ``landing.rows.pii``)."""
     if pa.types.is_null(t):  # only ever null: never encoded
         return lambda v: b""
     if pa.types.is_boolean(t):

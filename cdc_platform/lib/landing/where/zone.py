@@ -25,10 +25,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from cdc_platform.lib.landing import layout, safe_open
-from cdc_platform.lib.landing.codecs import LandingFileError
-from cdc_platform.lib.landing.layout import LandingFile
-from cdc_platform.lib.landing.safe_open import CHANGED, OUTSIDE, FileId
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError
+from cdc_platform.lib.landing.where import layout, safe_open
+from cdc_platform.lib.landing.where.layout import LandingFile
+from cdc_platform.lib.landing.where.safe_open import CHANGED, OUTSIDE, FileId
 from cdc_platform.lib.storage.stores import Location
 
 
@@ -84,7 +84,7 @@ class LandingZone(ABC):
     """Where a deployment's landing files are; ``root`` names it (a path or a URI)."""
 
     root: str
-    # Whether Spark may read a plain Parquet file itself, by path (``landing.native``).
+    # Whether Spark may read a plain Parquet file itself, by path (``landing.reading.native``).
     native_reads: bool = True
     # Files whose mtime is within this margin of the full sweep's high-water mark are looked at
     # again by the next sweep (``fleet.sensor_cursor``): files written while the sweep was
@@ -100,7 +100,7 @@ class LandingZone(ABC):
         location = Location.of(where)
         if location.is_local:
             return LocalZone(location.path)
-        from cdc_platform.lib.landing.object_store import S3Landing
+        from cdc_platform.lib.landing.where.object_store import S3Landing
 
         return S3Landing(location)
 

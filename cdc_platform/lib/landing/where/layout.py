@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cdc_platform.lib.config import PARTITION_FORMAT
-from cdc_platform.lib.landing.safe_open import FileId
+from cdc_platform.lib.landing.where.safe_open import FileId
 
 HOUR = timedelta(hours=1)
 

@@ -39,8 +39,8 @@ from cdc_platform.lib.columns import (
     UNMODIFIED_TYPE,
     is_reserved,
 )
-from cdc_platform.lib.landing.native import native_report, read_native, validate_native
-from cdc_platform.lib.landing.reader import FileReport, LandingReader
+from cdc_platform.lib.landing.reading.file_reader import FileReport, LandingReader
+from cdc_platform.lib.landing.reading.native import native_report, read_native, validate_native
 from cdc_platform.lib.storage.schema import (
     WIDENINGS,
     widest,

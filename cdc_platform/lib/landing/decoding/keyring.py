@@ -8,7 +8,7 @@ The keyring file is JSON::
     }
 
 An optional ``"hash_salt"`` (base64, at least 16 bytes) salts the SHA-256 of a table's
-``hash_columns`` (``landing.pii``). File paths are relative to the landing root. A file's own
+``hash_columns`` (``landing.rows.pii``). File paths are relative to the landing root. A file's own
 key is tried first, then its table's keys in the listed order (key rotation). The file must not
 be readable or writable by group or other (``chmod 600``).
 

@@ -30,12 +30,12 @@ from cdc_platform.lib.columns import (
     is_reserved,
 )
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.codecs import LandingFileError, decode_file
-from cdc_platform.lib.landing.formats import FileToRead, LandingFormat, format_named
-from cdc_platform.lib.landing.keyring import Keyring, KeyringError
-from cdc_platform.lib.landing.pii import hash_column, hashed_field, hashed_source
-from cdc_platform.lib.landing.row_id import row_ids
-from cdc_platform.lib.landing.rows import (
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError, decode_file
+from cdc_platform.lib.landing.decoding.formats import FileToRead, LandingFormat, format_named
+from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.rows.pii import hash_column, hashed_field, hashed_source
+from cdc_platform.lib.landing.rows.row_id import row_ids
+from cdc_platform.lib.landing.rows.rules import (
     first_invalid_row,
     has_text,
     is_string_like,
@@ -44,9 +44,9 @@ from cdc_platform.lib.landing.rows import (
     unmodified_rows,
     validate_rows,
 )
-from cdc_platform.lib.landing.safe_open import CHANGED, FileId
-from cdc_platform.lib.landing.timestamps import CAST_ERRORS, first_failure, parse_timestamps
-from cdc_platform.lib.landing.zone import Landing, LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.rows.timestamps import CAST_ERRORS, first_failure, parse_timestamps
+from cdc_platform.lib.landing.where.safe_open import CHANGED, FileId
+from cdc_platform.lib.landing.where.zone import Landing, LandingUnavailableError, LandingZone
 from cdc_platform.lib.storage.schema import (
     normalize_type,
     unsupported_type,
@@ -145,7 +145,7 @@ class LandingReader:
 
     @property
     def format(self) -> LandingFormat:
-        """The table's landing format (``landing.formats``): how its files are read."""
+        """The table's landing format (``landing.decoding.formats``): how its files are read."""
         return format_named(self.table.format)
 
     def __repr__(self) -> str:

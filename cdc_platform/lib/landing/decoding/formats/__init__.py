@@ -81,8 +81,8 @@ class LandingFormat(ABC):
 
 
 def _formats() -> dict[str, LandingFormat]:
-    from cdc_platform.lib.landing.formats.csv import CSV
-    from cdc_platform.lib.landing.formats.parquet import PARQUET
+    from cdc_platform.lib.landing.decoding.formats.csv import CSV
+    from cdc_platform.lib.landing.decoding.formats.parquet import PARQUET
 
     return {f.name: f for f in (PARQUET, CSV)}
 

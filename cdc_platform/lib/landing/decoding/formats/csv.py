@@ -25,9 +25,13 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from cdc_platform.lib.columns import CDC_COLUMNS, OP, SEQ, TS, TS_TYPE, UNMODIFIED
-from cdc_platform.lib.landing.codecs import LandingFileError, looks_like_text, open_decoded_stream
-from cdc_platform.lib.landing.formats import Described, FileToRead, LandingFormat, Opener
-from cdc_platform.lib.landing.timestamps import CAST_ERRORS, first_failure, parse_timestamps
+from cdc_platform.lib.landing.decoding.codecs import (
+    LandingFileError,
+    looks_like_text,
+    open_decoded_stream,
+)
+from cdc_platform.lib.landing.decoding.formats import Described, FileToRead, LandingFormat, Opener
+from cdc_platform.lib.landing.rows.timestamps import CAST_ERRORS, first_failure, parse_timestamps
 
 if TYPE_CHECKING:
     from cdc_platform.lib.config import TableConfig
@@ -267,7 +271,7 @@ def _convert(
     raw: pa.Table, header: list[str], table: TableConfig, source: str, hide: bool
 ) -> pa.Table:
     n = raw.num_rows
-    # A blocked column is never parsed: its cells cannot set a file aside (``landing.pii``).
+    # A blocked column is never parsed: its cells cannot set a file aside (``landing.rows.pii``).
     blocked = {c.lower() for c in table.block_columns or ()}
     data_cols = [c for c in header if c not in CDC_COLUMNS and c.lower() not in blocked]
     names: list[str] = []

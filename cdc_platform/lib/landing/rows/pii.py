@@ -22,8 +22,8 @@ import hmac
 
 import pyarrow as pa
 
-from cdc_platform.lib.landing.keyring import KeyringError
-from cdc_platform.lib.landing.row_id import python_values, value_encoder
+from cdc_platform.lib.landing.decoding.keyring import KeyringError
+from cdc_platform.lib.landing.rows.row_id import python_values, value_encoder
 
 __all__ = [
     "SALT_PROPERTY",

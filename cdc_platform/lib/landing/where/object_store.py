@@ -23,11 +23,11 @@ from collections.abc import Collection, Iterator
 from datetime import datetime
 from typing import Any, BinaryIO
 
-from cdc_platform.lib.landing import layout
-from cdc_platform.lib.landing.codecs import LandingFileError
-from cdc_platform.lib.landing.layout import BAD_KEY, IN_SUBFOLDER, LandingFile
-from cdc_platform.lib.landing.safe_open import CHANGED, FileId
-from cdc_platform.lib.landing.zone import (
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError
+from cdc_platform.lib.landing.where import layout
+from cdc_platform.lib.landing.where.layout import BAD_KEY, IN_SUBFOLDER, LandingFile
+from cdc_platform.lib.landing.where.safe_open import CHANGED, FileId
+from cdc_platform.lib.landing.where.zone import (
     HourListing,
     IncompleteSnapshotError,
     LandingUnavailableError,

@@ -30,11 +30,16 @@ from cdc_platform.lib.columns import (
     TS,
     UNMODIFIED,
 )
-from cdc_platform.lib.landing.codecs import LandingFileError, too_large
-from cdc_platform.lib.landing.formats.parquet import fixed_width_bytes, parquet_bytes
-from cdc_platform.lib.landing.reader import CHANGED_MARKER, FileReport, LandingReader
-from cdc_platform.lib.landing.rows import bad_rows_reason, has_text, is_string_like, row_reason
-from cdc_platform.lib.landing.safe_open import (
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError, too_large
+from cdc_platform.lib.landing.decoding.formats.parquet import fixed_width_bytes, parquet_bytes
+from cdc_platform.lib.landing.reading.file_reader import CHANGED_MARKER, FileReport, LandingReader
+from cdc_platform.lib.landing.rows.rules import (
+    bad_rows_reason,
+    has_text,
+    is_string_like,
+    row_reason,
+)
+from cdc_platform.lib.landing.where.safe_open import (
     CHANGED,
     path_ids,
 )

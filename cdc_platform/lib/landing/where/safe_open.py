@@ -1,6 +1,6 @@
 """Opening a listed file so that what is read is what was listed.
 
-The landing zone is written by someone else, and between the listing (``lib.landing.layout``: a
+The landing zone is written by someone else, and between the listing (``where.layout``: a
 regular file, not a symlink) and the read a file or any folder above it can be swapped for a
 symlink (to the keyring, say). So a file is never opened by path alone: ``open_beneath``
 walks from a trusted root one component at a time with ``O_NOFOLLOW`` (a symlink anywhere
@@ -21,7 +21,7 @@ import stat
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from cdc_platform.lib.landing.codecs import LandingFileError
+from cdc_platform.lib.landing.decoding.codecs import LandingFileError
 
 SYMLINK = "symlink: links in the landing zone are not followed"
 NOT_A_FILE = "not a regular file"
@@ -48,7 +48,7 @@ class FileId:
     mtime_ns: int = 0
     ctime_ns: int = 0
     host: str = _HOST
-    etag: str = ""  # an object's (``landing.object_store``): what every read of it is pinned to
+    etag: str = ""  # an object's (``where.object_store``): what every read of it is pinned to
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileId:
