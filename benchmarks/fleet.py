@@ -83,9 +83,9 @@ from ui_at_scale import free_port, graphql, table_names, wait_until_loaded  # no
 from websockets.sync.client import connect  # noqa: E402
 
 from cdc_platform import connect_server  # noqa: E402
-from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, AlertWebhookResource  # noqa: E402
-from cdc_platform.defs.factory import build_definitions  # noqa: E402
-from cdc_platform.defs.fleet import FLEET_SENSOR, FleetCursor  # noqa: E402
+from cdc_platform.definitions import build_definitions  # noqa: E402
+from cdc_platform.defs.alerts.webhook import ALERT_RESOURCE_KEY, AlertWebhookResource  # noqa: E402
+from cdc_platform.defs.sensors.all_tables import FLEET_SENSOR, FleetCursor  # noqa: E402
 from cdc_platform.lib.config import CONFIG_ENV_VAR, load_config  # noqa: E402
 from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key  # noqa: E402
 from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402

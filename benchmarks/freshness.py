@@ -80,8 +80,8 @@ from deltalake import DeltaTable  # noqa: E402
 from merge_at_scale import HOUR_US, US, EventGenerator, git_head, log, met, print_table  # noqa: E402
 
 from cdc_platform import connect_server  # noqa: E402
-from cdc_platform.defs.factory import build_table_definitions  # noqa: E402
-from cdc_platform.defs.sensors import PARTITION_TAG  # noqa: E402
+from cdc_platform.defs.tables import build_table_definitions  # noqa: E402
+from cdc_platform.defs.tags import PARTITION_TAG  # noqa: E402
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, load_config  # noqa: E402
 from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key  # noqa: E402
 from cdc_platform.lib.spark.connect import CONNECT_AUTH_ENV  # noqa: E402

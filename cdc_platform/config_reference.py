@@ -278,7 +278,7 @@ def _yaml_value(default: str, type_name: str) -> str:
 
 def dagster_reference() -> list[str]:
     """The resources and the jobs of the code location, built over a one-table config."""
-    from cdc_platform.defs.factory import build_definitions
+    from cdc_platform.definitions import build_definitions
 
     with tempfile.TemporaryDirectory() as folder:
         table = {"name": EXAMPLE_TABLE, "primary_key": ["id"], "start": "2024-01-01-00:00"}

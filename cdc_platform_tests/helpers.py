@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from cdc_platform.defs.alerts import AlertWebhookResource
+from cdc_platform.defs.alerts.webhook import AlertWebhookResource
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.landing.where.layout import hour_folder
@@ -123,7 +123,7 @@ def materialize_with_checks(
 ) -> dg.ExecuteInProcessResult:
     """One hour of ``table`` materialized through Dagster with its asset checks, as the UI's
     Materialize does; failures are returned, not raised."""
-    from cdc_platform.defs.factory import build_table_definitions
+    from cdc_platform.defs.tables import build_table_definitions
 
     defs = build_table_definitions(platform, platform.table(table))
     return dg.materialize(
@@ -158,7 +158,7 @@ def run_operator_job(
 ) -> dg.ExecuteInProcessResult:
     """Launch an operator job on table ``t`` as the Launchpad does; failures are returned. The
     instance is an in-memory one (no concurrency pools) unless given."""
-    from cdc_platform.defs.factory import build_definitions
+    from cdc_platform.definitions import build_definitions
 
     return (
         build_definitions(platform)

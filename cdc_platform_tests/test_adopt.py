@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import write_deltalake
 
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.columns import TMAX, TMIN
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import invariants, table_key

@@ -13,18 +13,21 @@ import pytest
 import sqlalchemy
 import sqlalchemy.event
 
-from cdc_platform.defs import alerts as alerts_module
-from cdc_platform.defs import check_alerts
-from cdc_platform.defs.alerts import (
+from cdc_platform.defs.alerts import checks as check_alerts
+from cdc_platform.defs.alerts import webhook as alerts_module
+from cdc_platform.defs.alerts.checks import (
+    CHECK_ALERT_SENSOR_NAME,
+    build_check_failure_alert_sensor,
+)
+from cdc_platform.defs.alerts.runs import build_run_failure_alert_sensor
+from cdc_platform.defs.alerts.webhook import (
     ALERT_WEBHOOK_ENV_VAR,
     MAX_DELIVERY_ATTEMPTS,
     UI_BASE_URL_ENV_VAR,
     AlertWebhookResource,
     alert_webhook_from_env,
 )
-from cdc_platform.defs.check_alerts import CHECK_ALERT_SENSOR_NAME, build_check_failure_alert_sensor
-from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.defs.run_alerts import build_run_failure_alert_sensor
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.fleet.alerts import AlertDeliveryError, build_alert, post_alert, redact_url
 from cdc_platform.lib.history import invariants

@@ -28,7 +28,7 @@ import dagster as dg
 import pytest
 
 from cdc_platform import connect_server
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark.connect import ConnectAuth, ConnectSetupError, connect_endpoint

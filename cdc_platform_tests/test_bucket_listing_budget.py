@@ -18,16 +18,16 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from cdc_platform.defs.alerts import AlertWebhookResource
-from cdc_platform.defs.factory import build_definitions
-from cdc_platform.defs.fleet import FLEET_SENSOR, FleetCursor
-from cdc_platform.defs.sensors import partitions_of
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.alerts.webhook import AlertWebhookResource
+from cdc_platform.defs.sensors.all_tables import FLEET_SENSOR, FleetCursor
+from cdc_platform.defs.sensors.per_table import partitions_of
 from cdc_platform.lib.config import load_config
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, evaluate
 from cdc_platform.lib.landing import discovery
-from cdc_platform.lib.landing.where import object_store
 from cdc_platform.lib.landing.discovery import unlisted_tables, with_discovered_tables
+from cdc_platform.lib.landing.where import object_store
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.landing.where.object_store import S3Landing
 from cdc_platform.lib.landing.where.zone import LandingZone, ListBudget

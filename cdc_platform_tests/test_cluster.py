@@ -38,8 +38,8 @@ import pyspark
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tags import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.demo.s3 import free_port
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.history import invariants

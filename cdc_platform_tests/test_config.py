@@ -219,7 +219,7 @@ def test_expected_delivery_hours_become_the_assets_freshness_policy(tmp_path):
 
     import dagster as dg
 
-    from cdc_platform.defs.factory import build_table_definitions
+    from cdc_platform.defs.tables import build_table_definitions
 
     config = tmp_path / "cdc_platform.yaml"
     config.write_text(

@@ -17,9 +17,9 @@ from dagster_pyspark import LazyPySparkResource
 from deltalake import DeltaTable
 from pyspark.sql import SparkSession
 
-from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import SparkResource
-from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tags import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.merge import FAULT_ENV

@@ -44,8 +44,8 @@ import pytest
 import yaml
 
 from cdc_platform import connect_server
-from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.launcher import LocalRunLauncher, process_alive, worker_pid
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.storage.warehouse import TablePaths

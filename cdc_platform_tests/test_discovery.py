@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from cdc_platform.defs.alerts import AlertWebhookResource
-from cdc_platform.defs.discovery import NEW_TABLES_SENSOR_NAME, build_new_tables_sensor
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.alerts.webhook import AlertWebhookResource
+from cdc_platform.defs.sensors.discovery import NEW_TABLES_SENSOR_NAME, build_new_tables_sensor
 from cdc_platform.lib.config import (
     ConfigError,
     DiscoverTemplate,
@@ -30,13 +30,13 @@ from cdc_platform.lib.config import (
 )
 from cdc_platform.lib.history.versions import TMAX
 from cdc_platform.lib.landing.decoding.codecs import encode_file_bytes
+from cdc_platform.lib.landing.decoding.formats.csv import read_csv_events
 from cdc_platform.lib.landing.discovery import (
     describe,
     guess_primary_key,
     unlisted_tables,
     with_discovered_tables,
 )
-from cdc_platform.lib.landing.decoding.formats.csv import read_csv_events
 from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (

@@ -402,7 +402,7 @@ def demo_folder(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def code_location(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The code location over a config with the docs' `orders` table (no Spark needed)."""
-    from cdc_platform.defs.factory import build_definitions
+    from cdc_platform.definitions import build_definitions
 
     base = {"landing_root": "landing", "warehouse_root": "warehouse", "tables": [_MINIMAL_TABLE]}
     return build_definitions(cfg.parse_config(base, base_dir=tmp_path_factory.mktemp("defs")))

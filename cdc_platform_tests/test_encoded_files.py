@@ -27,9 +27,9 @@ from cryptography.hazmat.primitives import padding
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from deltalake import DeltaTable
 
-from cdc_platform.defs.alerts import AlertWebhookResource
-from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.alerts.webhook import AlertWebhookResource
 from cdc_platform.defs.resources import KeyringResource, SparkResource
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.columns import STATE_COLUMNS
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history.invariants import CHECK_NAMES, NO_QUARANTINE

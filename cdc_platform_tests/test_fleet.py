@@ -8,15 +8,16 @@ import dagster as dg
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_definitions, build_table_definitions
-from cdc_platform.defs.fleet import (
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.alerts.runs import run_failed_payload
+from cdc_platform.defs.sensors.all_tables import (
     FLEET_SENSOR,
     TABLES_TAG,
     FleetCursor,
     build_fleet_landing_sensor,
 )
-from cdc_platform.defs.run_alerts import run_failed_payload
-from cdc_platform.defs.sensors import (
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tags import (
     BACKLOG_HOURS,
     RANGE_END_TAG,
     RANGE_START_TAG,

@@ -650,8 +650,8 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
 def materialize_through_the_asset(platform: Any) -> None:
     """The hour 05:00 of table t through its Dagster asset (in process)."""
     import dagster as dg
-    from cdc_platform.defs.factory import build_table_definitions
 
+    from cdc_platform.defs.tables import build_table_definitions
     from cdc_platform_tests.helpers import dagster_resources
 
     defs = build_table_definitions(platform, platform.table("t"))

@@ -21,13 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from cdc_platform.defs.alerts import AlertWebhookResource
-from cdc_platform.defs.check_alerts import build_check_failure_alert_sensor
-from cdc_platform.defs.factory import (
-    WHOLE_TABLE_WRITTEN,
-    build_definitions,
-    build_table_definitions,
-)
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.alerts.checks import build_check_failure_alert_sensor
+from cdc_platform.defs.alerts.webhook import AlertWebhookResource
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tables.checks import WHOLE_TABLE_WRITTEN
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.versions import TMAX

@@ -21,8 +21,8 @@ import pytest
 from dagster._core.test_utils import freeze_time
 from dagster._utils.schedules import cron_string_iterator
 
+from cdc_platform.definitions import build_definitions
 from cdc_platform.defs import maintenance, operations
-from cdc_platform.defs.factory import build_definitions
 from cdc_platform.defs.maintenance import (
     FLEET_MAINTENANCE_SCHEDULE,
     MAINTENANCE_JOB,
@@ -30,7 +30,7 @@ from cdc_platform.defs.maintenance import (
 )
 from cdc_platform.defs.plans import PLAN_JOB, PLAN_OP
 from cdc_platform.defs.resources import SparkResource
-from cdc_platform.defs.sensors import TABLE_TAG
+from cdc_platform.defs.tags import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.fleet.schedule_spread import (
     STEP_MINUTES,

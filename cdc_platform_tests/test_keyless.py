@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_definitions, build_table_definitions
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.history import invariants, table_key
 from cdc_platform.lib.landing.rows.row_id import row_ids

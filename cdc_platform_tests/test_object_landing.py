@@ -25,23 +25,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, ConfigError, load_config
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, evaluate
-from cdc_platform.lib.landing.where import object_store
 from cdc_platform.lib.landing.decoding.codecs import LandingFileError
+from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.discovery import (
     describe,
     unlisted_tables,
     with_discovered_tables,
 )
-from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.landing.reading.file_reader import LandingReader
+from cdc_platform.lib.landing.where import object_store
 from cdc_platform.lib.landing.where.layout import BAD_KEY, IN_SUBFOLDER, hour_to_partition_key
 from cdc_platform.lib.landing.where.object_store import S3Landing
-from cdc_platform.lib.landing.reading.file_reader import LandingReader
 from cdc_platform.lib.landing.where.safe_open import CHANGED, OUTSIDE
 from cdc_platform.lib.landing.where.zone import LandingUnavailableError, LandingZone
 from cdc_platform.lib.ledgers import applied_files, quarantine

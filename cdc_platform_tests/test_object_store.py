@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake.exceptions import CommitFailedError
 
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.lib.config import ConfigError, PlatformConfig, load_config
 from cdc_platform.lib.history import changelog, merge
@@ -360,7 +360,7 @@ def test_compaction_commits_on_s3_change_no_row_and_move_the_watermarks(platform
 _MATERIALIZE_TWO_HOURS = """
 import json, sys
 import dagster as dg
-from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import load_config
 from cdc_platform_tests.helpers import dagster_resources
 

@@ -242,8 +242,8 @@ def test_an_operator_job_waits_for_the_tables_pool_slot_then_gives_up(spark, tmp
     frees it at the end."""
     import dagster as dg
 
+    from cdc_platform.definitions import build_definitions
     from cdc_platform.defs import operations
-    from cdc_platform.defs.factory import build_definitions
     from cdc_platform.lib.config import load_config
     from cdc_platform_tests.helpers import dagster_resources
 

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_table_definitions
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
 from cdc_platform.lib.pipeline import materialize

@@ -23,11 +23,9 @@ import polars as pl
 import pytest
 
 from cdc_platform import read
-from cdc_platform.defs.factory import (
-    CURRENT_TABLES_SENSOR,
-    build_definitions,
-    build_table_definitions,
-)
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tables.current import CURRENT_TABLES_SENSOR
 from cdc_platform.lib.columns import ACTIVE, END, START, STATE_COLUMNS, TMAX
 from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.history import current_table

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.history import invariants

@@ -11,7 +11,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from cdc_platform.defs.factory import build_table_definitions, materialization_metadata
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tables.history import materialization_metadata
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark import run_cost

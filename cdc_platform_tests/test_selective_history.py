@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse_config
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.merge import HistoryColumnsError, record_settings

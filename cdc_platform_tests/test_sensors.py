@@ -10,8 +10,9 @@ import pytest
 from dagster._core.storage import tags as dagster_tags
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.defs.sensors import (
+from cdc_platform.defs.sensors.per_table import build_landing_sensor
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tags import (
     BACKLOG_HOURS,
     BACKLOG_OLDEST,
     BACKLOG_SINCE,
@@ -19,7 +20,6 @@ from cdc_platform.defs.sensors import (
     RANGE_START_TAG,
     REASON_TAG,
     TABLE_TAG,
-    build_landing_sensor,
 )
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import (

@@ -23,13 +23,13 @@ from dagster._core.scheduler.instigation import (
 )
 from dagster_shared.error import SerializableErrorInfo
 
-from cdc_platform.defs.alerts import AlertWebhookResource
-from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
-from cdc_platform.defs.source_alerts import (
+from cdc_platform.defs.alerts.sources import (
     DEFAULT_LOCATION,
     FAILING_TICKS,
     build_source_alert_sensor,
 )
+from cdc_platform.defs.alerts.webhook import AlertWebhookResource
+from cdc_platform.defs.tags import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
 from cdc_platform.lib.config import TableConfig
 from cdc_platform_tests.test_alerts import tick
 from cdc_platform_tests.webhook import Webhook

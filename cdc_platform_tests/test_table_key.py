@@ -12,7 +12,8 @@ import dagster as dg
 import pytest
 from deltalake import DeltaTable
 
-from cdc_platform.defs.factory import build_definitions, build_table_definitions
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants, table_key
 from cdc_platform.lib.history.merge import apply, apply_pending

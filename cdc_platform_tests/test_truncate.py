@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import changelog, invariants
 from cdc_platform.lib.operations.revocation import unapply

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdc_platform.defs.factory import build_definitions
+from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.columns import CHANGED, STATE_COLUMNS
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import changelog, invariants

@@ -16,7 +16,7 @@ from pathlib import Path
 import dagster as dg
 from deltalake import DeltaTable
 
-from cdc_platform.defs.sensors import PARTITION_TAG, REASON_TAG
+from cdc_platform.defs.tags import PARTITION_TAG, REASON_TAG
 from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.fleet.sensor_cursor import REASON_RETRY
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, alert_webhook_from_env
-from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.alerts.webhook import ALERT_RESOURCE_KEY, alert_webhook_from_env
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.defs.sensors import RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tags import RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config

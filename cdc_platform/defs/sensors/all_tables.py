@@ -1,10 +1,10 @@
-"""One landing sensor for a fleet (``landing_sensor: fleet``): every table in one tick, and
+"""One landing sensor for all tables (``landing_sensor: fleet``): every table in one tick, and
 runs that apply one hour range for several tables at once.
 
 Why: with a sensor per table, the daemon's own cost per tick (about 0.1 CPU-second here) times
 500 tables is most of a core while nothing lands, and each table-hour pays a run's fixed cost (a
 process, imports, a Spark session) for a few seconds of merging. Here one tick looks at every
-table with the same per-table logic (``defs.sensors.tick_table``), and the hours it requests
+table with the same per-table logic (``defs.sensors.per_table.tick_table``), and the hours it requests
 become runs of up to ``tables_per_run`` tables (``lib.fleet.sensor_cursor.batch``): each table is its
 own step and its own commit, so a failing table fails its step and no other.
 
@@ -41,10 +41,8 @@ from datetime import datetime
 
 import dagster as dg
 
-from cdc_platform.defs.sensors import (
+from cdc_platform.defs.sensors.per_table import (
     IN_PROGRESS,
-    REASON_TAG,
-    TABLE_TAG,
     TableTick,
     check_landing_root,
     hours_request,
@@ -53,6 +51,7 @@ from cdc_platform.defs.sensors import (
     tick_table,
     utcnow,
 )
+from cdc_platform.defs.tags import REASON_TAG, TABLE_TAG
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import BatchRequest, CursorState, batch, tick_budget
 from cdc_platform.lib.landing.where.zone import Landing

@@ -2,7 +2,7 @@
 passed (or unknown) to failed, ``check_recovered`` when it passes again; a check that fails run
 after run alerts once. A check whose result lists files (``no_quarantined_files``) also alerts
 when a new file joins the set, naming the new files only. Delivery is
-``defs.alerts.deliver``'s."""
+``defs.alerts.webhook.deliver``'s."""
 
 import hashlib
 import json
@@ -12,7 +12,7 @@ from typing import Any
 
 import dagster as dg
 
-from cdc_platform.defs.alerts import (
+from cdc_platform.defs.alerts.webhook import (
     ALERT_INTERVAL_SECONDS,
     AlertWebhookResource,
     deliver,

@@ -4,7 +4,7 @@ Each tick lists the landing root's table folders (``lib.landing.discovery``, a d
 folder seen for the first time is reported once: a warning in the tick's log (the UI shows it
 under the sensor's ticks) with its columns and the ``tables:`` entry to paste, and a
 ``new_table`` alert through the ``alert_webhook`` resource. An alert that cannot be delivered
-stays in the cursor and is retried on later ticks (``defs.alerts.deliver``); nothing raises
+stays in the cursor and is retried on later ticks (``defs.alerts.webhook.deliver``); nothing raises
 into the tick. On a bucket a tick lists within a budget (``discovery.unlisted_budget``): a
 folder not decided when it is spent (thousands of junk keys, say) goes on next tick where it
 stopped, the longest waiting first. The cursor is JSON: ``{"reported": [names], "pending":
@@ -24,7 +24,7 @@ from typing import Any
 
 import dagster as dg
 
-from cdc_platform.defs.alerts import AlertWebhookResource, deliver
+from cdc_platform.defs.alerts.webhook import AlertWebhookResource, deliver
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.fleet.alerts import new_table_alert
 from cdc_platform.lib.landing.discovery import (

@@ -4,7 +4,7 @@ whose ticks keep failing. Each is alerted once when it starts and once when it e
 - ``source_stale`` / ``source_fresh``: Dagster's freshness daemon changed a table's freshness
   state (its ``expected_delivery_hours``): WARN and FAIL alert, PASS again recovers.
 - ``hours_unapplied`` / ``hours_applied``: the landing sensor reports its backlog (hours
-  requested and not yet seen applied, ``defs.sensors``) as an observation when it changes; an
+  requested and not yet seen applied, ``defs.sensors.per_table``) as an observation when it changes; an
   hour still in it after the table's ``unapplied_alert_minutes`` alerts.
 - ``sensor_failing`` / ``sensor_recovered``: a sensor's last ``FAILING_TICKS`` ticks all
   failed (a landing root unmounted: ``check_landing_root``), and then one did not.
@@ -13,7 +13,7 @@ A tick reads the event log from a storage-id cursor (one query per event type, a
 alert sensor reads) and the sensors' states (one query, plus one for each sensor whose latest
 tick failed), whatever the number of tables. More than ``DIGEST_OVER`` alerts of one kind in a
 tick go out as one digest (an unmounted landing root fails every table's sensor at once).
-Delivery is ``defs.alerts.deliver``'s, retried from the cursor.
+Delivery is ``defs.alerts.webhook.deliver``'s, retried from the cursor.
 """
 
 import json
@@ -27,7 +27,7 @@ from dagster._core.definitions.run_request import InstigatorType
 from dagster._core.definitions.selector import InstigatorSelector
 from dagster._core.scheduler.instigation import SensorInstigatorData, TickStatus
 
-from cdc_platform.defs.alerts import (
+from cdc_platform.defs.alerts.webhook import (
     ALERT_INTERVAL_SECONDS,
     AlertWebhookResource,
     deliver,
@@ -35,7 +35,7 @@ from cdc_platform.defs.alerts import (
     queued,
     root_message,
 )
-from cdc_platform.defs.sensors import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
+from cdc_platform.defs.tags import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.alerts import source_alert, source_digest
 

@@ -1,6 +1,6 @@
 """Alerting in Dagster: the webhook resource and the delivery every alert sensor shares (the
-sensors: ``defs.check_alerts`` for check state changes, ``defs.run_alerts`` for failed runs,
-``defs.source_alerts`` for sources).
+sensors: ``defs.alerts.checks`` for check state changes, ``defs.alerts.runs`` for failed runs,
+``defs.alerts.sources`` for sources).
 
 The payloads come from :mod:`cdc_platform.lib.fleet.alerts`. With no webhook configured, alerts are
 logged and dropped, so a laptop or CI setup needs no secret. Bind the resource under the key
@@ -20,7 +20,7 @@ from typing import Any
 
 import dagster as dg
 
-from cdc_platform.defs.sensors import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.defs.tags import PARTITION_TAG, RANGE_END_TAG, RANGE_START_TAG
 from cdc_platform.lib.fleet.alerts import (
     AlertDeliveryError,
     post_alert,

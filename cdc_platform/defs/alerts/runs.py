@@ -1,6 +1,6 @@
 """The run-failure alert sensor: a failed run of this code location alerts once, naming its
 table, partition and failed steps; a run that failed only on a blocking check is left to the
-check alert (``defs.check_alerts``). Delivery is ``defs.alerts.deliver``'s."""
+check alert (``defs.alerts.checks``). Delivery is ``defs.alerts.webhook.deliver``'s."""
 
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -9,7 +9,7 @@ from typing import Any
 
 import dagster as dg
 
-from cdc_platform.defs.alerts import (
+from cdc_platform.defs.alerts.webhook import (
     ALERT_INTERVAL_SECONDS,
     AlertWebhookResource,
     deliver,
@@ -18,7 +18,7 @@ from cdc_platform.defs.alerts import (
     root_error,
     root_message,
 )
-from cdc_platform.defs.sensors import TABLE_TAG
+from cdc_platform.defs.tags import TABLE_TAG
 from cdc_platform.lib.fleet.alerts import (
     MAX_DETAIL_CHARS,
     build_alert,
@@ -44,7 +44,7 @@ def table_for_run(
     return ", ".join(keys) if keys else run.job_name
 
 
-# A table's checks are one multi-asset check named ``<table>_invariants`` (defs.factory).
+# A table's checks are one multi-asset check named ``<table>_invariants`` (defs.tables.checks).
 CHECKS_STEP_SUFFIX = "_invariants"
 
 

@@ -1,4 +1,5 @@
-"""Landing sensors: turn new or changed hour folders into (range) runs of a table's asset.
+"""The landing sensor per table (``landing_sensor: per_table``), and the tick logic the
+all-tables sensor shares: turn new or changed hour folders into (range) runs of a table's asset.
 
 The decision logic lives in :mod:`cdc_platform.lib.fleet.sensor_cursor`; this module only adapts it to
 Dagster: it loads/stores the cursor and expresses each :class:`PartitionRequest` as a
@@ -20,6 +21,17 @@ from typing import Any
 
 import dagster as dg
 
+from cdc_platform.defs.tags import (
+    BACKLOG_AGE,
+    BACKLOG_HOURS,
+    BACKLOG_OLDEST,
+    BACKLOG_SINCE,
+    PARTITION_TAG,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    REASON_TAG,
+    TABLE_TAG,
+)
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import (
     AppliedLookup,
@@ -42,13 +54,6 @@ from cdc_platform.lib.landing.where.layout import (
 from cdc_platform.lib.landing.where.zone import Landing, LandingZone, ListBudget
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Where
-
-# Dagster's own tag names (dagster._core.storage.tags); spelled out to avoid a private import.
-PARTITION_TAG = "dagster/partition"
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
-TABLE_TAG = "cdc_platform/table"
-REASON_TAG = "cdc_platform/reason"
 
 
 def utcnow() -> datetime:
@@ -266,14 +271,6 @@ def partitions_of(tags: Mapping[str, str]) -> list[str]:
         return []
     hours = hours_between(partition_key_to_hour(start), partition_key_to_hour(end))
     return [hour_to_partition_key(h) for h in hours]
-
-
-# Metadata of the landing backlog, reported on the table's asset as an observation when it
-# changes (the asset's page charts it): hours landed and not yet applied, the oldest's age.
-BACKLOG_HOURS = "landing/unapplied_hours"
-BACKLOG_OLDEST = "landing/oldest_unapplied_hour"
-BACKLOG_AGE = "landing/oldest_unapplied_minutes"
-BACKLOG_SINCE = "landing/unapplied_since"  # epoch seconds the oldest was first requested
 
 
 def _backlog_observation(
