@@ -231,9 +231,8 @@ def test_an_append_narrower_than_the_change_log_is_cast_up(spark, lake):
             ]
         ),
     )
-    out = changelog.append(
-        spark, paths.changelog, spark.createDataFrame(batch), ["id"], (2, 2), 1, H1
-    )
+    raced = changelog.Batch(spark.createDataFrame(batch), ["id"], (2, 2), 1, H1)
+    out = changelog.append(spark, paths.changelog, raced)
     assert out.new_events == 1
     files = delta.absolute_paths(
         paths.changelog, delta.snapshot_files(delta.open_table(paths.changelog))

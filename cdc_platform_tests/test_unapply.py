@@ -182,7 +182,7 @@ def test_an_append_racing_an_unapply_never_logs_a_revoked_files_events(spark, la
         "cdc_commit_timestamp timestamp, _cdc_source_file string, _cdc_source_row long"
     )
     first = spark.createDataFrame([(9, "z", "INSERT", 2, at(H0, 0), "early", 1)], schema)
-    changelog.append(spark, paths.changelog, first, ["id"], (2, 2), 1, at(H0, 0))
+    changelog.append(spark, paths.changelog, changelog.Batch(first, ["id"], (2, 2), 1, at(H0, 0)))
     events = spark.createDataFrame(
         [
             (1, "a", "INSERT", 1, at(H0, 1), BAD, 1),
@@ -192,7 +192,10 @@ def test_an_append_racing_an_unapply_never_logs_a_revoked_files_events(spark, la
         schema,
     )
     changelog.append(
-        spark, paths.changelog, events, ["id"], (1, 2), 3, at(H0, 3), revoked=lambda: {BAD}
+        spark,
+        paths.changelog,
+        changelog.Batch(events, ["id"], (1, 2), 3, at(H0, 3)),
+        changelog.Guards(revoked=lambda: {BAD}),
     )
     logged = delta.read_arrow(paths.changelog, columns=["id", "_cdc_source_file"]).to_pylist()
     assert sorted((r["id"], r["_cdc_source_file"]) for r in logged) == [(2, "zz_ok"), (9, "early")]

@@ -453,19 +453,18 @@ class _Append:
         # How the batch's hashed cells were made, recorded before they are logged.
         schemas = [r.schema for r in files]
         record_hashing(self.paths.changelog, self.table, self.reader.salt, schemas)
+        rows = sum(r.num_rows for r in files)
         return changelog.append(
             self.spark,
             self.paths.changelog,
-            events,
-            self.table.key,
-            seq_range,
-            sum(r.num_rows for r in files),
-            self.synced_at,
-            revoked=self.revoked,
-            forgotten=self.paths.forgotten_events,
-            before_commit=before_commit,
-            properties=changelog_properties(self.table, self.reader.salt, schemas),
-            erased=self.erased,
+            changelog.Batch(events, self.table.key, seq_range, rows, self.synced_at),
+            changelog.Guards(
+                revoked=self.revoked,
+                forgotten=self.paths.forgotten_events,
+                erased=self.erased,
+                before_commit=before_commit,
+            ),
+            changelog_properties(self.table, self.reader.salt, schemas),
         )
 
 

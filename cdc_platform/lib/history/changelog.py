@@ -81,118 +81,206 @@ def key_and_data_of(log_schema: pa.Schema) -> pa.Schema:
     )
 
 
-def append(
-    spark: SparkSession,
-    path: Where,
-    events: DataFrame,
-    primary_key: Sequence[str],
-    seq_range: tuple[int, int],
-    expected_rows: int,
-    ingested_at: datetime,
-    revoked: Callable[[], set[str]] | None = None,
-    forgotten: Where | None = None,
-    before_commit: Callable[[], None] | None = None,
-    fence: Fence | None = None,
-    properties: Mapping[str, str] | None = None,
-    erased: Callable[[], ErasedKeys | None] | None = None,
-) -> AppendResult:
-    """Add the events not already logged; one Spark job, one Delta commit (or none).
+@dataclass(frozen=True)
+class Batch:
+    """The events an append logs and what is known of them: the table's key, the range of
+    their ``cdc_change_seq`` (only change-log files overlapping it can hold one of them), the
+    rows read (which size the files written) and the time they are logged."""
 
-    ``before_commit`` runs once the events were read and written, before the commit: if it
-    raises (the files Spark read by path changed meanwhile, ``native.NativeGuard``), what was
-    written is discarded and nothing is committed.
+    events: DataFrame
+    key: Sequence[str]
+    seq_range: tuple[int, int]
+    rows: int
+    ingested_at: datetime
 
-    ``revoked`` gives the landing files un-applied so far; it is asked again on every commit
-    attempt, so a file revoked while this append raced an un-apply is never logged again.
+
+@dataclass(frozen=True)
+class Guards:
+    """What keeps events out of the change log, or an append from committing.
+
+    ``revoked`` gives the landing files un-applied so far, ``erased`` the keys a data
+    subject's request erased (``ledgers.erased_keys``): both are asked again on every commit
+    attempt, so a file revoked or a key erased while the append raced them is never logged.
     ``forgotten`` is the ledger of events a hard truncate or a re-sync removed (``forget``):
     a materialization passes it, so those ``(key, seq)`` are never logged again when an hour
     is read again; an operation a user runs (truncate, adopt, re-sync) logs what it is asked.
-    ``properties``: what a change log this append creates records (``protected_columns``).
-    ``erased`` gives the keys a data subject's request erased (``ledgers.erased_keys``); asked
-    again on every attempt, as ``revoked`` is: no event of theirs is ever logged, whoever asks.
+    ``fence``: commit only on the version an operator decided on (``Fence``), in one attempt.
+    ``before_commit`` runs once the events were read and written, before the commit: if it
+    raises (the files Spark read by path changed meanwhile, ``native.NativeGuard``), what was
+    written is discarded and nothing is committed.
     """
+
+    revoked: Callable[[], set[str]] | None = None
+    forgotten: Where | None = None
+    erased: Callable[[], ErasedKeys | None] | None = None
+    fence: Fence | None = None
+    before_commit: Callable[[], None] | None = None
+
+
+def append(
+    spark: SparkSession,
+    path: Where,
+    batch: Batch,
+    guards: Guards | None = None,
+    properties: Mapping[str, str] | None = None,
+) -> AppendResult:
+    """Add the batch's events not already logged; one Spark job, one Delta commit (or none).
+
+    Each commit attempt reads the guards and the change log afresh (``Guards``).
+    ``properties``: what a change log this append creates records (``protected_columns``).
+    """
+    g = guards or Guards()
+    events = batch.events.transform(stamped, batch.ingested_at)
+    schema = delta.arrow_schema_of(events)
+
+    def attempt() -> AppendResult:
+        log = _opened(spark, path, schema, properties, g.fence)
+        # Revoked files go before the duplicates are resolved, so that a kept file's copy of
+        # an event a revoked file also delivered is the one logged.
+        new = (
+            events.transform(without_files, g.revoked() if g.revoked is not None else set())
+            .transform(first_copies, batch.key)
+            .transform(without_events, _logged(spark, log, batch))
+            .transform(without_events, _forgotten(spark, path, g.forgotten, batch))
+            .transform(in_schema, log.arrow_schema)
+            .transform(without_erased, g.erased() if g.erased is not None else None, batch.key)
+            .transform(into_files, batch.rows, batch.key)
+        )
+        return _commit(log, new, g.before_commit)
+
+    if g.fence is not None:
+        return attempt()
+    return delta.with_commit_retries(attempt, f"change log append to {path}")[0]
+
+
+def stamped(events: DataFrame, ingested_at: datetime) -> DataFrame:
+    """``events`` with the time they are logged (``_cdc_ingested_at``): the fold's first tie
+    break between copies of one ``(key, seq)`` (``versions.dedupe_events``)."""
+    return events.withColumn(INGESTED_AT, timestamp_lit(ingested_at))
+
+
+def without_files(events: DataFrame, names: set[str]) -> DataFrame:
+    """``events`` without those of the landing files ``names`` (the revoked ones)."""
+    return events.filter(~col(SOURCE_FILE).isin(sorted(names))) if names else events
+
+
+def first_copies(events: DataFrame, key: Sequence[str]) -> DataFrame:
+    """Each ``(key, cdc_change_seq)`` of a batch once: the copy of the first file, by name,
+    and its first row (docs/HISTORY_MODE.md section 3: each seq counts once, the same copy on
+    every re-read)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    pk = list(primary_key)
-    w = Window.partitionBy(*cols(pk), col(SEQ)).orderBy(col(SOURCE_FILE), col(SOURCE_ROW))
-    events = events.withColumn(INGESTED_AT, timestamp_lit(ingested_at))
-    schema = delta.arrow_schema_of(events)
-    lo, hi = seq_range
+    w = Window.partitionBy(*cols(list(key)), col(SEQ)).orderBy(col(SOURCE_FILE), col(SOURCE_ROW))
+    return events.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
 
-    def attempt() -> AppendResult:
-        log = Table.open(path).ensure(schema, "cdc_platform change log", properties)
-        log = log.widened(spark, schema)  # a column the batch widened
-        if fence is not None and log.version != fence.version:
-            # Moved since the decision (or this batch changed its schema: a commit of its own,
-            # after which the caller decides again on the new version).
-            raise CommitFailedError(
-                f"{path}: the change log is at version {log.version}, not {fence.version} "
-                "as when the operation decided"
-            )
-        # Revoked files go before the duplicates are resolved, so that a kept file's copy of
-        # an event a revoked file also delivered is the one logged.
-        gone = revoked() if revoked is not None else set()
-        kept = events.filter(~col(SOURCE_FILE).isin(sorted(gone))) if gone else events
-        batch = kept.withColumn(_RN, F.row_number().over(w)).filter(col(_RN) == 1).drop(_RN)
-        # Only files whose seq range overlaps this batch can hold a duplicate of its events.
-        candidates = _overlapping(log.files, lo, hi)
-        new = batch
-        if candidates:
-            logged = log.read(spark, candidates).select(*cols([*pk, SEQ]))
-            # Broadcast only when the statistics say few rows (``lib.history.joins``): re-reading a
-            # bulk hour checks its events against millions logged.
-            logged = joins.build_side(logged, joins.records(candidates))
-            new = new.join(logged, [*pk, SEQ], "left_anti")
-        ledger = Table.open(forgotten) if forgotten is not None else None
-        gone = _overlapping(ledger.files, lo, hi) if ledger is not None else []
-        gone = [f for f in gone if removal_committed(path, f)]
-        if ledger is not None and gone:
-            key = ledger_key(ledger, pk)
-            forgot = ledger.read(spark, gone).select(*cols([*key, SEQ]))
-            # A column of the ledger's key this batch's files lack is null in every event.
-            absent = {
-                c: F.lit(None).cast(forgot.schema[c].dataType) for c in key if c not in new.columns
-            }
-            new = (
-                new.withColumns(absent)
-                .join(joins.build_side(forgot, joins.records(gone)), [*key, SEQ], "left_anti")
-                .drop(*absent)
-            )
-        # The table's columns and types: a column the table widened after this batch was read
-        # (a concurrent append) is cast up, as the widening cast the rows already there.
-        table_schema = log.arrow_schema
-        known = set(new.columns)
-        new = delta.arrow_cast(
-            new.select(
-                *[
-                    col(f.name) if f.name in known else F.lit(None).cast(f.dataType).alias(f.name)
-                    for f in spark_schema(table_schema).fields
-                ]
-            ),
-            table_schema,
+
+def without_events(events: DataFrame, gone: DataFrame | None) -> DataFrame:
+    """``events`` without those ``gone`` names by its columns (a key and ``cdc_change_seq``):
+    the events logged already, or forgotten. A column of ``gone`` the events lack (a key
+    column of the forgotten-events ledger this batch's files do not have) is null in each."""
+    if gone is None:
+        return events
+    from pyspark.sql import functions as F
+
+    have = set(events.columns)
+    absent = {c: F.lit(None).cast(gone.schema[c].dataType) for c in gone.columns if c not in have}
+    if not absent:
+        return events.join(gone, gone.columns, "left_anti")
+    return events.withColumns(absent).join(gone, gone.columns, "left_anti").drop(*absent)
+
+
+def in_schema(events: DataFrame, schema: pa.Schema) -> DataFrame:
+    """``events`` as the change log's columns and types: a column missing is null, and one the
+    table widened after this batch was read (a concurrent append) is cast up, as the widening
+    cast the rows already there (``delta.arrow_cast``)."""
+    from pyspark.sql import functions as F
+
+    known = set(events.columns)
+    return delta.arrow_cast(
+        events.select(
+            *[
+                col(f.name) if f.name in known else F.lit(None).cast(f.dataType).alias(f.name)
+                for f in spark_schema(schema).fields
+            ]
+        ),
+        schema,
+    )
+
+
+def without_erased(events: DataFrame, erasures: ErasedKeys | None, key: Sequence[str]) -> DataFrame:
+    """``events`` without the erased keys' (hashed in the table's types, as the erasure hashed
+    them: so after ``in_schema``)."""
+    return events if erasures is None else erasures.drop(events, key)
+
+
+def into_files(events: DataFrame, rows: int, key: Sequence[str]) -> DataFrame:
+    """``events`` in the partitions of the files to write: a big append (a backfill) is split
+    by commit time, so that a late key, refolded from its recent past (``merge.gather``),
+    skips the files of earlier times."""
+    n = delta.file_count_for(rows, LOG_ROWS_PER_FILE)
+    return events.repartitionByRange(n, col(TS), *cols(list(key))) if n > 1 else events.coalesce(1)
+
+
+def _opened(
+    spark: SparkSession,
+    path: Where,
+    schema: pa.Schema,
+    properties: Mapping[str, str] | None,
+    fence: Fence | None,
+) -> Table:
+    """The change log, created or widened for ``schema``, at the fence's version if fenced."""
+    log = Table.open(path).ensure(schema, "cdc_platform change log", properties)
+    log = log.widened(spark, schema)  # a column the batch widened
+    if fence is not None and log.version != fence.version:
+        # Moved since the decision (or this batch changed its schema: a commit of its own,
+        # after which the caller decides again on the new version).
+        raise CommitFailedError(
+            f"{path}: the change log is at version {log.version}, not {fence.version} "
+            "as when the operation decided"
         )
-        erasures = erased() if erased is not None else None
-        if erasures is not None:  # hashed in the table's types, as the erasure hashed them
-            new = erasures.drop(new, pk)
-        # A big append (a backfill) is split by commit time, so that a late key, refolded from
-        # its recent past (``merge.gather``), skips the files of earlier times.
-        n = delta.file_count_for(expected_rows, LOG_ROWS_PER_FILE)
-        shaped = new.repartitionByRange(n, col(TS), *cols(pk)) if n > 1 else new.coalesce(1)
-        with log.committing() as append:
-            adds = append.write(shaped)
-            if before_commit is not None:
-                before_commit()
-            if not adds:
-                return AppendResult(0, log.version)
-            count = sum(delta.num_records(a) for a in adds)
-            # strict: if another writer logged events meanwhile, dedupe against them again
-            version = append.commit(metadata={"cdc_platform.new_events": count}, strict=True)
-        return AppendResult(count, version)
+    return log
 
-    if fence is not None:
-        return attempt()
-    return delta.with_commit_retries(attempt, f"change log append to {path}")[0]
+
+def _logged(spark: SparkSession, log: Table, batch: Batch) -> DataFrame | None:
+    """The ``(key, seq)`` logged already that the batch may repeat: only files whose seq range
+    overlaps the batch's can hold one (None: no file does)."""
+    candidates = _overlapping(log.files, *batch.seq_range)
+    if not candidates:
+        return None
+    logged = log.read(spark, candidates).select(*cols([*batch.key, SEQ]))
+    # Broadcast only when the statistics say few rows (``lib.history.joins``): re-reading a
+    # bulk hour checks its events against millions logged.
+    return joins.build_side(logged, joins.records(candidates))
+
+
+def _forgotten(
+    spark: SparkSession, path: Where, ledger_path: Where | None, batch: Batch
+) -> DataFrame | None:
+    """The forgotten ``(ledger key, seq)`` the batch may repeat, from the ledger's files of an
+    overlapping seq range whose removal committed (None: no such file, or no ledger)."""
+    if ledger_path is None:
+        return None
+    ledger = Table.open(ledger_path)
+    files = [f for f in _overlapping(ledger.files, *batch.seq_range) if removal_committed(path, f)]
+    if not files:
+        return None
+    forgot = ledger.read(spark, files).select(*cols([*ledger_key(ledger, batch.key), SEQ]))
+    return joins.build_side(forgot, joins.records(files))
+
+
+def _commit(log: Table, new: DataFrame, before_commit: Callable[[], None] | None) -> AppendResult:
+    """Write ``new`` and commit it strictly: if another writer logged events meanwhile, the
+    retry dedupes against them again."""
+    with log.committing() as append:
+        adds = append.write(new)
+        if before_commit is not None:
+            before_commit()
+        if not adds:
+            return AppendResult(0, log.version)
+        count = sum(delta.num_records(a) for a in adds)
+        version = append.commit(metadata={"cdc_platform.new_events": count}, strict=True)
+    return AppendResult(count, version)
 
 
 def _overlapping(files: Sequence[delta.DataFile], lo: int, hi: int) -> list[delta.DataFile]:

@@ -215,13 +215,11 @@ def adopt(
         new_events = changelog.append(
             spark,
             paths.changelog,
-            events,
-            pk,
-            (insert_seq, delete_seq),
-            total + deleted_rows,
-            now,
-            revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
-            erased=erased_keys.loader(paths.erased_keys, keyring),
+            changelog.Batch(events, pk, (insert_seq, delete_seq), total + deleted_rows, now),
+            changelog.Guards(
+                revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
+                erased=erased_keys.loader(paths.erased_keys, keyring),
+            ),
         ).new_events
     merge = apply_pending(spark, paths, pk, now, table.history_columns)
     return AdoptResult(

@@ -304,15 +304,13 @@ def resync(
             new_events = changelog.append(
                 spark,
                 paths.changelog,
-                logged,
-                pk,
-                (insert_seq, delete_seq),
-                rows + keys_closed,
-                now,
-                revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
-                fence=changelog.Fence(version),
-                properties=changelog_properties(table, reader.salt, schemas),
-                erased=erased_keys.loader(paths.erased_keys, keyring),
+                changelog.Batch(logged, pk, (insert_seq, delete_seq), rows + keys_closed, now),
+                changelog.Guards(
+                    revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
+                    erased=erased_keys.loader(paths.erased_keys, keyring),
+                    fence=changelog.Fence(version),
+                ),
+                changelog_properties(table, reader.salt, schemas),
             ).new_events
         return keys_closed, new_events
 

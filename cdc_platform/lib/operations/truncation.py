@@ -185,13 +185,10 @@ def _log_deletes(
     appended = changelog.append(
         spark,
         paths.changelog,
-        events,
-        pk,
-        (seq, seq),
-        count,
-        now,
-        revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
-        fence=fence,
+        changelog.Batch(events, pk, (seq, seq), count, now),
+        changelog.Guards(
+            revoked=lambda: revoked_files.revoked_names(paths.revoked_files), fence=fence
+        ),
     )
     return count, appended.new_events
 

@@ -260,7 +260,7 @@ class NativeGuard:
     have become a symlink, the file must still be the listed one, and nothing may have been
     renamed away and back meanwhile (a rename changes the inode's ctime, which nobody can set
     back). The validation (pass 1) inspects a changed file in Python instead; the read (pass 2)
-    calls ``verify`` before its change-log commit (``changelog.append(before_commit=...)``),
+    calls ``verify`` before its change-log commit (``changelog.Guards(before_commit=...)``),
     and a change discards what was written and reads every file through the checked
     descriptor instead (``pipeline.materialize``). A false alarm (a file delivered into the
     same hour folder meanwhile changes its ctime) only costs that slower read.
