@@ -46,10 +46,10 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format cdc_platform cdc_platform_tests benchmarks
 
 bench: java $(VENV)/.installed
-	$(BIN)/python benchmarks/scale.py
-	$(BIN)/python benchmarks/merge_throughput.py
-	$(BIN)/python benchmarks/decode_throughput.py
-	$(BIN)/python benchmarks/sensor_tick.py
+	$(BIN)/python -m benchmarks.merge_at_scale
+	$(BIN)/python -m benchmarks.merge_throughput
+	$(BIN)/python -m benchmarks.decode_throughput
+	$(BIN)/python -m benchmarks.sensor_tick_cost
 
 spark-connect: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.connect_server start

@@ -11,29 +11,25 @@ seconds it took. At the end the never-compacted ledger is compacted once, and re
 
 Run it alone (2 shared cores: seconds are indicative, files and bytes exact)::
 
-    .venv/bin/python benchmarks/applied_files_ledger.py                 # a year: 8,760 runs
-    .venv/bin/python benchmarks/applied_files_ledger.py --hours 744     # a month
+    .venv/bin/python -m benchmarks.applied_files_ledger_cost                 # a year: 8,760 runs
+    .venv/bin/python -m benchmarks.applied_files_ledger_cost --hours 744     # a month
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from cdc_platform.lib.landing.where.layout import LandingFile, hour_to_partition_key  # noqa: E402
-from cdc_platform.lib.ledgers import applied_files  # noqa: E402
-from cdc_platform.lib.ledgers.ledger import Ledger  # noqa: E402
-from cdc_platform.lib.operations.maintenance import compact_applied_files, vacuum  # noqa: E402
-from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
+from cdc_platform.lib.landing.where.layout import LandingFile, hour_to_partition_key
+from cdc_platform.lib.ledgers import applied_files
+from cdc_platform.lib.ledgers.ledger import Ledger
+from cdc_platform.lib.operations.maintenance import compact_applied_files, vacuum
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
 MONTH_HOURS = 730

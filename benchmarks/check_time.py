@@ -3,20 +3,17 @@
 Generates the ``make demo`` landing zone in a temp folder, materializes every hour of each table
 in one pass, then times ``invariants.run_checks`` over the whole table (no scope), which is what
 the scheduled ``cdc_full_table_checks`` job runs. The first run per table is reported apart: it
-includes Spark's warm-up. Run: ``.venv/bin/python benchmarks/check_time.py [--hours N] [--reps R]``.
+includes Spark's warm-up. Run: ``.venv/bin/python -m benchmarks.check_time [--hours N] [--reps R]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cdc_platform.demo.generate import CUSTOMERS, ORDERS, PRIMARY_KEYS, generate_landing_zone
 from cdc_platform.lib.config import TableConfig

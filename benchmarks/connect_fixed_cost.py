@@ -1,6 +1,6 @@
 """Fixed cost per run: `dagster asset materialize` of a 100-event hour, local mode vs Spark Connect.
 
-    python benchmarks/connect_fixed_cost.py [--remote sc://127.0.0.1:15002] [--hours 3]
+    python -m benchmarks.connect_fixed_cost [--remote sc://127.0.0.1:15002] [--hours 3]
 
 Builds a throwaway config, landing zone (one 1,000-event hour of history, then 100-event
 hours) and Dagster instance under a temp folder. Each measured hour is one whole CLI process,
@@ -24,12 +24,10 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from cdc_platform import connect_server  # noqa: E402
-from cdc_platform.lib.landing.where.layout import hour_to_partition_key  # noqa: E402
-from cdc_platform_tests.helpers import event, write_parquet_events  # noqa: E402
+from benchmarks.harness.table import REPO_ROOT
+from cdc_platform import connect_server
+from cdc_platform.lib.landing.where.layout import hour_to_partition_key
+from cdc_platform_tests.helpers import event, write_parquet_events
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 
@@ -48,12 +46,12 @@ def run_cli(root: Path, partition: str, remote: str | None) -> tuple[float, floa
         **os.environ,
         "DAGSTER_HOME": str(root / "dagster_home"),
         "CDC_PLATFORM_CONFIG": str(root / "cdc_platform.yaml"),
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("CDC_SPARK_REMOTE", None)
     if remote:
         env["CDC_SPARK_REMOTE"] = remote
-        env.setdefault("CDC_SPARK_CONNECT_AUTH", str(REPO / ".spark-connect" / "auth.json"))
+        env.setdefault("CDC_SPARK_CONNECT_AUTH", str(REPO_ROOT / ".spark-connect" / "auth.json"))
     dagster = Path(sys.executable).parent / "dagster"
     cmd = [str(dagster), "asset", "materialize", "-m", "cdc_platform.definitions"]
     cmd += ["--select", "orders", "--partition", partition]
@@ -89,7 +87,7 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="cdc_connect_bench_"))
     (root / "dagster_home").mkdir()
-    shutil.copy(REPO / "dagster.yaml", root / "dagster_home" / "dagster.yaml")
+    shutil.copy(REPO_ROOT / "dagster.yaml", root / "dagster_home" / "dagster.yaml")
     (root / "cdc_platform.yaml").write_text(
         "landing_root: landing\nwarehouse_root: warehouse\ntables:\n"
         '  - name: orders\n    primary_key: [id]\n    start: "2024-01-01-00:00"\n'

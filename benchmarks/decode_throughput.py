@@ -11,7 +11,7 @@ For each encoding it times
 
 Throughput is plaintext bytes (the Parquet file, or the CSV text, before ZSTD/AES) per second,
 and rows per second; plain Parquet is the baseline. Best of ``--reps`` after one warm-up job.
-Run: ``.venv/bin/python benchmarks/decode_throughput.py [--rows N] [--files F] [--reps R]``.
+Run: ``.venv/bin/python -m benchmarks.decode_throughput [--rows N] [--files F] [--reps R]``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import base64
 import io
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,12 +34,9 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.decoding.codecs import decode_file, encode_file_bytes
 from cdc_platform.lib.landing.decoding.keyring import Keyring
-from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.landing.reading.file_reader import LandingReader
 from cdc_platform.lib.landing.reading.passes import (
     event_schema,
@@ -48,6 +44,7 @@ from cdc_platform.lib.landing.reading.passes import (
     read_events,
     unify_schema,
 )
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.spark.session import build_spark_session
 
 T = TypeVar("T")

@@ -9,7 +9,7 @@ keys is measured beside the plain one, and both must give the same table but the
 
 Run it alone (2 shared cores: seconds are indicative, bytes and counts exact)::
 
-    .venv/bin/python benchmarks/erase_cost.py --events 20000 --keys 5000
+    .venv/bin/python -m benchmarks.erase_cost --events 20000 --keys 5000
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import base64
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -26,29 +25,17 @@ from pathlib import Path
 
 import pyarrow as pa
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from benchmarks.harness.generate import add_table_options, cached_hours
+from benchmarks.harness.measure import commit_bytes, local_session, table_bytes
+from benchmarks.harness.report import fmt_mb, log
+from benchmarks.harness.table import TABLE, hour_at
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.ledgers import erased_keys
+from cdc_platform.lib.operations.erasure import EraseRequest, erase
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.storage.warehouse import TablePaths
 
-from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
-    TABLE,
-    cached_landing,
-    commit_bytes,
-    fmt_mb,
-    hour_at,
-    landing_params,
-    log,
-    table_bytes,
-)
-
-from cdc_platform.lib.landing.decoding.keyring import Keyring  # noqa: E402
-from cdc_platform.lib.ledgers import erased_keys  # noqa: E402
-from cdc_platform.lib.operations.erasure import erase  # noqa: E402
-from cdc_platform.lib.pipeline import materialize  # noqa: E402
-from cdc_platform.lib.spark.session import build_spark_session  # noqa: E402
-from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
-
-EVENTS_PER_HOUR = 10_000
 KEYRING = Keyring.from_mapping({"hash_salt": base64.b64encode(b"benchmark-salt-0123456").decode()})
 
 
@@ -60,19 +47,13 @@ def keys_of(path: Path) -> set[int]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    p.add_argument("--events", type=int, default=100_000)
-    p.add_argument("--keys", type=int, default=20_000, help="(at most --events)")
+    add_table_options(p, "/tmp/cdc_erase_bench")
     p.add_argument("--erase", type=int, default=10, help="keys erased")
-    p.add_argument("--seed", type=int, default=8)
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_erase_bench"))
     args = p.parse_args(argv)
     keys = min(args.keys, args.events)
-    conf = {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"}
-    spark = build_spark_session("local[2]", conf, "erase_bench")
-    cache = args.work_dir / "tables"
-    cache.mkdir(parents=True, exist_ok=True)
-    n_hours = max(1, -(-args.events // EVENTS_PER_HOUR))
-    landing = cached_landing(cache, landing_params(keys, args.events, n_hours, args.seed))
+    spark = local_session("erase_bench")
+    landing = cached_hours(args.work_dir, keys, args.events, args.seed)
+    n_hours = landing.hours
     hours = [hour_at(i) for i in range(n_hours)]
     run = Path(tempfile.mkdtemp(prefix="run-", dir=args.work_dir))
     plain, filtered = run / "plain", run / "filtered"
@@ -111,14 +92,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     before = {t: DeltaTable(str(t)).version() for t in (log_path, history)}
     t0 = time.perf_counter()
     r = erase(
-        spark,
-        TABLE,
-        plain_paths,
-        [{"id": str(k)} for k in erased],
-        "benchmark",
-        "bench",
-        KEYRING,
-        now,
+        HistoryTable(spark, TABLE, plain, keyring=KEYRING),
+        EraseRequest(tuple({"id": str(k)} for k in erased), "benchmark", "bench", now=now),
     )
     erase_s = time.perf_counter() - t0
     written = {

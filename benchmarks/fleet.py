@@ -1,7 +1,7 @@
 """A fleet of tables on one machine (issue 32, item 6): what idling costs, how fast a burst of
 landed hours drains, and whether the UI keeps up.
 
-Each part starts the deployment as ``deploy/`` wires it (``benchmarks/freshness.py``'s harness:
+Each part starts the deployment as ``deploy/`` wires it (``benchmarks.harness.deployment``:
 ``deploy/dagster.yaml`` with SQLite instead of PostgreSQL, the code server and the daemon from
 the systemd units' command lines) over a config of N tables named like a real landing zone's:
 
@@ -30,8 +30,8 @@ one sitting; ``--burst-modes 200:fleet,40:per_table,40:fleet`` picks sizes per m
 
 Run it alone on the machine (2 shared cores: seconds are indicative, counts exact)::
 
-    .venv/bin/python benchmarks/fleet.py                                  # everything (~2 h)
-    .venv/bin/python benchmarks/fleet.py --idle 20 --idle-minutes 1 --burst 5 --ui 0  # harness
+    .venv/bin/python -m benchmarks.fleet                                  # everything (~2 h)
+    .venv/bin/python -m benchmarks.fleet --idle 20 --idle-minutes 1 --burst 5 --ui 0  # harness
 """
 
 from __future__ import annotations
@@ -54,41 +54,40 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+import dagster as dg
+import pyarrow.parquet as pq
+import sqlalchemy
+import sqlalchemy.event
+import yaml
+from dagster._core.definitions.run_request import InstigatorType
+from websockets.sync.client import connect
 
-import dagster as dg  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import sqlalchemy  # noqa: E402
-import sqlalchemy.event  # noqa: E402
-import yaml  # noqa: E402
-from dagster._core.definitions.run_request import InstigatorType  # noqa: E402
-from freshness import (  # noqa: E402
+from benchmarks.harness.deployment import (
     BenchError,
     Layout,
     Stack,
-    hour_events,
-    percentile,
+    graphql,
+    run_until_stopped,
     service_env,
     start_code_server,
+    start_connect,
     stop_group,
-    stopped_on_signals,
     unit_command,
     wait_for,
+    wait_until_loaded,
     write_instance,
 )
-from merge_at_scale import EventGenerator, git_head, log, met, print_table, rss_bytes, tree_pids  # noqa: E402
-from ui_at_scale import free_port, graphql, table_names, wait_until_loaded  # noqa: E402
-from websockets.sync.client import connect  # noqa: E402
-
-from cdc_platform import connect_server  # noqa: E402
-from cdc_platform.definitions import build_definitions  # noqa: E402
-from cdc_platform.defs.alerts.webhook import ALERT_RESOURCE_KEY, AlertWebhookResource  # noqa: E402
-from cdc_platform.defs.sensors.all_tables import FLEET_SENSOR, FleetCursor  # noqa: E402
-from cdc_platform.lib.config import CONFIG_ENV_VAR, load_config  # noqa: E402
-from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key  # noqa: E402
-from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
+from benchmarks.harness.generate import EventGenerator, hour_events, table_names
+from benchmarks.harness.measure import git_head, percentile, rss_bytes, tree_pids
+from benchmarks.harness.report import log, met, print_table
+from benchmarks.harness.table import REPO_ROOT
+from cdc_platform import connect_server
+from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, AlertWebhookResource
+from cdc_platform.defs.factory import build_definitions
+from cdc_platform.defs.fleet import FLEET_SENSOR, FleetCursor
+from cdc_platform.lib.config import CONFIG_ENV_VAR, load_config
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 TARGET_IDLE_CORE_SHARE = 0.10  # of one core, daemon + code server, at 500 tables
 TARGET_HEADROOM = 4.0  # 60 minutes / the burst's drain, at 200 tables
@@ -473,16 +472,14 @@ def burst(args: argparse.Namespace, mode: Mode, tables: int) -> BurstFigures:
     warehouse = load_config(layout.config).warehouse_root
     histories = {t: Path(TablePaths.of(warehouse, t).history.path) for t in names}
     stack = Stack(layout.work)
-    ui_port = free_port()
+    ui_port = connect_server.free_port()
     log(f"burst, {tables} tables x {args.events} events, {mode}: starting Spark Connect, the "
         "code server and the daemon")  # fmt: skip
     try:
-        port, state = connect_server.free_port(), layout.work / "spark-connect"
-        stack.connect = (port, state)
-        url = connect_server.start(
-            port, state_dir=state, conf={"spark.ui.enabled": "true", "spark.ui.port": str(ui_port)}
-        )
-        start_services(stack, layout, (url, connect_server.auth_file(state)))
+        spark_ui = {"spark.ui.enabled": "true", "spark.ui.port": str(ui_port)}  # to count jobs
+        start_services(stack, layout, start_connect(stack, spark_ui))
+        assert stack.connect is not None
+        port, state = stack.connect
         started = time.time()
 
         def roots() -> list[int]:
@@ -548,7 +545,7 @@ class Browser:
     QUIET_S = 1.0
 
     def __init__(self, chromium: str, profile: Path) -> None:
-        self.port = free_port()
+        self.port = connect_server.free_port()
         self.proc = subprocess.Popen(
             [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
              f"--remote-debugging-port={self.port}", "--window-size=1600,1000", "about:blank"],
@@ -616,7 +613,7 @@ def ui(args: argparse.Namespace, mode: Mode) -> dict[str, float] | None:
         args.work_dir, f"ui-{mode.landing_sensor}-{args.ui}", args.ui, a_day_ago(), mode
     )
     stack = Stack(layout.work)
-    port = free_port()
+    port = connect_server.free_port()
     base = f"http://127.0.0.1:{port}"
     log(f"ui, {args.ui} tables, {mode}: starting dagster-webserver")
     try:
@@ -624,7 +621,7 @@ def ui(args: argparse.Namespace, mode: Mode) -> dict[str, float] | None:
         server = stack.start(
             "webserver",
             [str(Path(sys.executable).with_name("dagster-webserver")), "-h", "127.0.0.1",
-             "-p", str(port), "-w", str(HERE.parent / "workspace.yaml")],
+             "-p", str(port), "-w", str(REPO_ROOT / "workspace.yaml")],
         )  # fmt: skip
         wait_until_loaded(base, server.proc, server.log_path)
         graphql(base, "mutation { setNuxSeen }")
@@ -704,35 +701,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     log(f"cdc_platform fleet (git {git_head()}), {os.cpu_count()} cores, work dir {args.work_dir}")
-    with stopped_on_signals():
-        try:
-            # Every size in each mode; the largest with each number of sensor threads too.
-            runs = [(m, n, args.threads[0]) for m in args.modes for n in args.idle_sizes]
-            if args.idle_sizes:
-                big = max(args.idle_sizes)
-                runs += [(m, big, t) for m in args.modes for t in args.threads[1:]]
-            idles = [idle(args, m, n, t) for m, n, t in runs]
-            if idles:
-                log("\nidle: no new file")
-                print_idle(idles)
-            bursts = [burst(args, m, n) for m, n in args.bursts]
-            if bursts:
-                log("\nburst: one hour lands in every table at once")
-                for figures in bursts:
-                    print_burst(figures)
-            uis = [(m, ui(args, m)) for m in args.modes] if args.ui else []
-            if any(pages is not None for _, pages in uis):
-                log("\nui: headless Chromium, navigation to the page's last GraphQL answer")
-                for mode, pages in uis:
-                    if pages is not None:
-                        print_ui(args.ui, mode, pages)
-        except BenchError as exc:
-            log(f"FAILED: {exc}")
-            return 1
-        except KeyboardInterrupt:
-            log("interrupted")
-            return 130
-    return 0
+
+    def measure() -> None:
+        # Every size in each mode; the largest with each number of sensor threads too.
+        runs = [(m, n, args.threads[0]) for m in args.modes for n in args.idle_sizes]
+        if args.idle_sizes:
+            big = max(args.idle_sizes)
+            runs += [(m, big, t) for m in args.modes for t in args.threads[1:]]
+        idles = [idle(args, m, n, t) for m, n, t in runs]
+        if idles:
+            log("\nidle: no new file")
+            print_idle(idles)
+        bursts = [burst(args, m, n) for m, n in args.bursts]
+        if bursts:
+            log("\nburst: one hour lands in every table at once")
+            for figures in bursts:
+                print_burst(figures)
+        uis = [(m, ui(args, m)) for m in args.modes] if args.ui else []
+        if any(pages is not None for _, pages in uis):
+            log("\nui: headless Chromium, navigation to the page's last GraphQL answer")
+            for mode, pages in uis:
+                if pages is not None:
+                    print_ui(args.ui, mode, pages)
+
+    return run_until_stopped(measure)
 
 
 if __name__ == "__main__":

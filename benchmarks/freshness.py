@@ -15,7 +15,7 @@ code server and the daemon run the ``ExecStart=`` lines of ``deploy/systemd`` (`
 
 Then ``--warmup`` unmeasured hours and ``--hours`` measured ones land ONE AT A TIME, each a new
 hour folder of the sensor's lookback window holding one Parquet file of ``--events`` events
-(``scale.py``'s generator; ``A..B`` draws each hour's count). Each lands at a random point of the
+(the harness's generator; ``A..B`` draws each hour's count). Each lands at a random point of the
 sensor's interval, written under a hidden name and renamed into place (the landing time). The
 history table is polled (``cdc_platform.read.as_of_arrow`` at the hour's last millisecond) until
 every key of the hour holds its last event; the run is waited for before the next hour lands.
@@ -39,9 +39,9 @@ started is stopped at the end, Ctrl-C included.
 
 Run it alone (2 shared cores: seconds are indicative)::
 
-    .venv/bin/python benchmarks/freshness.py                        # 10 hours over Spark Connect
-    .venv/bin/python benchmarks/freshness.py --hours 2 --events 50  # a quick check of the harness
-    .venv/bin/python benchmarks/freshness.py --local                # each run starts its own JVM
+    .venv/bin/python -m benchmarks.freshness                        # 10 hours over Spark Connect
+    .venv/bin/python -m benchmarks.freshness --hours 2 --events 50  # a quick check of the harness
+    .venv/bin/python -m benchmarks.freshness --local                # each run starts its own JVM
 """
 
 from __future__ import annotations
@@ -49,45 +49,50 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import random
-import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import FrameType
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+import dagster as dg
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
 
-import dagster as dg  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.dataset as ds  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import yaml  # noqa: E402
-from deltalake import DeltaTable  # noqa: E402
-from merge_at_scale import HOUR_US, US, EventGenerator, git_head, log, met, print_table  # noqa: E402
-
-from cdc_platform import connect_server  # noqa: E402
-from cdc_platform.defs.tables import build_table_definitions  # noqa: E402
-from cdc_platform.defs.tags import PARTITION_TAG  # noqa: E402
-from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, load_config  # noqa: E402
-from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key  # noqa: E402
-from cdc_platform.lib.spark.connect import CONNECT_AUTH_ENV  # noqa: E402
-from cdc_platform.lib.spark.deployment import SPARK_REMOTE_ENV  # noqa: E402
-from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
-from cdc_platform.read import as_of_arrow  # noqa: E402
+from benchmarks.harness.deployment import (
+    DEPLOY,
+    POLL_S,
+    BenchError,
+    Layout,
+    Stack,
+    run_until_stopped,
+    service_env,
+    start_code_server,
+    start_connect,
+    unit_command,
+    wait_for,
+    write_instance,
+)
+from benchmarks.harness.generate import EventGenerator, hour_events
+from benchmarks.harness.measure import git_head, percentile
+from benchmarks.harness.report import log, met, print_table
+from benchmarks.harness.table import BIN, HOUR_US
+from cdc_platform import connect_server
+from cdc_platform.defs.factory import build_table_definitions
+from cdc_platform.defs.sensors import PARTITION_TAG
+from cdc_platform.lib.config import REPO_ROOT, load_config
+from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
+from cdc_platform.lib.storage.warehouse import TablePaths
+from cdc_platform.read import as_of_arrow
 
 if TYPE_CHECKING:
     from dagster._core.scheduler.instigation import InstigatorTick
@@ -95,18 +100,10 @@ if TYPE_CHECKING:
 TABLE = "freshness"
 SENSOR = f"{TABLE}_landing_sensor"
 SENSOR_TAG = "dagster/sensor_name"  # Dagster's tag on a sensor's runs
-DEPLOY = REPO_ROOT / "deploy"
-UNITS = DEPLOY / "systemd"
-BIN = Path(sys.executable).parent
-# What the units name, and what it is on this host (as cdc_platform_tests/test_deploy.py runs them).
-INSTALL_DIR = "/opt/cdc-platform"
-GRPC_HOST = "127.0.0.1"
 MARKER = ".cdc_freshness_bench"  # a work dir holding it may be emptied
 TARGET_P50_S = 20.0
 TARGET_P95_S = 40.0
 TARGET_SENSOR_INTERVAL_S = 10
-POLL_S = 0.5
-TAIL_CHARS = 3000
 RUN_EVENTS = {
     dg.DagsterEventType.RUN_ENQUEUED,
     dg.DagsterEventType.RUN_STARTING,
@@ -119,149 +116,7 @@ COLUMNS = ("tick", "sensor", "queue", "launch", "start", "merge", "checks", "res
 TOTALS = ("visible", "done")
 
 
-class BenchError(RuntimeError):
-    """The benchmark cannot go on; the message says why (and shows the services' logs)."""
-
-
 # --------------------------------------------------------------------------- the services
-
-
-@dataclass
-class Service:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    handle: IO[bytes]
-
-    def tail(self) -> str:
-        text = self.log_path.read_text(errors="replace")[-TAIL_CHARS:]
-        return f"--- {self.name} ({self.log_path}), last {TAIL_CHARS} characters:\n{text}"
-
-
-@dataclass
-class Stack:
-    """The processes this benchmark started, stopped in ``stop()`` whatever happened."""
-
-    work: Path
-    env: dict[str, str] = field(default_factory=dict)
-    services: list[Service] = field(default_factory=list)
-    connect: tuple[int, Path] | None = None  # port and state dir of our Spark Connect server
-
-    def start(self, name: str, argv: Sequence[str]) -> Service:
-        log_path = self.work / f"{name}.log"
-        handle = log_path.open("wb")
-        proc = subprocess.Popen(
-            list(argv),
-            cwd=REPO_ROOT,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: its run workers stop with it
-        )
-        service = Service(name, proc, log_path, handle)
-        self.services.append(service)
-        return service
-
-    def tails(self) -> str:
-        parts = [s.tail() for s in self.services]
-        if self.connect is not None:
-            for path in connect_server.log_files(self.connect[1]):
-                parts.append(f"--- {path}:\n{path.read_text(errors='replace')[-TAIL_CHARS:]}")
-        return "\n".join(parts)
-
-    def check_alive(self) -> None:
-        for service in self.services:
-            code = service.proc.poll()
-            if code is not None:
-                raise BenchError(f"{service.name} exited with {code}\n{self.tails()}")
-
-    def stop(self) -> None:
-        """The daemon first (no new run starts), then the code server, then Spark Connect."""
-        for service in reversed(self.services):
-            try:
-                stop_group(service.proc)
-            except (OSError, subprocess.SubprocessError) as exc:
-                log(f"could not stop {service.name} (pid {service.proc.pid}): {exc}")
-            service.handle.close()
-        self.services.clear()
-        if self.connect is not None:
-            port, state = self.connect
-            self.connect = None
-            if not connect_server.stop(port, state) and connect_server.server_pid(state, port):
-                log(f"could not stop the Spark Connect server on port {port}")
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM to the process group this benchmark started, SIGKILL to what is left after
-    ``grace_s``."""
-    signal_group(proc.pid, signal.SIGTERM)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    deadline = time.monotonic() + 5
-    while group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)  # its children (run workers) end after it
-    if group_alive(proc.pid):
-        signal_group(proc.pid, signal.SIGKILL)
-    if proc.poll() is None:
-        proc.wait(timeout=grace_s)
-
-
-def signal_group(pgid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def unit_command(unit: str, key: str, env: Mapping[str, str]) -> list[str]:
-    """A unit's ``ExecStart=``-like line as systemd runs it: split like a shell, ``${NAME}`` from
-    the environment, the install paths replaced by this checkout and its venv."""
-    prefix = f"{key}="
-    lines = (UNITS / unit).read_text().splitlines()
-    (line,) = [x.strip()[len(prefix) :] for x in lines if x.strip().startswith(prefix)]
-    words = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], w) for w in shlex.split(line)]
-    return [
-        w.replace(f"{INSTALL_DIR}/.venv/bin", str(BIN)).replace(INSTALL_DIR, str(REPO_ROOT))
-        for w in words
-    ]
-
-
-def wait_for(stack: Stack, what: str, check: Callable[[], object], timeout: float) -> None:
-    """Poll until ``check()`` is truthy; fail after ``timeout`` s or if a service died."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        stack.check_alive()
-        if time.monotonic() > deadline:
-            raise BenchError(f"{what}: not within {timeout:.0f} s\n{stack.tails()}")
-        time.sleep(POLL_S)
-
-
-def start_code_server(stack: Stack, timeout: float) -> None:
-    """The code unit's command, then its ``ExecStartPost=`` health check until it answers."""
-    stack.start("code-server", unit_command("cdc-platform-code.service", "ExecStart", stack.env))
-    what = "the code server's gRPC health check"
-    probe = subprocess.Popen(
-        unit_command("cdc-platform-code.service", "ExecStartPost", stack.env),
-        env=stack.env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        wait_for(stack, what, lambda: probe.poll() is not None, timeout)
-    finally:
-        if probe.poll() is None:
-            stop_group(probe, grace_s=5)
-    if probe.returncode != 0:
-        raise BenchError(f"{what} exited with {probe.returncode}\n{stack.tails()}")
 
 
 def start_sensor(stack: Stack) -> None:
@@ -279,21 +134,6 @@ def start_sensor(stack: Stack) -> None:
 # --------------------------------------------------------------------------- the deployment
 
 
-@dataclass(frozen=True)
-class Layout:
-    work: Path
-    home: Path
-    config: Path
-    landing: Path
-    warehouse: Path
-
-    @classmethod
-    def under(cls, work: Path) -> Layout:
-        return cls(
-            work, work / "dagster_home", work / "cdc_platform.yaml", work / "landing", work / "wh"
-        )
-
-
 def prepare_work_dir(work: Path) -> Layout:
     """An empty work dir: a folder this benchmark made before is emptied, any other refused."""
     work = work.resolve()
@@ -304,18 +144,11 @@ def prepare_work_dir(work: Path) -> Layout:
             )
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / MARKER).write_text("made by benchmarks/freshness.py; emptied at each start\n")
+    (work / MARKER).write_text("made by benchmarks.freshness; emptied at each start\n")
     layout = Layout.under(work)
     for folder in (layout.home, layout.landing, layout.warehouse):
         folder.mkdir()
     return layout
-
-
-def write_instance(home: Path) -> None:
-    """``deploy/dagster.yaml`` with SQLite in DAGSTER_HOME instead of PostgreSQL."""
-    instance = yaml.safe_load((DEPLOY / "dagster.yaml").read_text())
-    instance["storage"] = {"sqlite": {"base_dir": str(home)}}
-    (home / "dagster.yaml").write_text(yaml.safe_dump(instance, sort_keys=False))
 
 
 def write_config(layout: Layout, first_hour: datetime, hours: int, interval: int) -> None:
@@ -334,33 +167,6 @@ def write_config(layout: Layout, first_hour: datetime, hours: int, interval: int
         "tables": [table],
     }
     layout.config.write_text(json.dumps(config, indent=2))  # JSON is YAML
-
-
-def service_env(
-    layout: Layout, grpc_port: int, remote: str | None, auth: Path | None
-) -> dict[str, str]:
-    """The services' environment, as deploy/cdc-platform.env.example names it. No CDC_* setting
-    of the shell reaches them: Spark runs where this benchmark says."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CDC_")}
-    pythonpath = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    env |= {
-        "DAGSTER_HOME": str(layout.home),
-        CONFIG_ENV_VAR: str(layout.config),
-        "DAGSTER_GRPC_HOST": GRPC_HOST,
-        "DAGSTER_GRPC_PORT": str(grpc_port),
-        "PYTHONPATH": os.pathsep.join(dict.fromkeys(pythonpath)),
-    }
-    if remote is not None and auth is not None:
-        env |= {SPARK_REMOTE_ENV: remote, CONNECT_AUTH_ENV: str(auth)}
-    return env
-
-
-def start_connect(stack: Stack) -> tuple[str, Path]:
-    """A Spark Connect server of this benchmark's own: its URL and auth file."""
-    port, state = connect_server.free_port(), stack.work / "spark-connect"
-    stack.connect = (port, state)  # stopped by stack.stop() even if start() fails half-way
-    url = connect_server.start(port, state_dir=state)
-    return url, connect_server.auth_file(state)
 
 
 def wait_first_tick(stack: Stack, instance: dg.DagsterInstance, timeout: float) -> None:
@@ -390,15 +196,6 @@ class Landed:
     @property
     def partition(self) -> str:
         return hour_to_partition_key(self.hour)
-
-
-def hour_events(gen: EventGenerator, hour: datetime, n: int) -> pa.Table:
-    """``n`` events committed in the hour, with at least one row image (a delete-only hour would
-    leave nothing to see in the table)."""
-    while True:
-        events = gen.events(n, int(hour.timestamp()) * US)
-        if set(events.column("cdc_operation_type").to_pylist()) != {"DELETE"}:
-            return events
 
 
 def expected_state(events: pa.Table, hour: datetime) -> Expected:
@@ -619,15 +416,6 @@ def breakdown(
 # --------------------------------------------------------------------------- the report
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default), ``q`` in [0, 100]."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
@@ -727,21 +515,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@contextmanager
-def stopped_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the benchmark as Ctrl-C does: through the ``finally`` blocks."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def measure(args: argparse.Namespace, stack: Stack, layout: Layout, hours: list[datetime]) -> None:
     """Start the deployment, land the hours one at a time, print the figures."""
     remote, auth = start_connect(stack) if not args.local else (None, None)
@@ -811,19 +584,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{layout.work}; events per hour {args.events[0]}..{args.events[1]}"
     )
     stack = Stack(layout.work)
-    with stopped_on_signals():
-        try:
-            measure(args, stack, layout, hours)
-        except BenchError as exc:
-            log(f"FAILED: {exc}")
-            return 1
-        except KeyboardInterrupt:
-            log("interrupted")
-            return 130
-        finally:
-            log("stopping the services")
-            stack.stop()
-    return 0
+
+    def stop() -> None:
+        log("stopping the services")
+        stack.stop()
+
+    return run_until_stopped(lambda: measure(args, stack, layout, hours), stop)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Prints seconds and events/s per step, and the driver's peak memory (which must stay flat as
 data grows: nothing table-sized goes through the driver).
 
-    .venv/bin/python benchmarks/merge_throughput.py [--keys 50000] [--events 300000] [--hours 6]
+    .venv/bin/python -m benchmarks.merge_throughput [--keys 50000] [--events 300000] [--hours 6]
 """
 
 from __future__ import annotations

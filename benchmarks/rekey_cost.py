@@ -3,7 +3,7 @@
 A rekey rebuilds the whole history from the whole change log (docs/HISTORY_MODE.md, "Changing the
 key"), so its reference is the one range ``materialize()`` that built the table from all its
 landing files: the same fold of the same events, plus reading and decoding the files. A table of
-``--events`` events is built once (``scale.py``'s generator and cache), copied, rekeyed from
+``--events`` events is built once (the harness's generator and cache), copied, rekeyed from
 ``[id]`` to keyless (every event's ``_fivetran_id`` computed and the change log rewritten, the
 heaviest rekey; the generator's deletes carry the key only, so a key column cannot be added)
 and back; each rekey's seconds,
@@ -13,15 +13,14 @@ its key counts are printed, and whether the way back gave the identical table, e
 
 Run it alone (2 shared cores: seconds are indicative, bytes and counts exact)::
 
-    .venv/bin/python benchmarks/rekey_cost.py                    # 100k events
-    .venv/bin/python benchmarks/rekey_cost.py --events 20000 --keys 5000
+    .venv/bin/python -m benchmarks.rekey_cost                    # 100k events
+    .venv/bin/python -m benchmarks.rekey_cost --events 20000 --keys 5000
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -29,26 +28,16 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
-    TABLE,
+from benchmarks.harness.generate import (
+    add_table_options,
     build_cached_table,
-    cached_landing,
-    commit_bytes,
-    fmt_mb,
-    landing_params,
-    log,
-    table_bytes,
+    cached_hours,
 )
-
-from cdc_platform.lib.operations.rekey import rekey  # noqa: E402
-from cdc_platform.lib.spark.session import build_spark_session  # noqa: E402
-from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
-
-EVENTS_PER_HOUR = 10_000
+from benchmarks.harness.measure import commit_bytes, local_session, table_bytes
+from benchmarks.harness.report import fmt_mb, log
+from benchmarks.harness.table import TABLE
+from cdc_platform.lib.operations.rekey import rekey
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 
 def sorted_rows(path: Path) -> list[tuple]:
@@ -61,19 +50,12 @@ def sorted_rows(path: Path) -> list[tuple]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    p.add_argument("--events", type=int, default=100_000)
-    p.add_argument("--keys", type=int, default=20_000, help="(at most --events)")
-    p.add_argument("--seed", type=int, default=8)
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/cdc_rekey_bench"))
+    add_table_options(p, "/tmp/cdc_rekey_bench")
     args = p.parse_args(argv)
     keys = min(args.keys, args.events)
-    conf = {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"}
-    spark = build_spark_session("local[2]", conf, "rekey_bench")
-    cache = args.work_dir / "tables"
-    cache.mkdir(parents=True, exist_ok=True)
-    hours = max(1, -(-args.events // EVENTS_PER_HOUR))
-    landing = cached_landing(cache, landing_params(keys, args.events, hours, args.seed))
-    built, meta = build_cached_table(spark, cache, landing)
+    spark = local_session("rekey_bench")
+    landing = cached_hours(args.work_dir, keys, args.events, args.seed)
+    built, meta = build_cached_table(spark, landing)
     run = Path(tempfile.mkdtemp(prefix="run-", dir=args.work_dir))
     warehouse = run / "warehouse"
     shutil.copytree(built, warehouse)

@@ -2,7 +2,7 @@
 targets 1 and 2: the small-hour reference and the Spark jobs per stage).
 
 A history table of about ``--versions`` versions is built once by one range ``materialize()``
-(``scale.py``'s generator and cache: rerunning is free until ``cdc_platform/lib`` changes). In
+(the harness's generator and cache: rerunning is free until ``cdc_platform/lib`` changes). In
 one warm local[2] session, after one unmeasured warm-up hour, ``--repeats`` hours of
 ``--hour-events`` events are each applied with ``materialize()``; every run's own cost
 (``lib.spark.run_cost``: the figures the Dagster metadata records) is printed per stage: seconds
@@ -23,9 +23,9 @@ server are printed at the end.
 
 Run it alone (2 shared cores: seconds are indicative, job counts exact)::
 
-    .venv/bin/python benchmarks/run_cost.py                       # ~100k versions
-    .venv/bin/python benchmarks/run_cost.py --versions 20000 --repeats 2
-    .venv/bin/python benchmarks/run_cost.py --profile /tmp/cdc_profile
+    .venv/bin/python -m benchmarks.run_cost                       # ~100k versions
+    .venv/bin/python -m benchmarks.run_cost --versions 20000 --repeats 2
+    .venv/bin/python -m benchmarks.run_cost --profile /tmp/cdc_profile
 """
 
 from __future__ import annotations
@@ -33,50 +33,34 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
-    DATA_COLUMNS,
-    HOUR_US,
-    START_US,
-    TABLE,
-    TMAX_US,
+from benchmarks.harness.generate import (
     EventGenerator,
     build_cached_table,
-    cached_landing,
-    hour_at,
-    landing_params,
+    cached_hours,
     write_hour,
 )
-
-from cdc_platform.lib.history import invariants  # noqa: E402
-from cdc_platform.lib.landing.where.layout import hour_folder  # noqa: E402
-from cdc_platform.lib.pipeline import MaterializationOutcome, materialize  # noqa: E402
-from cdc_platform.lib.spark.run_cost import CostReport, RunCost  # noqa: E402
-from cdc_platform.lib.spark.session import build_spark_session  # noqa: E402
-from cdc_platform.lib.storage import delta  # noqa: E402
-from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
+from benchmarks.harness.measure import local_session
+from benchmarks.harness.report import log
+from benchmarks.harness.table import DATA_COLUMNS, HOUR_US, START_US, TABLE, TMAX_US, hour_at
+from cdc_platform.lib.history import invariants
+from cdc_platform.lib.landing.where.layout import hour_folder
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.spark.run_cost import CostReport, RunCost
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-EVENTS_PER_HOUR = 10_000  # of the built table: depth = more hours
 TARGET_TIME_RATIO = 2.0
 TARGET_JOBS = 12
 TARGET_CHECK_SECONDS = 2.0
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def reference_hour(spark: SparkSession, hour_dir: Path, history: Path, out: Path) -> CostReport:
@@ -218,18 +202,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     keys = min(args.keys, args.versions)
-    conf = {"spark.driver.memory": "4g", "spark.sql.shuffle.partitions": "4"}
-    conf |= dict(item.split("=", 1) for item in args.conf)
+    conf = dict(item.split("=", 1) for item in args.conf)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         conf |= {"spark.eventLog.enabled": "true", "spark.eventLog.dir": args.profile.as_uri()}
-    spark = build_spark_session("local[2]", conf, "run_cost_bench")
-    cache = args.work_dir / "tables"
-    cache.mkdir(parents=True, exist_ok=True)
-    hours = max(1, -(-args.versions // EVENTS_PER_HOUR))
-    landing = cached_landing(cache, landing_params(keys, args.versions, hours, args.seed))
+    spark = local_session("run_cost_bench", conf)
+    landing = cached_hours(args.work_dir, keys, args.versions, args.seed)
+    hours = landing.hours
     t0 = time.perf_counter()
-    built, meta = build_cached_table(spark, cache, landing)
+    built, meta = build_cached_table(spark, landing)
     log(
         f"table: {meta['versions']:,} versions over {keys:,} keys, built in {meta['seconds']:.1f} s"
         f"{' (cached)' if meta['cached'] else ''} ({time.perf_counter() - t0:.1f} s now)"

@@ -6,35 +6,31 @@ dagster.yaml; no daemon, so no sensor ticks and no runs), prints what the code l
 defines (jobs the UI lists, sensors, schedules, asset groups) and takes a screenshot of each
 page with headless Chromium (Debian: ``apt-get install -y chromium``). Look at the PNGs.
 
-Run: ``.venv/bin/python benchmarks/ui_at_scale.py [--tables 200] [--out /tmp/ui_at_scale]``;
+Run: ``.venv/bin/python -m benchmarks.ui_at_scale [--tables 200] [--out /tmp/ui_at_scale]``;
 ``--serve`` keeps the server up afterwards for a look in a browser (Ctrl-C stops it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.harness.deployment import graphql, wait_until_loaded
+from benchmarks.harness.generate import table_names
+from benchmarks.harness.table import REPO_ROOT
+from cdc_platform import connect_server
+from cdc_platform.lib.config import CONFIG_ENV_VAR
 
-from cdc_platform.lib.config import CONFIG_ENV_VAR  # noqa: E402
-
-STARTUP_SECONDS = 300
 LOCATION = "/locations/cdc_platform.definitions"
 # Page name -> path in the UI (Dagster 1.13); {table} is the config's first table.
 PAGES = {
@@ -48,20 +44,6 @@ PAGES = {
     "launchpad_maintenance": LOCATION + "/jobs/table_maintenance/playground",
     "launchpad_merge_plan": LOCATION + "/jobs/merge_plan/playground",
 }
-# Made-up source systems and entities, so the tables look like a real landing zone's.
-SYSTEMS = ("sales", "erp", "crm", "billing", "hr", "logistics", "support", "marketing")
-ENTITIES = (
-    "orders", "customers", "payments", "invoices", "items", "accounts", "contacts", "leads",
-    "tickets", "shipments", "products", "prices", "refunds", "users", "events", "addresses",
-    "contracts", "employees", "vendors", "stock", "returns", "coupons", "campaigns", "notes",
-    "sessions",
-)  # fmt: skip
-
-
-def table_names(n: int) -> list[str]:
-    names = [f"{s}_{e}" for e in ENTITIES for s in SYSTEMS]
-    names += [f"extra_{i:04d}" for i in range(max(0, n - len(names)))]
-    return sorted(names[:n])
 
 
 def write_config(folder: Path, n: int) -> Path:
@@ -89,28 +71,6 @@ def write_config(folder: Path, n: int) -> Path:
     return config
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def graphql(base: str, query: str) -> dict[str, Any]:
-    body = json.dumps({"query": query}).encode()
-    request = urllib.request.Request(
-        f"{base}/graphql", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        answer = json.loads(response.read())
-    if answer.get("errors"):
-        raise RuntimeError(answer["errors"])
-    return answer["data"]
-
-
-LOCATION_QUERY = """
-query { workspaceOrError { ... on Workspace { locationEntries { name loadStatus
-  locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
-
 REPOSITORY_QUERY = """
 query { repositoriesOrError { ... on RepositoryConnection { nodes {
   jobs { name isAssetJob }
@@ -119,26 +79,6 @@ query { repositoriesOrError { ... on RepositoryConnection { nodes {
   assetGroups { groupName }
   assetNodes { assetKey { path } }
 } } } }"""
-
-
-def wait_until_loaded(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"dagster-webserver exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            data = graphql(base, LOCATION_QUERY)["workspaceOrError"]
-            entries = data.get("locationEntries") or []
-            if entries and all(e["loadStatus"] == "LOADED" for e in entries):
-                for e in entries:
-                    if e["locationOrLoadError"]["__typename"] != "RepositoryLocation":
-                        sys.exit(f"code location failed to load: {e}")
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"not loaded within {STARTUP_SECONDS} s:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
 
 
 def summary(base: str) -> dict[str, Any]:
@@ -192,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         home.mkdir()
         shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
         config = write_config(tmp, args.tables)
-        port = free_port()
+        port = connect_server.free_port()
         base = f"http://127.0.0.1:{port}"
         env = {**os.environ, "DAGSTER_HOME": str(home), CONFIG_ENV_VAR: str(config)}
         env.pop("CDC_ALERT_WEBHOOK_URL", None)

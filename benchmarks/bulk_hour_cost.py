@@ -2,7 +2,8 @@
 
 One hour folder of ``--files`` Parquet files holding ``--events`` events over ``--keys`` keys
 (default 2M events over 1M keys in 4 files, about 37 MB: every key gets its first event, then
-keys are drawn at random), generated once under ``--work-dir`` with ``scale.py``'s generator.
+keys are drawn at random), generated once under ``--work-dir`` with the harness's generator
+(``benchmarks.harness.generate``).
 Then, each in a fresh ``python`` process (a cold JVM, nothing shared):
 
 * **platform**: ``materialize()`` of that hour into an empty warehouse, on the shipped
@@ -11,8 +12,8 @@ Then, each in a fresh ``python`` process (a cold JVM, nothing shared):
   ``spark-defaults.conf`` or ``--driver-memory`` says otherwise);
 * **reference**: the plainest Spark a data engineer would write for the same work: one Spark
   SQL query over the hour's files (window functions: one version per key and millisecond,
-  consecutive equal images merged, deletes close; ``scale.py``'s DuckDB reference, in Spark
-  SQL) written as Parquet, in a session with the same settings (same driver memory, same
+  consecutive equal images merged, deletes close; the DuckDB reference of
+  ``merge_at_scale``, in Spark SQL: ``benchmarks.harness.reference``) written as Parquet, in a session with the same settings (same driver memory, same
   encrypted shuffle), so the ratio is the platform's work against Spark's floor.
 
 Prints the seconds of each (the whole process, and the work inside it), the ratio, the peak
@@ -21,9 +22,9 @@ every 50 ms) and the versions each produced (they must agree; ``--compare`` chec
 ignoring ``_fivetran_synced``). Never asserts a time. A 20M-event hour must finish too
 (``--events 20000000``: Spark spills, it must never run out of memory).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bulk_hour.py
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bulk_hour.py --events 20000000
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bulk_hour.py --only platform --driver-memory 1g
+    .venv/bin/python -m benchmarks.bulk_hour_cost
+    .venv/bin/python -m benchmarks.bulk_hour_cost --events 20000000
+    .venv/bin/python -m benchmarks.bulk_hour_cost --only platform --driver-memory 1g
 
 The machine is shared with two cores: run it alone, and read a figure as indicative.
 """
@@ -43,86 +44,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
-    DATA_COLUMNS,
-    START_US,
-    TABLE,
-    TABLE_NAME,
-    TMAX_US,
-    EventGenerator,
-    TreeRssSampler,
-    compare_tables,
-    hour_at,
-    split_evenly,
-)
-
-from cdc_platform.lib.landing.where.layout import hour_folder  # noqa: E402
-
-MB = 1e6
-GENERATOR_VERSION = 1  # bump when the generated data changes, so cached hours are rebuilt
-
-# scale.py's DuckDB reference fold, in Spark SQL, over the view ``landing`` (the hour's events
-# with the file and row each came from, so a duplicate delivery keeps its first copy).
-REFERENCE_SQL = """
-WITH raw AS (
-    SELECT id, {cols}, cdc_change_seq AS seq,
-           unix_micros(date_trunc('millisecond', cdc_commit_timestamp)) AS ms,
-           upper(cdc_operation_type) = 'DELETE' AS del,
-           row_number() OVER (PARTITION BY id, cdc_change_seq
-                              ORDER BY source_file, source_row) AS copy
-    FROM landing
-),
-ev AS (SELECT * FROM raw WHERE copy = 1),
-step_keys AS (
-    SELECT id, ms,
-           bool_or(NOT del) AS has_image,
-           max_by(del, seq) AS ends_deleted,
-           max(CASE WHEN NOT del THEN seq END) AS image_seq
-    FROM ev GROUP BY id, ms
-),
-steps AS (
-    SELECT s.id, s.ms, s.has_image, s.ends_deleted, {image_cols}
-    FROM step_keys s LEFT JOIN ev e ON e.id = s.id AND e.seq = s.image_seq
-),
-walked AS (
-    SELECT *,
-           coalesce(lag(has_image AND NOT ends_deleted) OVER w, false) AS live_before,
-           {prev_cols}
-    FROM steps WINDOW w AS (PARTITION BY id ORDER BY ms)
-),
-opened AS (
-    SELECT *, has_image AND NOT (live_before AND {same_image}) AS opens FROM walked
-),
-closed AS (
-    SELECT *,
-           first(CASE WHEN opens THEN ms - 1000 WHEN ends_deleted THEN ms END, true)
-               OVER (PARTITION BY id ORDER BY ms
-                     ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS next_close
-    FROM opened
-),
-versions AS (
-    SELECT id, {cols}, ms AS start_us,
-           CASE WHEN ends_deleted THEN ms
-                WHEN next_close IS NOT NULL THEN next_close
-                ELSE {tmax} END AS end_us
-    FROM closed WHERE opens
-)
-SELECT id, {cols},
-       timestamp_micros(start_us) AS _fivetran_start,
-       timestamp_micros(end_us) AS _fivetran_end,
-       end_us = {tmax} AS _fivetran_active,
-       current_timestamp() AS _fivetran_synced
-FROM versions
-"""
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
+from benchmarks.harness.generate import GENERATOR_VERSION, EventGenerator, split_evenly
+from benchmarks.harness.measure import TreeRssSampler
+from benchmarks.harness.reference import compare_tables, spark_fold_sql
+from benchmarks.harness.report import MB, log
+from benchmarks.harness.table import REPO_ROOT, START_US, TABLE, TABLE_NAME, hour_at
+from cdc_platform.lib.landing.where.layout import hour_folder
 
 # --------------------------------------------------------------------------- the hour
 
@@ -184,21 +111,14 @@ def run_reference(landing: Path, out: Path, driver_memory: str | None) -> dict[s
     spark = session(driver_memory, "bulk_hour_reference")
     memory = spark.sparkContext.getConf().get("spark.driver.memory", "1g (Spark's default)")
     t0 = time.perf_counter()
-    # Every hour folder of the table (one for the bulk hour, 720 for scale.py's backfill).
+    # Every hour folder of the table (one for the bulk hour, 720 for merge_at_scale's backfill).
     table_root = str(landing / TABLE_NAME)
     spark.read.option("recursiveFileLookup", "true").parquet(table_root).select(
         "*",
         F.col("_metadata.file_path").alias("source_file"),
         F.col("_metadata.row_index").alias("source_row"),
     ).createOrReplaceTempView("landing")
-    sql = REFERENCE_SQL.format(
-        cols=", ".join(DATA_COLUMNS),
-        image_cols=", ".join(f"e.{c}" for c in DATA_COLUMNS),
-        prev_cols=", ".join(f"lag({c}) OVER w AS prev_{c}" for c in DATA_COLUMNS),
-        same_image=" AND ".join(f"{c} <=> prev_{c}" for c in DATA_COLUMNS),
-        tmax=TMAX_US,
-    )
-    spark.sql(sql).write.mode("overwrite").parquet(str(out))
+    spark.sql(spark_fold_sql()).write.mode("overwrite").parquet(str(out))
     seconds = time.perf_counter() - t0
     spark.stop()
     versions = sum(pq.ParquetFile(p).metadata.num_rows for p in out.glob("*.parquet"))
@@ -211,10 +131,11 @@ def run_reference(landing: Path, out: Path, driver_memory: str | None) -> dict[s
 def measured(which: str, landing: Path, out: Path, driver_memory: str | None) -> dict[str, Any]:
     """Run one side in a fresh process; its figures, whole-process seconds and peak tree RSS."""
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, __file__, "--child", which, "--landing", str(landing), "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.bulk_hour_cost", "--child", which]
+    cmd += ["--landing", str(landing), "--out", str(out)]
     if driver_memory:
         cmd += ["--driver-memory", driver_memory]
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     with TreeRssSampler(proc.pid) as rss:

@@ -2,12 +2,12 @@
 
 On a folder (the default): 10,000 hourly folders; a normal tick must cost O(lookback) folder
 listings, not O(history); only the periodic full sweep walks the whole tree.
-Run: ``.venv/bin/python benchmarks/sensor_tick.py [--folders N] [--reps R]``.
+Run: ``.venv/bin/python -m benchmarks.sensor_tick_cost [--folders N] [--reps R]``.
 
 On a bucket (``--bucket``): 200 tables x 720 hours in one S3 bucket (moto's in-process S3),
 every tick of every table counted in requests, the exact figure S3 bills and throttles by. The
 reference is what listing each lookback hour folder would cost (one request per hour folder and
-spelling). Run: ``.venv/bin/python benchmarks/sensor_tick.py --bucket [--tables N --hours N]``.
+spelling). Run: ``.venv/bin/python -m benchmarks.sensor_tick_cost --bucket [--tables N --hours N]``.
 The seconds are moto's (it scans the whole bucket for every listing), not S3's.
 
 A reset cursor on a bucket (``--reset``): one table of ``--hours`` hours (``--files`` objects
@@ -25,15 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, PartitionRequest, evaluate

@@ -1,7 +1,7 @@
 """Delta's own SCD2 as a reference (issue 21, item 6), and what a deletion-vector MERGE of a
 late hour would cost (issue 21, "Not in this issue").
 
-The same CDC landing files (``scale.py``'s generator: inserts, updates, deletes with only the
+The same CDC landing files (the harness's generator: inserts, updates, deletes with only the
 key, late events; plus a handful of planned edge cases: several events of a key in one
 millisecond, an unchanged image re-sent with a new seq, a re-delivered seq, an update first,
 a delete of a key never seen, a delete and re-insert of the live image in one millisecond) go
@@ -45,9 +45,9 @@ written (files on disk), and the seconds. The MERGE's seconds exclude computing 
 
 Run it alone on a shared machine (seconds are indicative; bytes are exact)::
 
-    .venv/bin/python benchmarks/delta_reference.py                  # the default size, ~3 min
-    .venv/bin/python benchmarks/delta_reference.py --events 200 --keys 50 --no-sdp-probe
-    .venv/bin/python benchmarks/delta_reference.py --events 1000000 --keys 100000 --hours 24
+    .venv/bin/python -m benchmarks.delta_merge_reference                  # the default size, ~3 min
+    .venv/bin/python -m benchmarks.delta_merge_reference --events 200 --keys 50 --no-sdp-probe
+    .venv/bin/python -m benchmarks.delta_merge_reference --events 1000000 --keys 100000 --hours 24
 
 Needs Delta's jars (``make jars``).
 """
@@ -73,28 +73,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from merge_at_scale import (  # noqa: E402  (benchmarks/ is not a package)
-    HOUR_US,
-    START_US,
-    TABLE,
-    TMAX_US,
-    TS_TYPE,
-    EventGenerator,
-    hour_at,
-    split_evenly,
-    write_hour,
-)
-
-from cdc_platform.lib.columns import END, START  # noqa: E402
-from cdc_platform.lib.landing.where.layout import hour_folder  # noqa: E402
-from cdc_platform.lib.pipeline import materialize  # noqa: E402
-from cdc_platform.lib.spark.session import build_spark_session, delta_conf  # noqa: E402
-from cdc_platform.lib.storage import delta  # noqa: E402
-from cdc_platform.lib.storage.warehouse import TablePaths  # noqa: E402
+from benchmarks.harness.generate import EventGenerator, split_evenly, write_hour
+from benchmarks.harness.measure import file_sizes, log_versions
+from benchmarks.harness.report import MB
+from benchmarks.harness.table import HOUR_US, START_US, TABLE, TMAX_US, TS_TYPE, hour_at
+from cdc_platform.lib.columns import END, START
+from cdc_platform.lib.landing.where.layout import hour_folder
+from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.spark.session import build_spark_session, delta_conf
+from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -103,7 +91,6 @@ KEY = "id"
 DATA = ("status", "amount", "quantity", "updated_at", "is_priority", "note")
 REF_START, REF_END = "__START_AT", "__END_AT"  # SDP's SCD2 column names
 US, MS = 1_000_000, 1_000
-MB = 1e6
 EVENT_SCHEMA = pa.schema(
     [
         pa.field("id", pa.int64()),
@@ -708,20 +695,7 @@ def commit_figures(
                     out.operations.append(str(info.get("operation")))
                     out.operation_metrics.update(info.get("operationMetrics") or {})
         missing = [p for p, r in removes.items() if r.get("size") is None]
-        sizes: dict[str, int] = {}
-        if missing:  # a remove without its size: the snapshot before the commit has it
-            from deltalake import DeltaTable
-
-            before = pa.table(
-                DeltaTable(str(table), version=version - 1).get_add_actions(flatten=True)
-            )
-            sizes = dict(
-                zip(
-                    before.column("path").to_pylist(),
-                    before.column("size_bytes").to_pylist(),
-                    strict=True,
-                )
-            )
+        sizes = file_sizes(table, version - 1) if missing else {}
         out.files_added += len(adds)
         out.files_removed += len(removes)
         out.added += sum(int(a["size"]) for a in adds.values())
@@ -746,12 +720,6 @@ def commit_figures(
             size for name, size in dv_files(table).items() if name not in dvs_before
         )
     return out
-
-
-def log_versions(table: Path) -> list[int]:
-    return sorted(
-        int(p.name[:20]) for p in (table / "_delta_log").glob("*.json") if p.name[:20].isdigit()
-    )
 
 
 # --------------------------------------------------------------------------- the DV MERGE
@@ -969,10 +937,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     before_v = late_hour.history_version_before
     after_v = late_hour.merge.history_version
-    plat_versions = [v for v in log_versions(history) if before_v is None or v > before_v]
+    plat_versions = [v for v in sorted(log_versions(history)) if before_v is None or v > before_v]
     plat = commit_figures(history, plat_versions)
     cl = Path(paths.changelog.uri)
-    cl_fig = commit_figures(cl, [late_hour.merge.changelog_version or log_versions(cl)[-1]])
+    cl_fig = commit_figures(cl, [late_hour.merge.changelog_version or max(log_versions(cl))])
     staged = work / "late_changes"
     upserts, deletes = stage_late_changes(spark, before_late, history, staged)
     columns = [f.name for f in spark.read.format("delta").load(str(history)).schema.fields]
@@ -998,10 +966,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             spark.sql(
                 f"ALTER TABLE delta.`{copy}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')"
             )
-        first = log_versions(copy)[-1] + 1
+        first = max(log_versions(copy)) + 1
         dv_before = dv_files(copy)
         seconds = merge_changes(spark, copy, staged, columns)
-        fig = commit_figures(copy, [v for v in log_versions(copy) if v >= first], dv_before)
+        fig = commit_figures(copy, sorted(v for v in log_versions(copy) if v >= first), dv_before)
         label = "delta-spark MERGE, deletion vectors" if dvs else "delta-spark MERGE, copy-on-write"
         print_commit(label, seconds, fig)
         m = fig.operation_metrics
