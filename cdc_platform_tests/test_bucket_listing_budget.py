@@ -30,7 +30,8 @@ from cdc_platform.lib.landing.discovery import unlisted_tables, with_discovered_
 from cdc_platform.lib.landing.where import object_store
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.landing.where.object_store import S3Landing
-from cdc_platform.lib.landing.where.zone import LandingZone, ListBudget
+from cdc_platform.lib.landing.where.root import zone_at
+from cdc_platform.lib.landing.where.zone import ListBudget
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform_tests.test_object_landing import (
@@ -55,7 +56,7 @@ def zone(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Landing:
     _client(s3_endpoint).create_bucket(Bucket=name)
     monkeypatch.setenv(KEY_ID_ENV, KEY_ID)
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    landing = LandingZone.of(Location.of(f"s3://{name}/landing", _options(s3_endpoint)))
+    landing = zone_at(Location.of(f"s3://{name}/landing", _options(s3_endpoint)))
     assert isinstance(landing, S3Landing)
     return landing
 

@@ -42,8 +42,9 @@ from cdc_platform.lib.landing.reading.file_reader import LandingReader
 from cdc_platform.lib.landing.where import object_store
 from cdc_platform.lib.landing.where.layout import BAD_KEY, IN_SUBFOLDER, hour_to_partition_key
 from cdc_platform.lib.landing.where.object_store import S3Landing
+from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.safe_open import CHANGED, OUTSIDE
-from cdc_platform.lib.landing.where.zone import LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.where.zone import LandingUnavailableError
 from cdc_platform.lib.ledgers import applied_files, quarantine
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.operations import revocation
@@ -99,7 +100,7 @@ def _options(endpoint: str) -> dict[str, str | EnvRef]:
 def zone(s3_endpoint: str, bucket: str, monkeypatch: pytest.MonkeyPatch) -> S3Landing:
     monkeypatch.setenv(KEY_ID_ENV, KEY_ID)
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    landing = LandingZone.of(Location.of(f"s3://{bucket}/landing", _options(s3_endpoint)))
+    landing = zone_at(Location.of(f"s3://{bucket}/landing", _options(s3_endpoint)))
     assert isinstance(landing, S3Landing)
     return landing
 
@@ -288,7 +289,7 @@ def test_paths_outside_the_root_are_refused(zone, bucket):
 def test_a_store_that_does_not_answer_fails_loud(monkeypatch):
     monkeypatch.setenv(KEY_ID_ENV, KEY_ID)
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    dead = LandingZone.of(Location.of("s3://b/landing", _options("http://127.0.0.1:9")))
+    dead = zone_at(Location.of("s3://b/landing", _options("http://127.0.0.1:9")))
     assert not dead.exists()
     with pytest.raises(LandingUnavailableError, match="s3://b/landing"):
         dead.files_in_hour("orders", H0)
@@ -533,7 +534,7 @@ def test_the_demo_landed_in_a_bucket_equals_the_demo_on_disk(spark, zone, s3_end
         ).replace("warehouse_root: data/warehouse", f"warehouse_root: {tmp_path / 'wh_s3'}")
     )
     on_bucket = load_config(bucket_config)
-    hours = sorted({h for t in local.tables for h in LandingZone.of(disk).hours(t.name)})
+    hours = sorted({h for t in local.tables for h in zone_at(disk).hours(t.name)})
     assert sorted({h for t in on_bucket.tables for h in zone.hours(t.name)}) == hours
 
     keyring = Keyring.from_file(keyring_path)

@@ -14,7 +14,8 @@ import pytest
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.decoding.codecs import compress_zstd
-from cdc_platform.lib.landing.decoding.formats import FORMATS, LandingFormat
+from cdc_platform.lib.landing.decoding.formats import FORMATS
+from cdc_platform.lib.landing.decoding.formats.base import LandingFormat
 from cdc_platform.lib.landing.discovery import sniff_encoding
 from cdc_platform.lib.landing.reading.file_reader import LandingReader
 from cdc_platform.lib.landing.reading.passes import unify_schema

@@ -23,6 +23,7 @@ from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.landing.where.object_store import S3Landing
+from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.zone import LandingZone, LocalZone
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Where
@@ -43,7 +44,7 @@ def prepare_landing(platform: PlatformConfig) -> None:
     """Generate the sample landing zone unless it is already there (delete data/ to start
     over). On an ``s3://`` landing root it is generated in a temporary folder and uploaded."""
     keyring = Path(os.environ.setdefault("CDC_KEYRING", str(REPO_ROOT / "data" / "keyring.json")))
-    landing = LandingZone.of(platform.landing_root)
+    landing = zone_at(platform.landing_root)
     if any(landing.hours(t.name) for t in platform.tables):
         return
     if isinstance(landing, LocalZone):
@@ -89,7 +90,7 @@ def main() -> None:
     prepare_instance()
     platform = load_config()
     prepare_landing(platform)
-    landing = LandingZone.of(platform.landing_root)
+    landing = zone_at(platform.landing_root)
     instance = dg.DagsterInstance.get()
     spark = SparkResource(stop_at_end_of_run=False)
     resources = {

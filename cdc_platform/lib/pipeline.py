@@ -44,6 +44,7 @@ from cdc_platform.lib.landing.reading.passes import (
     with_row_id,
 )
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key
+from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.safe_open import CHANGED
 from cdc_platform.lib.landing.where.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers import applied_files, erased_keys, quarantine, revoked_files
@@ -130,7 +131,7 @@ def materialize(
     Raises LandingRootMissingError if ``landing_root`` does not exist; a missing table or hour
     folder inside it is just an hour with no files.
     """
-    landing = LandingZone.of(landing_root)
+    landing = zone_at(landing_root)
     if not landing.exists():
         raise LandingRootMissingError(
             f"landing_root {landing.root} does not exist, is not a folder or does not answer:"

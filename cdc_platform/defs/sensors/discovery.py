@@ -33,7 +33,8 @@ from cdc_platform.lib.landing.discovery import (
     unlisted_budget,
     unlisted_tables,
 )
-from cdc_platform.lib.landing.where.zone import LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.where.root import zone_at
+from cdc_platform.lib.landing.where.zone import LandingUnavailableError
 
 NEW_TABLES_SENSOR_NAME = "cdc_new_tables"
 
@@ -120,7 +121,7 @@ def build_new_tables_sensor(
 ) -> dg.SensorDefinition:
     """The sensor for ``platform`` as written (its listed tables); ``discovered`` names the
     tables the Definitions added from its ``discover:`` template (reported as such)."""
-    landing = LandingZone.of(platform.landing_root)
+    landing = zone_at(platform.landing_root)
     landing_root = landing.root
     listed = [t.name for t in platform.tables]
     added = set(discovered)

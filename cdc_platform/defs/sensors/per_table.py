@@ -51,7 +51,8 @@ from cdc_platform.lib.landing.where.layout import (
     hours_between,
     partition_key_to_hour,
 )
-from cdc_platform.lib.landing.where.zone import Landing, LandingZone, ListBudget
+from cdc_platform.lib.landing.where.root import zone_at
+from cdc_platform.lib.landing.where.zone import Landing, ListBudget
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Where
 
@@ -210,7 +211,7 @@ def check_landing_root(root: Landing, who: str) -> None:
     """Fail the tick when the landing root is gone or unreadable (an unmounted volume, lost
     permissions, a bucket that does not answer): an empty listing would look exactly like a
     quiet source. Dagster shows the failed ticks on the sensor's page."""
-    landing = LandingZone.of(root)
+    landing = zone_at(root)
     if not landing.exists():
         raise LandingRootUnavailableError(
             f"{who}: the landing root {landing.root} cannot be listed: is the landing volume"

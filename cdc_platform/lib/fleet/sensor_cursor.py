@@ -38,6 +38,7 @@ from cdc_platform.lib.landing.where.layout import (
     hours_between,
     partition_key_to_hour,
 )
+from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.zone import (
     Landing,
     LandingUnavailableError,
@@ -205,7 +206,7 @@ def reconcile(
     On a bucket their folders are listed a day folder at a time (``files_of_hours``) until
     ``budget`` is spent; the hours not listed stay due for the next tick."""
     at = _as_utc(now).timestamp()
-    landing = LandingZone.of(landing_root)
+    landing = zone_at(landing_root)
     pending = dict(state.pending)
     wanted: dict[str, tuple[str, str]] = {}
     due = due_for_check(table, state, now)
@@ -360,7 +361,7 @@ def evaluate(
     if max_range_hours < 1:
         raise ValueError(f"max_range_hours must be >= 1, got {max_range_hours}")
     now = _as_utc(now)
-    landing = LandingZone.of(landing_root)
+    landing = zone_at(landing_root)
     folders = dict(state.folders)
     wanted: dict[str, tuple[str, str]] = {}  # key -> (reason, fingerprint)
     seed = applied if state.last_sweep_started is None else None

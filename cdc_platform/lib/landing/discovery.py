@@ -38,7 +38,9 @@ from cdc_platform.lib.landing.decoding.codecs import (
     open_decoded_stream,
 )
 from cdc_platform.lib.landing.decoding.formats import FORMATS, format_of_head, format_of_name
+from cdc_platform.lib.landing.decoding.formats.base import Opener
 from cdc_platform.lib.landing.where.layout import LandingFile
+from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.zone import (
     Landing,
     LandingUnavailableError,
@@ -65,7 +67,6 @@ _PLAIN_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HEAD_BYTES = 4096
 _ZSTD_SUFFIXES = (".zst", ".zstd")
 _AES_SUFFIXES = (".aes", ".enc")
-Opener = Callable[[], BinaryIO]
 # On a bucket: what looking for unlisted tables may list in one call (a tick of the new-tables
 # sensor, a code-location load with ``discover:``), and describing one table.
 UNLISTED_LIST_REQUESTS = 100
@@ -182,7 +183,7 @@ def unlisted_tables(
     given back to the next call, those go on from there.
     """
     known = {n.lower() for n in known_names}
-    landing = LandingZone.of(landing_root)
+    landing = zone_at(landing_root)
     progress = {} if progress is None else progress
     candidates = [
         n for n in landing.table_names() if _TABLE_NAME_RE.match(n) and n.lower() not in known
@@ -265,7 +266,7 @@ def _first_file(landing_root: Landing, table: str) -> tuple[datetime, LandingFil
     newline, say) is skipped and counted: its name would go into the snippet, the log and the
     alert."""
     skipped = 0
-    page, _ = _first_page(LandingZone.of(landing_root), table, unlisted_budget())
+    page, _ = _first_page(zone_at(landing_root), table, unlisted_budget())
     for hour, files in sorted((page or {}).items()):
         readable = [f for f in files if f.set_aside is None]
         named = [f for f in readable if _readable(f)]
@@ -325,7 +326,7 @@ def describe(landing_root: Landing, name: str) -> DiscoveredTable:
     Raises FileNotFoundError when the table has no landing file (any more). A file that cannot
     be read is described with unknown columns and a note saying why, never an exception.
     """
-    landing = LandingZone.of(landing_root)
+    landing = zone_at(landing_root)
     first = _first_file(landing, name)
     if first is None:
         raise FileNotFoundError(f"{landing.root}/{name}: no landing file in an hour folder")
@@ -483,7 +484,7 @@ def with_discovered_tables(platform: PlatformConfig) -> PlatformConfig:
 def _plain_parquet(platform: PlatformConfig, name: str, written: Callable[[], set[str]]) -> bool:
     """Whether the table's first landing file is plain Parquet (the template's format); when
     the store does not answer, whether the table was discovered and written before."""
-    landing = LandingZone.of(platform.landing_root)
+    landing = zone_at(platform.landing_root)
     try:
         first = _first_file(landing, name)
         return first is not None and (

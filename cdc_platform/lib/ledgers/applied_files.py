@@ -24,7 +24,8 @@ from datetime import datetime
 import pyarrow as pa
 
 from cdc_platform.lib.landing.where.layout import LandingFile
-from cdc_platform.lib.landing.where.zone import Landing, LandingZone
+from cdc_platform.lib.landing.where.root import zone_at
+from cdc_platform.lib.landing.where.zone import Landing
 from cdc_platform.lib.ledgers.ledger import Compacted, Ledger
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
@@ -71,7 +72,7 @@ def compact(path: Where) -> Compacted:
 def identity(landing_root: Landing, f: LandingFile) -> FileIdentity:
     """A file as the ledger records it: a name that is not UTF-8 with ``\\x`` escapes (a Delta
     string holds UTF-8 only), as the quarantine names it."""
-    return (LandingZone.of(landing_root).relative(f.path), f.size, f.mtime_ns)
+    return (zone_at(landing_root).relative(f.path), f.size, f.mtime_ns)
 
 
 def record(

@@ -66,6 +66,7 @@ from cdc_platform.lib.landing.reading.passes import (
     with_row_id,
 )
 from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW, ahead_of
+from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.zone import IncompleteSnapshotError, LandingZone, LocalZone
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
 from cdc_platform.lib.operations.revocation import GONE, remove_events
@@ -183,7 +184,7 @@ def snapshot_source(folder: Path | Location, landing_root: Where) -> LandingZone
         return LocalZone(folder)
     landing = Location.of(landing_root)
     options = landing.options if landing.scheme == "s3" else {}
-    return LandingZone.of(Location(folder.uri, options))
+    return zone_at(Location(folder.uri, options))
 
 
 def resync(

@@ -42,7 +42,8 @@ from cdc_platform.lib.history.merge import APP_ID, MergeResult, apply_pending, r
 from cdc_platform.lib.history.merge import table_relative as _table_relative
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.where.layout import is_data_file
-from cdc_platform.lib.landing.where.zone import Landing, LandingZone
+from cdc_platform.lib.landing.where.root import zone_at
+from cdc_platform.lib.landing.where.zone import Landing
 from cdc_platform.lib.ledgers import revoked_files
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, to_ms
 from cdc_platform.lib.storage import delta
@@ -138,7 +139,7 @@ def match(
     Raises if one matches nothing."""
     if not patterns:
         raise NoMatchingFileError(f"no file given for table {table!r}")
-    zone = LandingZone.of(landing_root)
+    zone = zone_at(landing_root)
     root = zone.root
     landing = {c for c in candidates if is_landing_file(c, table)}
     operations = candidates - landing
@@ -169,7 +170,7 @@ def match(
 
 def _landing_files(landing_root: Landing, table: str) -> set[str]:
     """Every data file under the table's landing folder, relative to the landing root."""
-    files = LandingZone.of(landing_root).table_files(table)
+    files = zone_at(landing_root).table_files(table)
     return {f for f in files if is_data_file(f.rsplit("/", 1)[-1])}
 
 

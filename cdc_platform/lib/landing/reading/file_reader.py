@@ -31,7 +31,8 @@ from cdc_platform.lib.columns import (
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.decoding.codecs import LandingFileError, decode_file
-from cdc_platform.lib.landing.decoding.formats import FileToRead, LandingFormat, format_named
+from cdc_platform.lib.landing.decoding.formats import format_named
+from cdc_platform.lib.landing.decoding.formats.base import FileToRead, LandingFormat
 from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.rows.pii import hash_column, hashed_field, hashed_source
 from cdc_platform.lib.landing.rows.row_id import row_ids
@@ -45,8 +46,9 @@ from cdc_platform.lib.landing.rows.rules import (
     validate_rows,
 )
 from cdc_platform.lib.landing.rows.timestamps import CAST_ERRORS, first_failure, parse_timestamps
+from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.safe_open import CHANGED, FileId
-from cdc_platform.lib.landing.where.zone import Landing, LandingUnavailableError, LandingZone
+from cdc_platform.lib.landing.where.zone import Landing, LandingUnavailableError
 from cdc_platform.lib.storage.schema import (
     normalize_type,
     unsupported_type,
@@ -97,7 +99,7 @@ class LandingReader:
     ) -> None:
         self.table = table
         # Names files (``relative``) and, unless ``source`` says otherwise, opens them.
-        self.zone = LandingZone.of(landing_root)
+        self.zone = zone_at(landing_root)
         # Where files are opened: never outside it, never through a symlink, never another
         # file than the one listed (``LandingZone.open``). A snapshot reader's is its folder.
         self.source = self.zone

@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Collection, Iterator
-from datetime import datetime
+from collections.abc import Collection, Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
 from cdc_platform.lib.landing.decoding.codecs import LandingFileError
 from cdc_platform.lib.landing.where import layout
 from cdc_platform.lib.landing.where.layout import BAD_KEY, IN_SUBFOLDER, LandingFile
-from cdc_platform.lib.landing.where.safe_open import CHANGED, FileId
+from cdc_platform.lib.landing.where.safe_open import CHANGED, OUTSIDE, FileId
 from cdc_platform.lib.landing.where.zone import (
     HourListing,
     IncompleteSnapshotError,
     LandingUnavailableError,
     LandingZone,
     ListBudget,
-    PinnedObject,
-    hour_of_key,
-    refuse_outside,
 )
 from cdc_platform.lib.storage.stores import Location, StorageOptionError, hadoop_conf
 
@@ -441,3 +438,74 @@ def _client(location: Location) -> Any:
         s3={"addressing_style": style if "endpoint_url" in args else "auto"},
     )
     return boto3.session.Session().client("s3", config=config, **args)
+
+
+# -- an object read as listed ------------------------------------------------------------------
+
+
+class PinnedObject(io.RawIOBase):
+    """An object read by ranged GETs, each pinned to the listed ETag: if the object is
+    overwritten while it is read, the next GET fails and ``changed`` is set, so the reader
+    refuses the file instead of mixing two versions."""
+
+    def __init__(self, fetch: Any, size: int) -> None:
+        # ``fetch(start, end)``: the bytes [start, end) of the listed version, or raises.
+        self._fetch, self._size, self._pos = fetch, size, 0
+        self.changed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        end = min(self._size, self._pos + len(buffer))
+        if end <= self._pos:
+            return 0
+        try:
+            data = self._fetch(self._pos, end)
+        except LandingFileError:
+            self.changed = True
+            raise
+        n = len(data)
+        buffer[:n] = data
+        self._pos += n
+        return n
+
+
+def hour_of_key(parts: Sequence[str]) -> datetime | None:
+    """The hour named by ``year=/month=/day=/hour=`` parts (padded or not), or None."""
+    if len(parts) != 4:
+        return None
+    values = []
+    for part, name in zip(parts, ("year", "month", "day", "hour"), strict=True):
+        label, _, digits = part.partition("=")
+        if label != name or not (digits.isascii() and digits.isdigit()):
+            return None
+        if len(digits) > layout.DIGITS[name]:
+            return None
+        values.append(int(digits))
+    try:
+        return datetime(*values, tzinfo=UTC)
+    except (ValueError, OverflowError):
+        return None
+
+
+def refuse_outside(zone_root: str, path: str) -> str:
+    """The key of ``path`` below ``zone_root`` (``/``-separated); LandingFileError(OUTSIDE) for
+    anything else: another bucket or prefix, or an empty, ``.`` or ``..`` segment."""
+    if not path.startswith(zone_root + "/"):
+        raise LandingFileError(OUTSIDE)
+    rel = path[len(zone_root) + 1 :]
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        raise LandingFileError(OUTSIDE)
+    return rel

@@ -2,9 +2,9 @@
 
 Everything the platform does with the landing zone goes through a ``LandingZone``: list one
 hour's files, list the hours of a window or of a table's whole history, name a file relative to
-the root, and open a listed file so that what is read is what was listed. ``LandingZone.of``
-takes a path (``LocalZone``: ``layout`` and ``safe_open``, unchanged) or an ``s3://`` Location
-(``ObjectZone``), so callers never branch on where the files are.
+the root, and open a listed file so that what is read is what was listed. ``root.zone_at``
+takes a path (``LocalZone``, here: ``layout`` and ``safe_open``) or an ``s3://`` Location
+(``object_store.S3Landing``), so callers never branch on where the files are.
 
 On a bucket the counterpart of the local checks is the object's ETag: every read of a listed
 object is a GET with ``If-Match`` on the ETag the listing saw, so an object overwritten between
@@ -13,22 +13,20 @@ listing and reading is refused (HTTP 412), never read in part old and in part ne
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import stat
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from cdc_platform.lib.landing.decoding.codecs import LandingFileError
 from cdc_platform.lib.landing.where import layout, safe_open
 from cdc_platform.lib.landing.where.layout import LandingFile
-from cdc_platform.lib.landing.where.safe_open import CHANGED, OUTSIDE, FileId
+from cdc_platform.lib.landing.where.safe_open import CHANGED, FileId
 from cdc_platform.lib.storage.stores import Location
 
 
@@ -91,18 +89,6 @@ class LandingZone(ABC):
     # listing, small clock skew between writers and the sweeping host. Re-seeing them is cheap
     # (the cursor remembers their fingerprint, so nothing is requested twice).
     sweep_margin_ns: int = 10 * 60 * 1_000_000_000
-
-    @staticmethod
-    def of(where: Landing) -> LandingZone:
-        """``where`` as a zone: a zone as it is, an ``s3://`` Location or URI, else a folder."""
-        if isinstance(where, LandingZone):
-            return where
-        location = Location.of(where)
-        if location.is_local:
-            return LocalZone(location.path)
-        from cdc_platform.lib.landing.where.object_store import S3Landing
-
-        return S3Landing(location)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r})"
@@ -346,77 +332,6 @@ def _newest_in_folder(folder: Path) -> int:
 Landing = LandingZone | Location | str | os.PathLike[str]
 
 
-# -- an object read as listed ------------------------------------------------------------------
-
-
-class PinnedObject(io.RawIOBase):
-    """An object read by ranged GETs, each pinned to the listed ETag: if the object is
-    overwritten while it is read, the next GET fails and ``changed`` is set, so the reader
-    refuses the file instead of mixing two versions."""
-
-    def __init__(self, fetch: Any, size: int) -> None:
-        # ``fetch(start, end)``: the bytes [start, end) of the listed version, or raises.
-        self._fetch, self._size, self._pos = fetch, size, 0
-        self.changed = False
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        end = min(self._size, self._pos + len(buffer))
-        if end <= self._pos:
-            return 0
-        try:
-            data = self._fetch(self._pos, end)
-        except LandingFileError:
-            self.changed = True
-            raise
-        n = len(data)
-        buffer[:n] = data
-        self._pos += n
-        return n
-
-
-def hour_of_key(parts: Sequence[str]) -> datetime | None:
-    """The hour named by ``year=/month=/day=/hour=`` parts (padded or not), or None."""
-    if len(parts) != 4:
-        return None
-    values = []
-    for part, name in zip(parts, ("year", "month", "day", "hour"), strict=True):
-        label, _, digits = part.partition("=")
-        if label != name or not (digits.isascii() and digits.isdigit()):
-            return None
-        if len(digits) > layout.DIGITS[name]:
-            return None
-        values.append(int(digits))
-    try:
-        return datetime(*values, tzinfo=UTC)
-    except (ValueError, OverflowError):
-        return None
-
-
-def refuse_outside(zone_root: str, path: str) -> str:
-    """The key of ``path`` below ``zone_root`` (``/``-separated); LandingFileError(OUTSIDE) for
-    anything else: another bucket or prefix, or an empty, ``.`` or ``..`` segment."""
-    if not path.startswith(zone_root + "/"):
-        raise LandingFileError(OUTSIDE)
-    rel = path[len(zone_root) + 1 :]
-    if any(part in ("", ".", "..") for part in rel.split("/")):
-        raise LandingFileError(OUTSIDE)
-    return rel
-
-
 __all__ = [
     "CHANGED",
     "HourListing",
@@ -425,7 +340,6 @@ __all__ = [
     "LandingZone",
     "ListBudget",
     "LocalZone",
-    "PinnedObject",
 ]
 
 

@@ -1,94 +1,24 @@
 """Landing formats: one module per format, each knowing how to recognise, read and describe
-its files. What a landing file must hold is the format's business only up to Arrow: from
-there on (validation, conversion, the change log) every format is read the same way.
+its files (the interface they implement: ``base``), and ``FORMATS``, the registry of them all.
+What a landing file must hold is the format's business only up to Arrow: from there on
+(validation, conversion, the change log) every format is read the same way.
 
-Adding a format is one module here with a :class:`LandingFormat`, named in ``FORMATS``, plus
-its tests and its line in docs/configuration.md (generated from ``FORMATS``).
+Adding a format is one module here with a ``LandingFormat``, named in ``FORMATS``, plus its
+tests and its line in docs/configuration.md (generated from ``FORMATS``).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, ClassVar
 
-if TYPE_CHECKING:
-    import pyarrow as pa
+from cdc_platform.lib.landing.decoding.formats.base import LandingFormat
+from cdc_platform.lib.landing.decoding.formats.csv import CSV
+from cdc_platform.lib.landing.decoding.formats.parquet import PARQUET
 
-    from cdc_platform.lib.config import TableConfig
-
-__all__ = [
-    "FORMATS",
-    "FileToRead",
-    "LandingFormat",
-    "format_named",
-    "format_of_head",
-    "format_of_name",
-]
-
-Opener = Callable[[], BinaryIO]
-# (column name, config type name) pairs, and a note on what is unknown or guessed.
-Described = tuple[list[tuple[str, str]], str | None]
-
-
-@dataclass(frozen=True)
-class FileToRead:
-    """One landing file as its format is asked to read it."""
-
-    name: str  # its path, as a reason names it
-    table: TableConfig
-    hide_values: bool  # an encrypted table's reasons quote no cell
-    columns: Sequence[str] | None = None  # only these, where the format can (a hint)
-
-
-class LandingFormat(ABC):
-    """What the platform needs of a landing file format, as the reader and discovery use it."""
-
-    name: ClassVar[str]  # the config's ``format:`` value
-    title: ClassVar[str]  # how a reason names a file of it ("not a readable Parquet file")
-    suffix: ClassVar[str]  # the file-name part that says it (``part-1.csv.zst.aes``)
-    summary: ClassVar[str]  # one line for docs/configuration.md
-    # Read straight from the open landing file, bounded by the format itself (a Parquet footer
-    # gives the plaintext size before any page is read); else decoded into memory first,
-    # bounded by ``max_file_bytes`` as it is decoded.
-    reads_in_place: ClassVar[bool] = False
-
-    @abstractmethod
-    def looks_like(self, head: bytes) -> bool:
-        """Whether a file's first plaintext bytes start a file of this format (discovery,
-        and the decryption's wrong-key check)."""
-
-    @abstractmethod
-    def read(self, source: BinaryIO, file: FileToRead) -> pa.Table:
-        """The file's rows as Arrow, as written (``reader`` normalizes the types); raises
-        ``LandingFileError`` naming the row and the column, never a cell when ``hide_values``."""
-
-    def read_schema(self, source: BinaryIO) -> pa.Schema | None:
-        """The file's columns without its rows, where the format keeps them apart (a Parquet
-        footer); None: only reading the rows tells them."""
-        return None
-
-    @abstractmethod
-    def describe(self, opener: Opener, compression: str) -> Described:
-        """The columns (with config type names) a new table's first file shows discovery,
-        from a cheap read: its footer or its header and first rows, never the whole file."""
-
-    def config_problem(self, primary_key: Sequence[str], columns: dict[str, str]) -> str | None:
-        """What a ``tables:`` entry of this format lacks (None: nothing), for ``columns``."""
-        return None
-
-
-def _formats() -> dict[str, LandingFormat]:
-    from cdc_platform.lib.landing.decoding.formats.csv import CSV
-    from cdc_platform.lib.landing.decoding.formats.parquet import PARQUET
-
-    return {f.name: f for f in (PARQUET, CSV)}
-
+__all__ = ["FORMATS", "format_named", "format_of_head", "format_of_name"]
 
 # Every format, the default (the config's ``format:`` when unset) first.
-FORMATS: dict[str, LandingFormat] = _formats()
+FORMATS: dict[str, LandingFormat] = {f.name: f for f in (PARQUET, CSV)}
 
 
 def format_named(name: str) -> LandingFormat:

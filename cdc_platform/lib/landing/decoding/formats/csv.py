@@ -18,7 +18,7 @@ import csv
 import io
 import re
 from collections.abc import Callable, Sequence
-from typing import IO, TYPE_CHECKING, BinaryIO
+from typing import IO, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,11 +30,14 @@ from cdc_platform.lib.landing.decoding.codecs import (
     looks_like_text,
     open_decoded_stream,
 )
-from cdc_platform.lib.landing.decoding.formats import Described, FileToRead, LandingFormat, Opener
+from cdc_platform.lib.landing.decoding.formats.base import (
+    Described,
+    FileToRead,
+    LandingFormat,
+    Opener,
+    TableOptions,
+)
 from cdc_platform.lib.landing.rows.timestamps import CAST_ERRORS, first_failure, parse_timestamps
-
-if TYPE_CHECKING:
-    from cdc_platform.lib.config import TableConfig
 
 __all__ = ["CDC_TYPES", "CSV", "arrow_type", "read_csv_events"]
 
@@ -74,7 +77,7 @@ def arrow_type(type_name: str) -> pa.DataType:
 
 def read_csv_events(
     data: bytes | bytearray | memoryview | IO[bytes],
-    table: TableConfig,
+    table: TableOptions,
     source: str,
     hide_values: bool | None = None,
 ) -> pa.Table:
@@ -209,7 +212,7 @@ def _first_newline(buf: bytes, start: int, stop: int) -> int | None:
     return min(hits) if hits else None
 
 
-def _check_header(header: list[str], table: TableConfig, source: str) -> None:
+def _check_header(header: list[str], table: TableOptions, source: str) -> None:
     """The header names known columns, each once. A name the table does not declare is named
     by its position, never quoted: a file that is not the table's CSV (another file swapped in,
     a data row where the header should be, the keyring) would have its first line echoed."""
@@ -268,7 +271,7 @@ class _PrefixedStream(io.RawIOBase):
 
 
 def _convert(
-    raw: pa.Table, header: list[str], table: TableConfig, source: str, hide: bool
+    raw: pa.Table, header: list[str], table: TableOptions, source: str, hide: bool
 ) -> pa.Table:
     n = raw.num_rows
     # A blocked column is never parsed: its cells cannot set a file aside (``landing.rows.pii``).

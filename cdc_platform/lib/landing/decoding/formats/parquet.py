@@ -21,7 +21,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cdc_platform.lib.landing.decoding.codecs import PARQUET_MAGIC, LandingFileError, too_large
-from cdc_platform.lib.landing.decoding.formats import Described, FileToRead, LandingFormat, Opener
+from cdc_platform.lib.landing.decoding.formats.base import (
+    Described,
+    FileToRead,
+    LandingFormat,
+    Opener,
+)
 
 __all__ = ["PARQUET", "check_parquet_size", "decoded_bytes", "parquet_bytes"]
 
