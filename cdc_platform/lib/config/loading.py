@@ -13,6 +13,7 @@ from pydantic_core import ErrorDetails
 
 from cdc_platform.lib.config.fields import FieldProblem
 from cdc_platform.lib.config.models import DiscoverTemplate, PlatformConfig, TableConfig
+from cdc_platform.lib.errors import Refusal
 
 CONFIG_ENV_VAR = "CDC_PLATFORM_CONFIG"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -23,7 +24,7 @@ _NOT_IN_FILE = {"source"}
 _PLATFORM = TypeAdapter(PlatformConfig)
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal):
     """The config file is invalid; the message names the table and the field."""
 
 

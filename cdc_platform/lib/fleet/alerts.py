@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from email.message import Message
 from typing import IO, Any, Literal, get_args
 
+from cdc_platform.lib.errors import PlatformError
+
 AlertKind = Literal["check_failed", "check_recovered", "run_failed"]
 # build_alert's kinds; new_table_alert's own:
 KINDS: tuple[str, ...] = ("check_failed", "check_recovered", "run_failed")
@@ -51,7 +53,7 @@ _COLUMNS_IN_TEXT = 12
 _MAX_BODY_CHARS = 200
 
 
-class AlertDeliveryError(RuntimeError):
+class AlertDeliveryError(PlatformError, RuntimeError):
     """The webhook could not be reached or did not answer 2xx; the message holds no secret."""
 
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from cdc_platform import read
 from cdc_platform.lib.columns import ROW_ID, col, cols, is_reserved
+from cdc_platform.lib.errors import PlatformError
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.schema import spark_schema
 from cdc_platform.lib.storage.table import Table
@@ -44,7 +45,7 @@ class CurrentTableResult:
 DESCRIPTION = "cdc_platform current table (active rows, SCD1)"
 
 
-class CurrentTableClashError(RuntimeError):
+class CurrentTableClashError(PlatformError, RuntimeError):
     """The current table's folder holds another table (a name the platform derives collides)."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 import pyarrow as pa
 
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.rows.pii import (
     SALT_PROPERTY,
@@ -46,7 +47,7 @@ _NONE = {"hash": [], "block": []}
 HASHED_TYPES_PROPERTY = "cdc_platform.hashed_types"
 
 
-class ProtectedColumnsChangedError(ValueError):
+class ProtectedColumnsChangedError(Refusal):
     """The config hashes or blocks other columns than the table was built with."""
 
 

@@ -38,6 +38,7 @@ from cdc_platform.lib.columns import (
     cols,
     internal,
 )
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 EVENTS = "_cdc_events"  # the column of the lookup's result that holds a version's events
 
 
-class NoHistoryError(LookupError):
+class NoHistoryError(Refusal, LookupError):
     """The table has no history (or no change log) yet: there is nothing to trace."""
 
 

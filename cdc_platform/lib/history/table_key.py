@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cdc_platform.lib.columns import ROW_ID
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.storage.table import Table
 
 # The history table's property recording the key its versions are folded under: a JSON list.
@@ -30,7 +31,7 @@ PROTECT_JOB = "protect_columns"
 REBUILD_JOBS = (REKEY_JOB, PROTECT_JOB)
 
 
-class PrimaryKeyChangedError(ValueError):
+class PrimaryKeyChangedError(Refusal):
     """The config names another primary key than the one the history table was folded under."""
 
 

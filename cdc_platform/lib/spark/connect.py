@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from cdc_platform.lib.errors import PlatformError
 from cdc_platform.lib.spark import jars
 from cdc_platform.lib.spark.session import (
     LOOPBACK,
@@ -36,7 +37,7 @@ CONNECT_AUTH_ENV = "CDC_SPARK_CONNECT_AUTH"
 DEFAULT_CONNECT_AUTH = Path(".spark-connect") / "auth.json"
 
 
-class ConnectSetupError(RuntimeError):
+class ConnectSetupError(PlatformError, RuntimeError):
     """A Spark Connect session cannot be used: client packages missing, or the server lacks a
     setting correctness needs that a client cannot set."""
 

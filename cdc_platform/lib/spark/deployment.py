@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.spark.connect import (
     CONNECT_AUTH_ENV,
     DEFAULT_CONNECT_AUTH,
@@ -48,7 +49,7 @@ SPARK_MASTER_ENV = "CDC_SPARK_MASTER"
 SPARK_AUTH_SECRET_ENV = "CDC_SPARK_AUTH_SECRET"
 
 
-class SparkConfigError(ValueError):
+class SparkConfigError(Refusal):
     """A Spark setting a run may not choose, or a deployment setting that cannot be used."""
 
 

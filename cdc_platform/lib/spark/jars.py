@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from cdc_platform.lib.errors import PlatformError
+
 JarSet = Literal["delta", "s3"]
 JAR_SETS: tuple[JarSet, ...] = ("delta", "s3")
 LOCK_FILE = Path(__file__).resolve().parents[2] / "jars.lock"
@@ -32,7 +34,7 @@ MAVEN_CENTRAL = "https://repo.maven.apache.org/maven2"
 DEFAULT_JARS_DIR = Path(__file__).resolve().parents[3] / ".jars"
 
 
-class JarsMissingError(RuntimeError):
+class JarsMissingError(PlatformError, RuntimeError):
     """A feature needs jars that are not in the jar folder; the message says what to run."""
 
 

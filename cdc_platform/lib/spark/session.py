@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cdc_platform.lib.errors import PlatformError
 from cdc_platform.lib.spark import jars
 from cdc_platform.lib.storage.stores import Location, spark_hadoop_conf
 
@@ -165,7 +166,7 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
-class JavaMissingError(RuntimeError):
+class JavaMissingError(PlatformError, RuntimeError):
     """Spark needs a Java runtime; raised before anything else is attempted."""
 
 

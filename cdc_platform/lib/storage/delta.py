@@ -36,6 +36,7 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
 from cdc_platform.lib.columns import col
+from cdc_platform.lib.errors import PlatformError, Refusal
 from cdc_platform.lib.storage.stores import GLOB_CHARACTERS, Location, Where, read_parquet
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def open_table(table_path: Where, version: int | None = None) -> DeltaTable:
     return dt
 
 
-class UnsupportedTableFeatureError(RuntimeError):
+class UnsupportedTableFeatureError(PlatformError, RuntimeError):
     """Another writer (delta-spark, say) turned on a Delta feature the platform cannot keep."""
 
 
@@ -163,7 +164,7 @@ def snapshot_files(dt: DeltaTable) -> list[DataFile]:
     return files
 
 
-class UnsafeFilePathError(ValueError):
+class UnsafeFilePathError(Refusal):
     """A Delta log names a data file outside its table, or in a form no Delta writer uses."""
 
 

@@ -24,13 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.storage.stores import GLOB_CHARACTERS, Location, Where
 
 SNAPSHOT_ROOTS = "snapshot_roots"
 ADOPTION_ROOTS = "adoption_roots"
 
 
-class SourceRootError(ValueError):
+class SourceRootError(Refusal):
     """A snapshot or adoption source outside what the config allows; nothing was read."""
 
 

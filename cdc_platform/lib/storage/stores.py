@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from cdc_platform.lib.errors import PlatformError
+
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
     from pyspark.sql import DataFrame, DataFrameReader
@@ -42,7 +44,7 @@ _BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")
 _SPARK_SCHEMES = {"s3": "s3a", "gs": "gs", "abfss": "abfss"}
 
 
-class StorageOptionError(RuntimeError):
+class StorageOptionError(PlatformError, RuntimeError):
     """A storage option cannot be given its value (its environment variable is not set)."""
 
 

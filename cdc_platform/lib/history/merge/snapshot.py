@@ -24,6 +24,7 @@ from cdc_platform.lib.columns import (
     SYNCED,
     HistoryColumns,
 )
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import joins, table_key
 from cdc_platform.lib.history.merge.columns import APP_ID, FAULT_ENV, FILE
 from cdc_platform.lib.history.table_key import PRIMARY_KEY_PROPERTY
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
 
-class HistoryColumnsError(ValueError):
+class HistoryColumnsError(Refusal):
     """The table's selective-history setting names a column the table does not have."""
 
 

@@ -31,6 +31,8 @@ import zstandard
 from cryptography.hazmat.primitives import padding
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from cdc_platform.lib.errors import PlatformError
+
 # A file to decode: its path, or a file already opened (and checked) by the caller, which then
 # owns it (``decode_file`` leaves it open; ``open_decoded_stream``'s stream closes it).
 Source = str | BinaryIO
@@ -61,7 +63,7 @@ COMPRESSIONS = ("none", "zstd")
 ENCRYPTIONS = ("none", "aes-256-cbc")
 
 
-class LandingFileError(Exception):
+class LandingFileError(PlatformError):
     """A landing file cannot be decoded or parsed.
 
     ``reason`` is a human sentence (never key material); ``row`` is the 1-based data row of

@@ -28,12 +28,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cdc_platform.lib.errors import Refusal
+
 KEY_BYTES = 32
 MIN_SALT_BYTES = 16
 _TOP_KEYS = ("tables", "files", "hash_salt")
 
 
-class KeyringError(ValueError):
+class KeyringError(Refusal):
     """The keyring file or mapping is invalid; the message names the entry, never the key."""
 
 
