@@ -79,7 +79,7 @@ from benchmarks.harness.report import MB
 from benchmarks.harness.table import HOUR_US, START_US, TABLE, TMAX_US, TS_TYPE, hour_at
 from cdc_platform.lib.columns import END, START
 from cdc_platform.lib.landing.where.layout import hour_folder
-from cdc_platform.lib.pipeline import materialize
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
 from cdc_platform.lib.spark.session import build_spark_session, delta_conf
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -803,27 +803,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.hours < 1 or args.events < args.hours:
-        raise SystemExit("--hours must be >= 1 and --events >= --hours")
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="cdc_delta_ref_"))
-    work.mkdir(parents=True, exist_ok=True)
-    landing_root, warehouse = work / "landing", work / "warehouse"
-    shutil.rmtree(landing_root, ignore_errors=True)
-    shutil.rmtree(warehouse, ignore_errors=True)
-    per_hour = args.events // args.hours
-    late = max(1, round(per_hour * args.late))
-    landing = generate(landing_root, args.keys, args.events, args.hours, late, args.seed)
-    n_events = sum(t.num_rows for t in landing.events)
-    print(
-        f"{n_events:,} CDC events over {args.keys:,} keys (+9 edge-case keys): {args.hours} hour"
-        f" folders in order, then a late hour ({late:,} of its events committed in the earlier"
-        f" hours); local[2], {os.cpu_count()} cores, shared: seconds are indicative, bytes exact."
-        f" Work folder {work}"
-    )
+@dataclass(frozen=True)
+class Sitting:
+    """What every part of one run shares: its options, folders, landing files and tables."""
 
-    # ---- 1a. SDP's auto CDC, before this process starts a JVM (one Spark at a time).
+    args: argparse.Namespace
+    work: Path
+    landing_root: Path
+    warehouse: Path
+    landing: Landing
+    paths: TablePaths
+    history: Path
+    before_late: Path
+    reference: str
+
+
+@dataclass
+class HourRuns:
+    """Part 1's hours: each side's seconds, what the reference dropped, the late hour's run."""
+
+    plat_s: list[float]
+    ref_s: list[float]
+    late_keys: set[int]
+    late_dropped: int
+    late_hour: MaterializationOutcome
+
+
+def probe_sdp(args: argparse.Namespace, work: Path, landing_root: Path) -> None:
+    """Spark Declarative Pipelines' auto CDC, before this process starts a JVM (one Spark at
+    a time): what its API and protocol offer, and whether a run of it works here."""
     print("\n== Spark Declarative Pipelines: create_auto_cdc_flow(stored_as_scd_type=2) ==")
     print(f"  Python API: {sdp_api_refusal()}")
     print(f"  Spark Connect protocol SCDType values: {sdp_protocol_scd_types()}")
@@ -839,17 +847,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "  -> the reference below is delta-spark's MERGE INTO SCD2 pattern (one MERGE per landing batch)"
     )
 
-    spark = build_spark_session(
-        "local[2]", {**delta_conf(), "spark.driver.memory": "2g"}, "delta_reference"
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    reference = str(work / "reference_scd2")
-    shutil.rmtree(reference, ignore_errors=True)
-    paths = TablePaths.of(warehouse, TABLE.name)
-    history = Path(paths.history.uri)
-    before_late = work / "history_before_late"
 
-    # ---- 1b. Hour by hour: the platform, then the reference, in one sitting.
+def hour_by_hour(spark: SparkSession, s: Sitting) -> HourRuns:
+    """The same hours, the platform's ``materialize()`` then the reference's MERGE, in one
+    sitting; the history before the late hour is kept for part 2."""
     print("\n== 1. The same hours: platform materialize() vs delta-spark MERGE SCD2 ==")
     print(
         f"  {'hour folder':<14} {'events':>7} {'platform s':>10} {'reference s':>11}  late dropped by reference"
@@ -859,41 +860,45 @@ def main(argv: Sequence[str] | None = None) -> None:
     late_keys: set[int] = set()
     late_dropped = 0
     late_hour = None
-    for index in range(args.hours + 1):
-        files = hour_files(landing_root, index)
-        if index == args.hours:
-            shutil.rmtree(before_late, ignore_errors=True)
-            shutil.copytree(history, before_late)
+    for index in range(s.args.hours + 1):
+        files = hour_files(s.landing_root, index)
+        if index == s.args.hours:
+            shutil.rmtree(s.before_late, ignore_errors=True)
+            shutil.copytree(s.history, s.before_late)
         t0 = time.perf_counter()
-        outcome = materialize(spark, TABLE, landing_root, warehouse, [hour_at(index)])
+        outcome = materialize(spark, TABLE, s.landing_root, s.warehouse, [hour_at(index)])
         plat_s.append(time.perf_counter() - t0)
-        stats = reference_batch_stats(spark, reference, files)
+        stats = reference_batch_stats(spark, s.reference, files)
         t0 = time.perf_counter()
-        reference_batch(spark, reference, files)
+        reference_batch(spark, s.reference, files)
         ref_s.append(time.perf_counter() - t0)
         late_keys |= stats.late_keys
         late_dropped += stats.late_dropped
-        label = f"{index}{' (late)' if index == args.hours else ''}"
+        label = f"{index}{' (late)' if index == s.args.hours else ''}"
         print(
             f"  {label:<14} {stats.events:>7,} {plat_s[-1]:>10.2f} {ref_s[-1]:>11.2f}  {stats.late_dropped:,}"
         )
-        if index == args.hours:
+        if index == s.args.hours:
             late_hour = outcome
     assert late_hour is not None
     print(
         f"  {'all hours':<14} {'':>7} {sum(plat_s):>10.2f} {sum(ref_s):>11.2f}"
         f"   (without the first hour, which warms the session up: {sum(plat_s[1:]):.2f} vs {sum(ref_s[1:]):.2f})"
     )
+    return HourRuns(plat_s, ref_s, late_keys, late_dropped, late_hour)
 
-    # ---- 1c. Row by row.
+
+def row_by_row(spark: SparkSession, s: Sitting, runs: HourRuns) -> int:
+    """Both tables row by row, once normalised (the known differences printed first);
+    returns the platform's row count."""
     print(KNOWN_DIFFERENCES)
-    plat_table = delta.read_arrow(paths.history)
-    ref_table = spark.read.format("delta").load(reference).toArrow()
+    plat_table = delta.read_arrow(s.paths.history)
+    ref_table = spark.read.format("delta").load(s.reference).toArrow()
     p_norm = normalise_platform(plat_table)
     r_norm = normalise_reference(ref_table)
-    same_ms = same_ms_keys(landing.events)
-    late_in_data = landing.late_keys()
-    cmp = compare(p_norm, r_norm, late_keys | late_in_data, same_ms)
+    same_ms = same_ms_keys(s.landing.events)
+    late_in_data = s.landing.late_keys()
+    cmp = compare(p_norm, r_norm, runs.late_keys | late_in_data, same_ms)
     print(
         f"\n  platform history: {plat_table.num_rows:,} rows; reference: {ref_table.num_rows:,} rows"
     )
@@ -915,7 +920,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"  differing, {reason}: {len(keys):,} keys, {cmp.platform_only[reason]:,} platform-only"
             f" rows, {cmp.reference_only[reason]:,} reference-only rows"
         )
-        for key in keys[: args.examples]:
+        for key in keys[: s.args.examples]:
             print(f"    key {key}:")
             for row in p_norm.rows.get(key, []):
                 print(f"      platform  {fmt_row(row)}")
@@ -924,32 +929,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not reasons:
         print("  no differing rows")
     print(
-        f"  the reference dropped {late_dropped:,} late or re-delivered events"
-        f" ({len(late_keys):,} keys); keys with a late event in the landing files:"
+        f"  the reference dropped {runs.late_dropped:,} late or re-delivered events"
+        f" ({len(runs.late_keys):,} keys); keys with a late event in the landing files:"
         f" {len(late_in_data):,} (a late event of a key whose only earlier event was a delete is"
         " not dropped: the reference keeps no row for it, and makes the late image current);"
         f" keys with several events in one millisecond: {len(same_ms):,}"
     )
+    return plat_table.num_rows
 
-    # ---- 2. The late hour with deletion vectors.
+
+def late_hour_merges(spark: SparkSession, s: Sitting, runs: HourRuns, platform_rows: int) -> None:
+    """The late hour: the platform's copy-on-write commit against delta-spark's MERGE of the
+    same row changes, with and without deletion vectors."""
     print(
         "\n== 2. The late hour: platform copy-on-write vs delta-spark MERGE (same row changes) =="
     )
-    before_v = late_hour.history_version_before
-    after_v = late_hour.merge.history_version
-    plat_versions = [v for v in sorted(log_versions(history)) if before_v is None or v > before_v]
-    plat = commit_figures(history, plat_versions)
-    cl = Path(paths.changelog.uri)
-    cl_fig = commit_figures(cl, [late_hour.merge.changelog_version or max(log_versions(cl))])
-    staged = work / "late_changes"
-    upserts, deletes = stage_late_changes(spark, before_late, history, staged)
-    columns = [f.name for f in spark.read.format("delta").load(str(history)).schema.fields]
+    before_v = runs.late_hour.history_version_before
+    after_v = runs.late_hour.merge.history_version
+    plat_versions = [v for v in sorted(log_versions(s.history)) if before_v is None or v > before_v]
+    plat = commit_figures(s.history, plat_versions)
+    cl = Path(s.paths.changelog.uri)
+    cl_fig = commit_figures(cl, [runs.late_hour.merge.changelog_version or max(log_versions(cl))])
+    staged = s.work / "late_changes"
+    upserts, deletes = stage_late_changes(spark, s.before_late, s.history, staged)
+    columns = [f.name for f in spark.read.format("delta").load(str(s.history)).schema.fields]
     print(
         f"  the platform's commit(s) {plat_versions} (history v{before_v} -> v{after_v}):"
-        f" {upserts:,} rows written, {deletes:,} rows gone, {plat_table.num_rows:,} rows in all,"
-        f" {len(delta.snapshot_files(delta.open_table(paths.history))):,} files"
+        f" {upserts:,} rows written, {deletes:,} rows gone, {platform_rows:,} rows in all,"
+        f" {len(delta.snapshot_files(delta.open_table(s.paths.history))):,} files"
     )
-    print_commit("platform materialize() (whole run)", plat_s[-1], plat)
+    print_commit("platform materialize() (whole run)", runs.plat_s[-1], plat)
     print(
         f"  {'':<44} {'':9}  + its change-log commit: +{cl_fig.added / MB:.3f} MB"
         f" ({cl_fig.files_added} files), -{cl_fig.removed / MB:.3f} MB"
@@ -959,9 +968,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         " the change-log append and the fold are in materialize()'s seconds, not in theirs)"
     )
     for dvs in (True, False):
-        copy = work / ("late_dv" if dvs else "late_cow")
+        copy = s.work / ("late_dv" if dvs else "late_cow")
         shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(before_late, copy)
+        shutil.copytree(s.before_late, copy)
         if dvs:
             spark.sql(
                 f"ALTER TABLE delta.`{copy}` SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'true')"
@@ -990,8 +999,47 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
         )
         print(
-            f"  {'':<44} {'':9}  same rows as the platform's table: {same_rows(spark, copy, history)}"
+            f"  {'':<44} {'':9}  same rows as the platform's table: {same_rows(spark, copy, s.history)}"
         )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.hours < 1 or args.events < args.hours:
+        raise SystemExit("--hours must be >= 1 and --events >= --hours")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="cdc_delta_ref_"))
+    work.mkdir(parents=True, exist_ok=True)
+    landing_root, warehouse = work / "landing", work / "warehouse"
+    shutil.rmtree(landing_root, ignore_errors=True)
+    shutil.rmtree(warehouse, ignore_errors=True)
+    per_hour = args.events // args.hours
+    late = max(1, round(per_hour * args.late))
+    landing = generate(landing_root, args.keys, args.events, args.hours, late, args.seed)
+    n_events = sum(t.num_rows for t in landing.events)
+    print(
+        f"{n_events:,} CDC events over {args.keys:,} keys (+9 edge-case keys): {args.hours} hour"
+        f" folders in order, then a late hour ({late:,} of its events committed in the earlier"
+        f" hours); local[2], {os.cpu_count()} cores, shared: seconds are indicative, bytes exact."
+        f" Work folder {work}"
+    )
+
+    probe_sdp(args, work, landing_root)
+
+    spark = build_spark_session(
+        "local[2]", {**delta_conf(), "spark.driver.memory": "2g"}, "delta_reference"
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    reference = str(work / "reference_scd2")
+    shutil.rmtree(reference, ignore_errors=True)
+    paths = TablePaths.of(warehouse, TABLE.name)
+    history = Path(paths.history.uri)
+    before_late = work / "history_before_late"
+    s = Sitting(
+        args, work, landing_root, warehouse, landing, paths, history, before_late, reference
+    )
+    runs = hour_by_hour(spark, s)
+    platform_rows = row_by_row(spark, s, runs)
+    late_hour_merges(spark, s, runs, platform_rows)
     spark.stop()
     if not args.keep and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

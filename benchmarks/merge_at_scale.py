@@ -222,6 +222,12 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
             rows.append(DepthRow(label, variant, meta["versions"], meta["bytes"], m))
             log(f"  {label} {variant}: " + " ".join(f"{r.seconds:.2f}" for r in runs) + " s")
 
+    print_depth_rows(rows)
+    print_depth_ratios(rows, sizes)
+
+
+def print_depth_rows(rows: Sequence[DepthRow]) -> None:
+    """One line a measured call: its time, bytes read and rewritten, files and memory."""
     print()
     print_table(
         [
@@ -272,6 +278,10 @@ def run_depth(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     commits = {len(r.m.history.versions) for r in rows}
     if commits != {1}:
         log(f"  note: history commits per measured call: {sorted(commits)} (figures sum them)")
+
+
+def print_depth_ratios(rows: Sequence[DepthRow], sizes: Sequence[int]) -> None:
+    """The largest size against each smaller one; the target compares it with the smallest."""
     hi = size_label(sizes[-1])
     for i, smaller in enumerate(sizes[:-1]):
         lo = size_label(smaller)
@@ -343,6 +353,22 @@ def latest_run_figures(home: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 2. backfill
 
 
+def spark_floor(landing_root: Path, run_dir: Path, cli_seconds: float) -> None:
+    """Spark's own floor (issue 22, target 4): one Spark SQL query over every landed file, as a
+    whole python process from a cold JVM (bulk_hour_cost's reference, same query), against the
+    CLI's range run."""
+    spark_ref = measured("reference", landing_root, run_dir / "spark_reference", None)
+    if "failed" in spark_ref:
+        raise AssertionError(f"the Spark SQL reference failed: {spark_ref['failed']}")
+    floor_ratio = cli_seconds / spark_ref["process_seconds"]
+    log(
+        f"  Spark SQL reference (one query, cold JVM, whole process): "
+        f"{spark_ref['process_seconds']:.1f} s ({spark_ref['seconds']:.1f} s of work), "
+        f"{spark_ref['versions']:,} versions; the CLI takes {floor_ratio:.2f}x "
+        f"(target <= {TARGET_BACKFILL_FLOOR_RATIO}x: {met(floor_ratio <= TARGET_BACKFILL_FLOOR_RATIO)})"
+    )
+
+
 def run_backfill(args: argparse.Namespace, work: Path) -> None:
     keys = scaled(args.backfill_keys, args.scale)
     events = scaled(args.backfill_events, args.scale)
@@ -373,18 +399,7 @@ def run_backfill(args: argparse.Namespace, work: Path) -> None:
     ref_versions, ref_active = table_rows(ref_path)
     log(f"  DuckDB reference fold + write_deltalake: {ref_seconds:.1f} s")
 
-    # Spark's own floor (issue 22, target 4): one Spark SQL query over every landed file, as a
-    # whole python process from a cold JVM (bulk_hour_cost's reference, same query).
-    spark_ref = measured("reference", landing.root, run_dir / "spark_reference", None)
-    if "failed" in spark_ref:
-        raise AssertionError(f"the Spark SQL reference failed: {spark_ref['failed']}")
-    floor_ratio = cli.seconds / spark_ref["process_seconds"]
-    log(
-        f"  Spark SQL reference (one query, cold JVM, whole process): "
-        f"{spark_ref['process_seconds']:.1f} s ({spark_ref['seconds']:.1f} s of work), "
-        f"{spark_ref['versions']:,} versions; the CLI takes {floor_ratio:.2f}x "
-        f"(target <= {TARGET_BACKFILL_FLOOR_RATIO}x: {met(floor_ratio <= TARGET_BACKFILL_FLOOR_RATIO)})"
-    )
+    spark_floor(landing.root, run_dir, cli.seconds)
 
     spark_tput, ref_tput = events / cli.seconds, events / ref_seconds
     ratio = spark_tput / ref_tput
@@ -431,6 +446,45 @@ def run_backfill(args: argparse.Namespace, work: Path) -> None:
 
 
 # --------------------------------------------------------------------------- 3. fixed cost
+
+
+def print_fixed(
+    small: int,
+    remote: str | None,
+    in_process: Sequence[float],
+    cli: Sequence[CliRun],
+    noop: Sequence[CliRun],
+) -> None:
+    """The medians against their targets, beside the no-op asset's (the CLI's floor)."""
+    med_in, med_cli = statistics.median(in_process), statistics.median(c.seconds for c in cli)
+    med_noop = statistics.median(c.seconds for c in noop)
+    print()
+    print_table(
+        ["what", "median s", "runs (s)", "target", ""],
+        [
+            [
+                f"materialize() in-process, warm Spark{' Connect' if remote else ''}, {small} events",
+                f"{med_in:.2f}",
+                " ".join(f"{s:.2f}" for s in in_process),
+                f"<= {TARGET_FIXED_IN_PROCESS_S:g} s",
+                met(med_in <= TARGET_FIXED_IN_PROCESS_S),
+            ],
+            [
+                f"dagster asset materialize process, {small} events",
+                f"{med_cli:.2f}",
+                " ".join(f"{c.seconds:.2f}" for c in cli),
+                f"<= {TARGET_FIXED_CLI_S:g} s",
+                met(med_cli <= TARGET_FIXED_CLI_S),
+            ],
+            [
+                "dagster asset materialize process, a no-op asset",
+                f"{med_noop:.2f}",
+                " ".join(f"{c.seconds:.2f}" for c in noop),
+                "(the CLI's floor)",
+                "",
+            ],
+        ],
+    )
 
 
 def run_fixed(spark: SparkSession, args: argparse.Namespace, work: Path) -> None:
@@ -490,35 +544,7 @@ def run_fixed(spark: SparkSession, args: argparse.Namespace, work: Path) -> None
     meta = latest_run_figures(run_dir / "dagster_home")  # before the no-op runs: the latest run
     noop = [run_dagster_noop(env, run_dir, f"noop-{n}") for n in range(args.cli_runs)]
 
-    med_in, med_cli = statistics.median(in_process), statistics.median(c.seconds for c in cli)
-    med_noop = statistics.median(c.seconds for c in noop)
-    print()
-    print_table(
-        ["what", "median s", "runs (s)", "target", ""],
-        [
-            [
-                f"materialize() in-process, warm Spark{' Connect' if remote else ''}, {small} events",
-                f"{med_in:.2f}",
-                " ".join(f"{s:.2f}" for s in in_process),
-                f"<= {TARGET_FIXED_IN_PROCESS_S:g} s",
-                met(med_in <= TARGET_FIXED_IN_PROCESS_S),
-            ],
-            [
-                f"dagster asset materialize process, {small} events",
-                f"{med_cli:.2f}",
-                " ".join(f"{c.seconds:.2f}" for c in cli),
-                f"<= {TARGET_FIXED_CLI_S:g} s",
-                met(med_cli <= TARGET_FIXED_CLI_S),
-            ],
-            [
-                "dagster asset materialize process, a no-op asset",
-                f"{med_noop:.2f}",
-                " ".join(f"{c.seconds:.2f}" for c in noop),
-                "(the CLI's floor)",
-                "",
-            ],
-        ],
-    )
+    print_fixed(small, remote, in_process, cli, noop)
     log(
         f"  last CLI run: peak RSS of its process tree {cli[-1].peak_rss / 2**20:,.0f} MiB; "
         f"{describe_steps(meta)}; Spark: "

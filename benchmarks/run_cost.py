@@ -133,7 +133,7 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def print_stages(runs: list[CostReport]) -> None:
+def print_stages(runs: Sequence[CostReport]) -> None:
     names = list(dict.fromkeys(s.name for r in runs for s in r.stages))
     seconds = {n: [s.seconds for r in runs for s in r.stages if s.name == n] for n in names}
     log(f"{'stage':<22} {'median s':>9} {'Spark jobs':>11}")
@@ -184,7 +184,49 @@ def distinct_counts(counts: Iterable[int | None]) -> str:
     return "/".join("-" if c < 0 else str(c) for c in sorted(seen))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def print_report(
+    hour_events: int,
+    ours: Sequence[CostReport],
+    checks: Sequence[CostReport],
+    refs: Sequence[CostReport],
+    opens: Sequence[tuple[int, int]],
+) -> None:
+    """Stage by stage: the runs, their checks and the plain-Spark reference, then the ratios
+    against the targets and what the last run read and rewrote."""
+    log(f"\nmaterialize() of a {hour_events}-event hour, warm local[2], {len(ours)} runs:")
+    print_stages(ours)
+    log("\nthe checks that follow each run (scoped to the keys it touched):")
+    print_stages(checks)
+    check_s = median([r.seconds for r in checks])
+    log(
+        f"checks: {check_s:.2f} s (target <= {TARGET_CHECK_SECONDS:g} s warm: "
+        f"{'met' if check_s <= TARGET_CHECK_SECONDS else 'NOT met'})"
+    )
+    log("\nsmall-hour reference (plain Spark, same session, same hours):")
+    print_stages(refs)
+    mine, ref_s = median([r.seconds for r in ours]), median([r.seconds for r in refs])
+    jobs, ref_jobs = ours[-1].spark_jobs or 0, refs[-1].spark_jobs or 0
+    log(
+        f"\nratio: {mine / ref_s:.1f}x the reference's time ({mine:.2f} s vs {ref_s:.2f} s; "
+        f"target <= {TARGET_TIME_RATIO:g}x: {'met' if mine <= TARGET_TIME_RATIO * ref_s else 'NOT met'}), "
+        f"{jobs / max(ref_jobs, 1):.1f}x its Spark jobs ({jobs} vs {ref_jobs}; target <= "
+        f"{TARGET_JOBS}: {'met' if jobs <= TARGET_JOBS else 'NOT met'})"
+    )
+    figures = ours[-1].figures()
+    log(
+        "last run: bytes read "
+        + ", ".join(f"{k[11:]} {v:,}" for k, v in figures.items() if k.startswith("bytes_read/"))
+        + "; bytes rewritten "
+        + ", ".join(f"{k[16:]} {v:,}" for k, v in figures.items() if k.startswith("bytes_rewrit"))
+        + f"; commits {figures['commits/total']}"
+    )
+    log(
+        "Delta logs read per run (DeltaTable opened, is_deltatable checks): "
+        + ", ".join(f"{o}+{c}" for o, c in opens)
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--versions", type=int, default=100_000, help="events of the built table")
     p.add_argument("--keys", type=int, default=100_000, help="(at most --versions)")
@@ -200,7 +242,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="a Spark setting for this sitting (e.g. spark.sql.adaptive.enabled=false)",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     keys = min(args.keys, args.versions)
     conf = dict(item.split("=", 1) for item in args.conf)
     if args.profile:
@@ -249,37 +295,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ours.append(outcome.cost)
             refs.append(ref)
             checks.append(checked)
-    log(f"\nmaterialize() of a {args.hour_events}-event hour, warm local[2], {len(ours)} runs:")
-    print_stages(ours)
-    log("\nthe checks that follow each run (scoped to the keys it touched):")
-    print_stages(checks)
-    check_s = median([r.seconds for r in checks])
-    log(
-        f"checks: {check_s:.2f} s (target <= {TARGET_CHECK_SECONDS:g} s warm: "
-        f"{'met' if check_s <= TARGET_CHECK_SECONDS else 'NOT met'})"
-    )
-    log("\nsmall-hour reference (plain Spark, same session, same hours):")
-    print_stages(refs)
-    mine, ref_s = median([r.seconds for r in ours]), median([r.seconds for r in refs])
-    jobs, ref_jobs = ours[-1].spark_jobs or 0, refs[-1].spark_jobs or 0
-    log(
-        f"\nratio: {mine / ref_s:.1f}x the reference's time ({mine:.2f} s vs {ref_s:.2f} s; "
-        f"target <= {TARGET_TIME_RATIO:g}x: {'met' if mine <= TARGET_TIME_RATIO * ref_s else 'NOT met'}), "
-        f"{jobs / max(ref_jobs, 1):.1f}x its Spark jobs ({jobs} vs {ref_jobs}; target <= "
-        f"{TARGET_JOBS}: {'met' if jobs <= TARGET_JOBS else 'NOT met'})"
-    )
-    figures = ours[-1].figures()
-    log(
-        "last run: bytes read "
-        + ", ".join(f"{k[11:]} {v:,}" for k, v in figures.items() if k.startswith("bytes_read/"))
-        + "; bytes rewritten "
-        + ", ".join(f"{k[16:]} {v:,}" for k, v in figures.items() if k.startswith("bytes_rewrit"))
-        + f"; commits {figures['commits/total']}"
-    )
-    log(
-        "Delta logs read per run (DeltaTable opened, is_deltatable checks): "
-        + ", ".join(f"{o}+{c}" for o, c in opens)
-    )
+    print_report(args.hour_events, ours, checks, refs, opens)
     import pyspark
 
     app = spark.sparkContext.applicationId
