@@ -8,12 +8,8 @@ happens at load: no Spark session, no key, no file listing.
 
 import dagster as dg
 
-from cdc_platform.defs import alerts, sensors, tables
-from cdc_platform.defs.lifecycle import build_lifecycle_jobs
-from cdc_platform.defs.maintenance import build_maintenance_job, build_maintenance_schedules
-from cdc_platform.defs.plans import build_plan_job
+from cdc_platform.defs import alerts, jobs, sensors, tables
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.defs.revocations import build_revocation_jobs
 from cdc_platform.lib.config import PlatformConfig, load_config
 from cdc_platform.lib.landing.discovery import with_discovered_tables
 
@@ -31,7 +27,7 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
         table_defs,
         sensor_defs,
         alerts.definitions(platform, [k for t in built for k in t.checks.check_keys], watched),
-        _operator_jobs(platform),
+        jobs.definitions(platform),
         dg.Definitions(
             # One process per run: the asset step and its checks share one Spark session (one
             # JVM) instead of starting a JVM per step; Spark, not Dagster, parallelizes the work.
@@ -39,22 +35,6 @@ def build_definitions(platform: PlatformConfig) -> dg.Definitions:
             # Where Spark runs and which keyring is read: the deployment's environment only.
             resources={"spark": SparkResource(), "keyring": KeyringResource()},
         ),
-    )
-
-
-def _operator_jobs(platform: PlatformConfig) -> dg.Definitions:
-    """The operator jobs and the maintenance schedules. One job each, the table named in the
-    run config: the Jobs page lists the same jobs whatever the table count; each table keeps
-    its own maintenance schedule."""
-    maintenance_job = build_maintenance_job(platform)
-    return dg.Definitions(
-        jobs=[
-            maintenance_job,
-            build_plan_job(platform),
-            *build_revocation_jobs(platform),
-            *build_lifecycle_jobs(platform),
-        ],
-        schedules=build_maintenance_schedules(platform, maintenance_job),
     )
 
 

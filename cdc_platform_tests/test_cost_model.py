@@ -18,7 +18,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from cdc_platform.defs.maintenance import build_maintenance_job
+from cdc_platform.defs.jobs.registry import MAINTENANCE_JOB, operator_job
 from cdc_platform.lib.columns import CHANGED, CURRENT, LAST_EVENT_AT
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history.merge import APP_ID, is_closed_file, unchanged_before
@@ -273,7 +273,7 @@ def test_maintenance_job_compacts_without_changing_a_row(spark, lake):
     history_files = len(delta.snapshot_files(delta.open_table(paths.history)))
     log_files = len(delta.snapshot_files(delta.open_table(paths.changelog)))
 
-    job = build_maintenance_job(platform)
+    job = operator_job(platform, MAINTENANCE_JOB)
     with dg.instance_for_test() as instance:
         result = job.execute_in_process(
             instance=instance,

@@ -23,12 +23,12 @@ from dagster._utils.schedules import cron_string_iterator
 
 from cdc_platform.definitions import build_definitions
 from cdc_platform.defs import maintenance, operations
-from cdc_platform.defs.maintenance import (
+from cdc_platform.defs.jobs.maintenance_schedules import (
     FLEET_MAINTENANCE_SCHEDULE,
     MAINTENANCE_JOB,
     MAINTENANCE_OP,
 )
-from cdc_platform.defs.plans import PLAN_JOB, PLAN_OP
+from cdc_platform.defs.jobs.registry import PLAN_JOB, PLAN_OP
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.tags import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, load_config

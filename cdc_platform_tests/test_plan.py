@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from cdc_platform.defs.plans import build_plan_job
+from cdc_platform.defs.jobs.registry import PLAN_JOB, operator_job
 from cdc_platform.lib.config import load_config
 from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.operations.plan import plan
@@ -70,7 +70,7 @@ def test_plan_reports_the_real_runs_figures_and_writes_nothing(spark, tmp_path):
     (hour_folder(landing, "orders", H2) / "broken.parquet").write_bytes(b"not parquet")
 
     before = tree(tmp_path)
-    job = build_plan_job(platform)
+    job = operator_job(platform, PLAN_JOB)
     result = job.execute_in_process(
         run_config={
             "ops": {

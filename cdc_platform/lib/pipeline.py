@@ -20,34 +20,24 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.errors import PlatformError
 from cdc_platform.lib.history import changelog
-from cdc_platform.lib.history.merge import MergeResult, apply_pending, fault_point
+from cdc_platform.lib.history.merge import MergeResult, fault_point
 from cdc_platform.lib.history.protected_columns import (
     changelog_properties,
     check_hashing_salt,
-    check_protected_columns,
     record_hashing,
 )
-from cdc_platform.lib.history.table_key import check_key
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.landing.batch import Inspected, LandingBatch, Listing
 from cdc_platform.lib.landing.decoding.keyring import Keyring
-from cdc_platform.lib.landing.reading.file_reader import (
-    FileReport,
-    LandingReader,
-    changed_files_named,
-)
-from cdc_platform.lib.landing.reading.native import NativeGuard, NativeReadChangedError
-from cdc_platform.lib.landing.reading.passes import (
-    event_schema,
-    inspect_files,
-    read_events,
-    unify_schema,
-    with_row_id,
-)
+from cdc_platform.lib.landing.reading.file_reader import FileReport, LandingReader
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.safe_open import CHANGED
 from cdc_platform.lib.landing.where.zone import Landing, LandingZone
 from cdc_platform.lib.ledgers import applied_files, erased_keys, quarantine, revoked_files
+from cdc_platform.lib.operations.operation import to_ms
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored
 from cdc_platform.lib.storage.stores import Location, Where
@@ -55,11 +45,10 @@ from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    import pyarrow as pa
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 
-class LandingRootMissingError(FileNotFoundError):
+class LandingRootMissingError(PlatformError, FileNotFoundError):
     """The configured landing root does not exist (a typo or an unmounted volume)."""
 
 
@@ -124,23 +113,34 @@ def materialize(
     synced_at: datetime | None = None,
     run_id: str | None = None,
 ) -> MaterializationOutcome:
+    """``materialize_hours`` on a handle opened for the call."""
+    handle = HistoryTable(spark, table, warehouse_root, landing_root, keyring)
+    return materialize_hours(handle, hours, synced_at, run_id)
+
+
+def materialize_hours(
+    t: HistoryTable,
+    hours: Sequence[datetime],
+    synced_at: datetime | None = None,
+    run_id: str | None = None,
+) -> MaterializationOutcome:
     """Apply every file of ``hours`` to the table: change log first, then the history table;
     then, given the ``run_id``, record the files applied (``lib.ledgers.applied_files``: what the
     landing sensor compares the landing zone with).
 
-    Raises LandingRootMissingError if ``landing_root`` does not exist; a missing table or hour
+    Raises LandingRootMissingError if the landing root does not exist; a missing table or hour
     folder inside it is just an hour with no files.
     """
-    landing = zone_at(landing_root)
+    spark, table = t.spark, t.config
+    landing = zone_at(t.landing)
     if not landing.exists():
         raise LandingRootMissingError(
             f"landing_root {landing.root} does not exist, is not a folder or does not answer:"
             f" check the config (or mount the landing volume); table {table.name!r} was not"
             " materialized"
         )
-    paths = TablePaths.of(warehouse_root, table.name)
-    run = _Run(spark, table, landing, warehouse_root, hours, keyring, synced_at)
-    with RunCost(spark, committed_tables(paths)) as cost, conf_restored(spark, ADAPTIVE):
+    run = _Run(spark, table, landing, t.warehouse_root, hours, t.keyring, synced_at, t)
+    with RunCost(spark, committed_tables(t.paths)) as cost, conf_restored(spark, ADAPTIVE):
         outcome, listing = _apply_hours(run)
     if run_id is not None:
         _record_applied(run, listing, outcome, run_id)
@@ -176,10 +176,11 @@ class _Run:
     hours: Sequence[datetime]
     keyring: Keyring | None
     synced_at: datetime | None
+    handle: HistoryTable  # the table's Delta tables, opened once for every stage
 
     @property
     def paths(self) -> TablePaths:
-        return TablePaths.of(self.warehouse_root, self.table.name)
+        return self.handle.paths
 
     @property
     def partitions(self) -> list[str]:
@@ -190,31 +191,15 @@ class _Run:
         return revoked_files.revoked_names(self.paths.revoked_files)
 
 
-@dataclass
-class _Listing:
-    """The hours' files as listed once: what is read, what is not, and why."""
-
-    listed: list[applied_files.AppliedFile]  # every file, for the applied-files ledger
-    partition_of: dict[str, str]  # each file to read (or set aside unopened): its partition
-    size_of: dict[str, int]
-    not_read: dict[str, str]  # symlinks, files in sub-folders: never opened, and why
-    skipped: list[str]  # un-applied by a user: not read
-
-    @property
-    def paths(self) -> list[str]:
-        return sorted(self.partition_of)
-
-
-def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
+def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, Listing]:
     """``materialize`` in stages, each marked for the run's cost (``run_cost.lap``): list,
     inspect (pass 1), append to the change log (pass 2), record the quarantine, merge."""
     lap("list_files")
     # A table another engine gave a feature the platform cannot keep, or a config naming
     # another key than the history table's, stops the run here, before it writes.
     # Each opened once here (which checks its features) and handed down.
-    log, history = Table.open(run.paths.changelog), Table.open(run.paths.history)
-    check_key(history, run.table.key)
-    check_protected_columns(log, run.table)
+    log, history = run.handle.changelog, run.handle.history
+    run.handle.check()
     check_hashing_salt(log, run.table, run.keyring)  # another salt: refused before any read
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
@@ -222,20 +207,22 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     erased = erased_keys.loader(run.paths.erased_keys, run.keyring)
     if erased() is not None:  # refused here without the salt, before any read
         reader.hide_values = True  # a reason could quote a cell of an erased key's row
-    listing = _list(run, reader)
+    batch = LandingBatch.of_hours(run.spark, reader, run.landing, run.hours, run.revoked())
+    listing = batch.listing
     plan_whole_if_small(run.spark, sum(listing.size_of.values()))
 
     lap("inspect")
-    fields, good, set_aside = _inspect(run, reader, listing, log, synced_at)
+    # The columns the change log will have: those it has as the run found it, and the batch's.
+    inspected = batch.inspect(changelog.key_and_data_fields(log))
+    fields, good = inspected.fields, inspected.good
+    set_aside = _set_aside_inspected(inspected, listing, reader, synced_at)
 
     new_events, native, events_read = 0, {}, 0
     with_rows = [r for r in good if r.num_rows]
     if with_rows:
         lap("changelog_append")
-        append = _Append(
-            run.spark, run.table, reader, run.paths, fields, synced_at, run.revoked, erased
-        )
-        appended, native, changed = append.run(with_rows)
+        write = _log_events(run, reader, synced_at, erased)
+        appended, native, changed = batch.append(with_rows, fields, write)
         new_events = appended.new_events if appended is not None else 0
         events_read = sum(r.num_rows for r in with_rows if r.path not in changed)
         set_aside += [
@@ -252,14 +239,8 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     fault_point("after_changelog_commit")
 
     lap("merge_open")
-    merge = apply_pending(
-        run.spark,
-        run.paths,
-        run.table.key,
-        synced_at,
-        run.table.history_columns,
-        list_keys=run.table.encryption == "none",  # an encrypted table's keys are decrypted data
-    )
+    # An encrypted table's keys are decrypted data: never named in its commit.
+    merge = run.handle.merge_pending(synced_at, list_keys=run.table.encryption == "none")
     outcome = MaterializationOutcome(
         files_read=len(listing.paths),
         events_read=events_read,
@@ -276,56 +257,19 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, _Listing]:
     return outcome, listing
 
 
-def _list(run: _Run, reader: LandingReader) -> _Listing:
-    """Every file of the hours, listed once: the reader is told which file each name is (it
-    reads nothing else there), un-applied files are skipped, unreadable entries set aside."""
-    revoked = run.revoked()
-    listing = _Listing([], {}, {}, {}, [])
-    for hour in run.hours:
-        partition = hour_to_partition_key(hour)
-        for f in run.landing.files_in_hour(run.table.name, hour):
-            listing.listed.append(applied_files.AppliedFile(partition, f))
-            if reader.relative(f.path) in revoked:
-                listing.skipped.append(reader.relative(f.path))
-                continue
-            listing.partition_of[f.path] = partition
-            listing.size_of[f.path] = f.size
-            if f.set_aside is not None:
-                listing.not_read[f.path] = f.set_aside
-            else:
-                reader.expect({f.path: f.file_id})  # read only if still this very file
-    return listing
-
-
-def _inspect(
-    run: _Run, reader: LandingReader, listing: _Listing, log: Table, synced_at: datetime
-) -> tuple[list[pa.Field], list[FileReport], list[quarantine.QuarantinedFile]]:
-    """Pass 1 over every file: the columns the change log (``log``, as the run found it) will
-    have, the files to append, and those set aside (unreadable, bad rows, a type that cannot
-    widen: rule 4, quarantine)."""
-    reports = [FileReport(p, 0, None, why) for p, why in sorted(listing.not_read.items())]
-    to_open = [p for p in listing.paths if p not in listing.not_read]
-    reports += inspect_files(run.spark, reader, to_open)
-    readable = [r for r in reports if r.ok]
-    logged = changelog.key_and_data_fields(log)
-    fields, clashes = unify_schema(logged, readable, run.table.may_widen, run.table.keyless)
-    fields = with_row_id(fields, run.table.keyless)
-    good = [r for r in readable if r.path not in clashes]
-    set_aside = [
+def _set_aside_inspected(
+    inspected: Inspected, listing: Listing, reader: LandingReader, at: datetime
+) -> list[quarantine.QuarantinedFile]:
+    """The files pass 1 set aside: unreadable, bad rows, a type that cannot widen (rule 4,
+    quarantine)."""
+    return [
         replace(
-            _set_aside(
-                reader.relative(r.path),
-                listing.partition_of[r.path],
-                r.error or clashes[r.path],
-                synced_at,
-            ),
+            _set_aside(reader.relative(r.path), listing.partition_of[r.path], why, at),
             row=r.error_row,
             bad_rows=r.bad_rows,
         )
-        for r in reports
-        if not r.ok or r.path in clashes
+        for r, why in inspected.rejected
     ]
-    return fields, good, set_aside
 
 
 def _set_aside(file: str, partition: str, reason: str, at: datetime) -> quarantine.QuarantinedFile:
@@ -335,14 +279,16 @@ def _set_aside(file: str, partition: str, reason: str, at: datetime) -> quaranti
 
 
 def _record_applied(
-    run: _Run, listing: _Listing, outcome: MaterializationOutcome, run_id: str
+    run: _Run, listing: Listing, outcome: MaterializationOutcome, run_id: str
 ) -> None:
     """The applied-files ledger for the run's partitions: every file listed before reading
     (each was read, set aside or un-applied), but a file that changed while it was read: its
     hour stays pending, so the landing sensor asks for it again."""
     changed = {q.file for q in outcome.quarantined if q.reason == CHANGED}
     kept = [
-        a for a in listing.listed if applied_files.identity(run.landing, a.file)[0] not in changed
+        applied_files.AppliedFile(partition, f)
+        for partition, f in listing.listed
+        if applied_files.identity(run.landing, f)[0] not in changed
     ]
     applied_files.record(
         applied_files.ledger_path(run.warehouse_root, run.table.name),
@@ -354,122 +300,38 @@ def _record_applied(
     )
 
 
-# Attempts at the change-log append when files change under it: each attempt sets the changed
-# files aside and appends the rest (a file rewritten again and again cannot hold its hour).
-APPEND_ATTEMPTS = 3
+def _log_events(
+    run: _Run,
+    reader: LandingReader,
+    synced_at: datetime,
+    erased: Callable[[], erased_keys.ErasedKeys | None],
+) -> Callable[[Sequence[FileReport], DataFrame, Callable[[], None]], changelog.AppendResult]:
+    """What the batch's append hands its events to (``LandingBatch.append``, once per attempt):
+    the change log, with how the hashed cells were made recorded first."""
 
-
-@dataclass(frozen=True)
-class _Append:
-    """The change-log append of one run: what every attempt needs, said once."""
-
-    spark: SparkSession
-    table: TableConfig
-    reader: LandingReader
-    paths: TablePaths
-    fields: Sequence[pa.Field]
-    synced_at: datetime
-    revoked: Callable[[], set[str]]
-    erased: Callable[[], erased_keys.ErasedKeys | None]
-
-    def run(
-        self, files: Sequence[FileReport]
-    ) -> tuple[changelog.AppendResult | None, dict[str, str], set[str]]:
-        """Append the events of ``files`` (inspected, with rows) to the change log.
-
-        Returns the append (None if every file changed), the files read natively, and the
-        files set aside because they are no longer what the listing and pass 1 saw (rewritten
-        in place, replaced): their hour is asked for again (``lib.fleet.sensor_cursor.reconcile``).
-        A read that fails for another reason raises, with nothing committed.
-        """
-        reader = self.reader
-        native = self._natively_readable(files)
-        # Spark reads these by path: checked before, and before the commit (``NativeGuard``).
-        guard = NativeGuard(reader, sorted(native))
-        native = {p: uri for p, uri in native.items() if p in guard.readable}
-        changed: set[str] = set()
-        left = list(files)
-        for attempt in range(APPEND_ATTEMPTS):
-            listed = [r.path for r in left]
-
-            def before_commit(listed: list[str] = listed, native: dict[str, str] = native) -> None:
-                if native:
-                    guard.verify()
-                if reader.changed_since_listed(listed):
-                    raise NativeReadChangedError("a landing file changed while it was read")
-
-            try:
-                return self._once(left, native, before_commit), native, changed
-            except Exception as exc:
-                now_changed = reader.changed_since_listed(listed) | {
-                    p for p in listed if reader.relative(p) in changed_files_named(exc)
-                }
-                swapped = bool(native) and (
-                    isinstance(exc, NativeReadChangedError) or guard.changed()
-                )
-                if (not now_changed and not swapped) or attempt == APPEND_ATTEMPTS - 1:
-                    raise
-            # A file swapped under Spark's by-path read: every file through the checked
-            # descriptor.
-            native = {} if swapped else {p: u for p, u in native.items() if p not in now_changed}
-            changed |= now_changed
-            left = [r for r in left if r.path not in now_changed]
-            if not left:
-                return None, native, changed
-        raise AssertionError("unreachable: the last attempt returns or raises")
-
-    def _natively_readable(self, files: Sequence[FileReport]) -> dict[str, str]:
-        """The files Spark reads itself. A file whose column is narrower than the table's (the
-        table widened) is cast up by the Python decoder, as every widening is."""
-        unified = {f.name: f.type for f in self.fields}
-        return {
-            r.path: r.source_uri
-            for r in files
-            if r.native
-            and r.source_uri
-            and r.schema is not None
-            and all(unified.get(f.name, f.type) == f.type for f in r.schema)
-        }
-
-    def _once(
-        self,
-        files: Sequence[FileReport],
-        native: dict[str, str],
-        before_commit: Callable[[], None],
+    def write(
+        files: Sequence[FileReport], events: DataFrame, before_commit: Callable[[], None]
     ) -> changelog.AppendResult:
-        """One attempt: read ``files`` (pass 2, checked against pass 1) and append them."""
         # Every file with rows has a seq range: a missing seq sets the file aside.
         seq_range = (
             min(r.seq_min for r in files if r.seq_min is not None),
             max(r.seq_max for r in files if r.seq_max is not None),
         )
-        events = read_events(
-            self.spark,
-            self.reader,
-            [r.path for r in files],
-            event_schema(self.fields),
-            native,
-            inspected={r.path: r for r in files},
-        )
         # How the batch's hashed cells were made, recorded before they are logged.
         schemas = [r.schema for r in files]
-        record_hashing(self.paths.changelog, self.table, self.reader.salt, schemas)
+        record_hashing(run.paths.changelog, run.table, reader.salt, schemas)
         rows = sum(r.num_rows for r in files)
         return changelog.append(
-            self.spark,
-            self.paths.changelog,
-            changelog.Batch(events, self.table.key, seq_range, rows, self.synced_at),
+            run.spark,
+            run.paths.changelog,
+            changelog.Batch(events, run.table.key, seq_range, rows, synced_at),
             changelog.Guards(
-                revoked=self.revoked,
-                forgotten=self.paths.forgotten_events,
-                erased=self.erased,
+                revoked=run.revoked,
+                forgotten=run.paths.forgotten_events,
+                erased=erased,
                 before_commit=before_commit,
             ),
-            changelog_properties(self.table, self.reader.salt, schemas),
+            changelog_properties(run.table, reader.salt, schemas),
         )
 
-
-def to_ms(ts: datetime) -> datetime:
-    """A time truncated to the millisecond, in UTC (the precision of the history table)."""
-    ts = ts.astimezone(UTC)
-    return ts.replace(microsecond=(ts.microsecond // 1000) * 1000)
+    return write

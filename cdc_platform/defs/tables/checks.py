@@ -9,7 +9,7 @@ import dagster as dg
 
 from cdc_platform.defs.alerts.runs import CHECKS_STEP_SUFFIX
 from cdc_platform.defs.alerts.webhook import metadata_int
-from cdc_platform.defs.maintenance import BACKGROUND_PRIORITY, PRIORITY_TAG
+from cdc_platform.defs.jobs.maintenance_schedules import BACKGROUND_PRIORITY, PRIORITY_TAG
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.defs.tables.history import VERSION_BEFORE
 from cdc_platform.defs.tags import TABLE_TAG

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from cdc_platform.defs.operations import pool_name
+from cdc_platform.defs.jobs.skeleton import pool_name
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import current_table

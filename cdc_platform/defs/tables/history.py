@@ -10,8 +10,8 @@ from typing import Any
 
 import dagster as dg
 
-from cdc_platform.defs.maintenance import maintenance_schedule_name
-from cdc_platform.defs.operations import pool_name, refused
+from cdc_platform.defs.jobs.maintenance_schedules import maintenance_schedule_name
+from cdc_platform.defs.jobs.skeleton import pool_name, refused
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history.protected_columns import ProtectedColumnsChangedError

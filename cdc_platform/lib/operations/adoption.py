@@ -20,9 +20,9 @@ same source again logs nothing new. CDC events then apply on top, late ones incl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
@@ -42,14 +42,14 @@ from cdc_platform.lib.columns import (
     timestamp_lit,
     value_lit,
 )
-from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import changelog
-from cdc_platform.lib.history.merge import MergeResult, apply_pending
-from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.history.merge import MergeResult
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.reading.passes import event_schema
 from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
-from cdc_platform.lib.pipeline import to_ms
+from cdc_platform.lib.operations.operation import Request, hour_of, to_ms
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.roots import SourceRootError, adoption_source
 from cdc_platform.lib.storage.schema import (
@@ -60,8 +60,6 @@ from cdc_platform.lib.storage.schema import (
     widest,
 )
 from cdc_platform.lib.storage.stores import Location, Where, read_parquet
-from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
@@ -83,8 +81,18 @@ _PLACES = internal("adopt_places")
 _SAMPLE = 5
 
 
-class AdoptionError(ValueError):
+class AdoptionError(Refusal):
     """The source cannot be adopted as it is; the message names the source, rows and reason."""
+
+
+@dataclass(frozen=True)
+class AdoptRequest(Request):
+    """The table to adopt (as typed: checked against ``adoption_roots``, the config's) and its
+    format. ``now`` is the adoption's time when the source has no ``_fivetran_synced``."""
+
+    source: Where
+    adoption_roots: tuple[Where, ...]
+    format: SourceFormat = "auto"
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,32 @@ class AdoptResult:
     events_new: int  # 0 when the same source was adopted before
     dropped_columns: tuple[str, ...]  # the source's _fivetran_ columns, not kept
     merge: MergeResult
+    changed: bool = True
+
+    def summary(self) -> str:
+        return (
+            f"adopted {self.live_rows} live and {self.deleted_rows} soft-deleted row(s) from "
+            f"{self.source} at {self.adopted_at.isoformat()}; {self.events_new} event(s) new, "
+            f"history version {self.merge.history_version}"
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "operation": ADOPT,
+            "source": self.source,
+            "format": self.format,
+            "adopted_at": self.adopted_at.isoformat(),
+            "live_rows": self.live_rows,
+            "deleted_rows": self.deleted_rows,
+            "events_new": self.events_new,
+            "dropped_columns": list(self.dropped_columns),
+            "versions_opened": self.merge.versions_opened,
+            "delta_version": self.merge.history_version,
+        }
+
+    @property
+    def hours(self) -> tuple[datetime, ...]:
+        return (hour_of(self.adopted_at),)
 
 
 def source_name(source: Location) -> str:
@@ -110,48 +144,21 @@ def adoption_seqs(adopted_at: datetime) -> tuple[int, int]:
     return base, base + 1
 
 
-def adopt(
-    spark: SparkSession,
-    table: TableConfig,
-    warehouse_root: Where,
-    source: Where,
-    source_format: SourceFormat = "auto",
-    now: datetime | None = None,
-    *,
-    adoption_roots: Sequence[Where],
-    landing_root: Where,
-    keyring: Keyring | None = None,
-) -> AdoptResult:
-    """Adopt the table at ``source`` into ``table``'s history (see the module docstring).
+def adopt(t: HistoryTable, request: AdoptRequest) -> AdoptResult:
+    """Adopt the table at ``request.source`` into the table's history (see the module
+    docstring).
 
-    ``source`` must be under one of ``adoption_roots`` (the config's) and apart from the
-    warehouse and ``landing_root`` (``lib.storage.roots``): a run's config never copies another
+    The source must be under one of ``adoption_roots`` (the config's) and apart from the
+    warehouse and the landing root (``lib.storage.roots``): a run's config never copies another
     table's history or change log, or reads a bucket nobody allowed. Errors name the source's
-    files, rows and columns, never a value.
-
-    ``now`` is the adoption's time when the source has no ``_fivetran_synced`` value, and the
-    run's ``_fivetran_synced``. Raises AdoptionError, naming the rows, for a source that cannot
-    be adopted: a missing or null primary-key column, a key on two rows, a column whose type
-    contradicts the table's. An erased key's rows are not adopted (``keyring``: its salt).
+    files, rows and columns, never a value. Raises AdoptionError, naming the rows, for a source
+    that cannot be adopted: a missing or null primary-key column, a key on two rows, a column
+    whose type contradicts the table's. An erased key's rows are not adopted (the keyring's
+    salt tells them).
     """
-    from pyspark.sql import functions as F
-
-    now = to_ms(now or datetime.now(UTC))
-    if table.keyless:
-        # Another tool's `_fivetran_id` is not this platform's hash: its rows could never be
-        # matched to the events that follow (docs/limitations.md).
-        raise AdoptionError(f"table '{table.name}' is keyless: adopt_table needs a primary key")
-    if table.protects_columns:
-        # A source's rows are copied as they are: its cleartext would reach the table.
-        raise AdoptionError(
-            f"table '{table.name}' hashes or blocks columns: adopt_table copies a source as it is"
-        )
-    try:
-        where = adoption_source(source, adoption_roots, (warehouse_root, landing_root))
-    except SourceRootError as exc:
-        raise AdoptionError(str(exc)) from None
-    fmt, rows = _read_source(spark, where, source_format)
-    pk = list(table.key)
+    where = _checked_source(t, request)
+    fmt, rows = _read_source(t.spark, where, request.format)
+    pk = t.key
     missing = [k for k in pk if k not in rows.columns]
     if missing:
         raise AdoptionError(
@@ -159,9 +166,54 @@ def adopt(
             f" {[c for c in rows.columns if c not in (_FILE, _ROW)]})"
         )
     dropped = tuple(c for c in rows.columns if is_reserved(c) and c not in (_FILE, _ROW))
-    data = [c for c in rows.columns if not is_reserved(c) and c not in (_FILE, _ROW)]
     _check_keys(rows, where, pk)
-    deleted = F.coalesce(col(DELETED), F.lit(False)) if DELETED in rows.columns else F.lit(False)
+    adopted_at = _adopted_at(rows, where, request.now)
+    erased_keys.load(t.paths.erased_keys, t.keyring)  # without the salt: refused, nothing written
+    events, total, deleted_rows = _events(t, rows, where, adopted_at)
+    # A re-run after its events were un-applied logs them again (the user asks for it).
+    revoked_files.remove(t.paths.revoked_files, [source_name(where)])
+    seqs = adoption_seqs(adopted_at)
+    new_events, merge = t.change(
+        request.now,
+        lambda c: c.append(events, seqs, total + deleted_rows) if total else 0,
+        "adoption",
+        catch_up=False,
+    )
+    return AdoptResult(
+        source=where.uri,
+        format=fmt,
+        adopted_at=adopted_at,
+        live_rows=total - deleted_rows,
+        deleted_rows=deleted_rows,
+        events_new=new_events,
+        dropped_columns=dropped,
+        merge=merge,
+    )
+
+
+def _checked_source(t: HistoryTable, request: AdoptRequest) -> Location:
+    """The source, refused for a table adoption cannot serve or a place no root allows."""
+    if t.config.keyless:
+        # Another tool's `_fivetran_id` is not this platform's hash: its rows could never be
+        # matched to the events that follow (docs/limitations.md).
+        raise AdoptionError(f"table '{t.name}' is keyless: adopt_table needs a primary key")
+    if t.config.protects_columns:
+        # A source's rows are copied as they are: its cleartext would reach the table.
+        raise AdoptionError(
+            f"table '{t.name}' hashes or blocks columns: adopt_table copies a source as it is"
+        )
+    try:
+        return adoption_source(
+            request.source, request.adoption_roots, (t.warehouse_root, t.landing_place)
+        )
+    except SourceRootError as exc:
+        raise AdoptionError(str(exc)) from None
+
+
+def _adopted_at(rows: DataFrame, where: Location, now: datetime) -> datetime:
+    """A: the source's largest ``_fivetran_synced`` (``now`` without one), never ahead."""
+    from pyspark.sql import functions as F
+
     # Epoch microseconds: a collected timestamp would come back in the Python process's zone.
     synced_max = (
         rows.agg(F.max(F.unix_micros(col(SYNCED).cast("timestamp")))).collect()[0][0]
@@ -176,12 +228,22 @@ def adopt(
             "every live row would start after the CDC events logged until then; correct the "
             f"source's {SYNCED} values, or drop the column to adopt at the time of the run"
         )
-    insert_seq, delete_seq = adoption_seqs(adopted_at)
+    return adopted_at
 
+
+def _events(
+    t: HistoryTable, rows: DataFrame, where: Location, adopted_at: datetime
+) -> tuple[DataFrame, int, int]:
+    """The source's rows as events: each an insert at A (a soft-deleted row's at 0001-01-01,
+    followed by its delete); with the counts of rows and of deleted rows."""
+    from pyspark.sql import functions as F
+
+    pk = t.key
+    data = [c for c in rows.columns if not is_reserved(c) and c not in (_FILE, _ROW)]
+    deleted = F.coalesce(col(DELETED), F.lit(False)) if DELETED in rows.columns else F.lit(False)
     typed = _normalized(rows.select(*cols(data), deleted.alias(DELETED)), data)
-    paths = TablePaths.of(warehouse_root, table.name)
-    erased_keys.load(paths.erased_keys, keyring)  # without the salt: refused, nothing written
-    typed = _widened(paths, typed, where, table.may_widen)
+    typed = _widened(t, typed, where)
+    insert_seq, delete_seq = adoption_seqs(adopted_at)
     is_deleted = col(DELETED)
     # A string literal: Python's year-1 datetime reaches the JVM shifted by the calendar change.
     tmin = F.lit(TMIN_SQL).cast("timestamp")
@@ -207,33 +269,10 @@ def adopt(
     counts = typed.agg(
         F.count(F.lit(1)).alias("n"), F.sum(is_deleted.cast("int")).alias("deleted")
     ).collect()[0]
-    total, deleted_rows = int(counts["n"]), int(counts["deleted"] or 0)
-    new_events = 0
-    # A re-run after its events were un-applied logs them again (the user asks for it).
-    revoked_files.remove(paths.revoked_files, [source_name(where)])
-    if total:
-        new_events = changelog.append(
-            spark,
-            paths.changelog,
-            changelog.Batch(events, pk, (insert_seq, delete_seq), total + deleted_rows, now),
-            changelog.Guards(
-                revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
-                erased=erased_keys.loader(paths.erased_keys, keyring),
-            ),
-        ).new_events
-    merge = apply_pending(spark, paths, pk, now, table.history_columns)
-    return AdoptResult(
-        source=where.uri,
-        format=fmt,
-        adopted_at=adopted_at,
-        live_rows=total - deleted_rows,
-        deleted_rows=deleted_rows,
-        events_new=new_events,
-        dropped_columns=dropped,
-        merge=merge,
-    )
+    return events, int(counts["n"]), int(counts["deleted"] or 0)
 
 
+ADOPT = "adopt_table"
 # Reader features of a Delta source: the platform reads timestamp_ntz and column mapping by
 # name itself (``_physical_schema``); deletion vectors only Delta's own library applies; any
 # other feature (a later protocol's) is refused, so a source never chooses the reader.
@@ -467,38 +506,37 @@ def _normalized(rows: DataFrame, data: Sequence[str]) -> DataFrame:
     )
 
 
-def _widened(
-    paths: TablePaths, typed: DataFrame, where: Location, may_widen: Callable[[str], bool]
-) -> DataFrame:
+def _widened(t: HistoryTable, typed: DataFrame, where: Location) -> DataFrame:
     """The rows with each column the change log has already in the type both widen to (the
     log, and then the history table, widen to it as for any landing file); an error naming
     the column when there is none."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    logged = changelog.key_and_data_fields(Table.open(paths.changelog))
+    logged = changelog.key_and_data_fields(t.changelog)
     if logged is None:
         return typed
+    paths, may_widen = t.paths, t.config.may_widen
     have = {f.name: f.type for f in logged}
     casts = {}
     for f in delta.arrow_schema_of(typed.drop(DELETED)):
-        t = normalize_type(f.type)
+        given = normalize_type(f.type)
         if f.name not in have or pa.types.is_null(have[f.name]):
             continue
-        wider = widest(have[f.name], t)
+        wider = widest(have[f.name], given)
         if wider is None:
             raise AdoptionError(
-                f"{where}: column '{f.name}' has type {t} but {have[f.name]} in table "
+                f"{where}: column '{f.name}' has type {given} but {have[f.name]} in table "
                 f"{paths.history}, and neither widens to the other ({WIDENINGS})"
             )
         if wider != have[f.name] and not may_widen(f.name):
             raise AdoptionError(
-                f"{where}: column '{f.name}' has type {t} but {have[f.name]} in table "
+                f"{where}: column '{f.name}' has type {given} but {have[f.name]} in table "
                 f"{paths.history}: adopting it would widen the column to {wider} for good, "
                 "which the table's widen_types does not allow (never a primary-key column by "
                 "default); set `widen_types: all` (a key column) or `data` on the table to "
                 "accept it"
             )
-        if wider != t:
+        if wider != given:
             casts[f.name] = from_arrow_schema(pa.schema([pa.field(f.name, wider)]))[0].dataType
     return typed.select(
         *[col(c).cast(casts[c]).alias(c) if c in casts else col(c) for c in typed.columns]

@@ -36,27 +36,29 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from cdc_platform.lib.columns import col
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import changelog, current_table
 from cdc_platform.lib.history.merge import (
     MergeResult,
-    apply_pending,
     drop_caught_up_retractions,
     table_relative,
 )
 from cdc_platform.lib.history.protected_columns import check_hashing_salt, hashed_types
-from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.history.removal import GONE
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.landing.decoding.keyring import KeyringError
 from cdc_platform.lib.landing.rows.pii import hash_column
 from cdc_platform.lib.ledgers import erased_keys, quarantine
 from cdc_platform.lib.ledgers.erased_keys import ErasedKeys, key_hashes
 from cdc_platform.lib.ledgers.ledger import Ledger
-from cdc_platform.lib.operations.revocation import GONE, remove_events
+from cdc_platform.lib.operations.operation import Request
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
@@ -64,6 +66,7 @@ from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+ERASE = "erase_key"
 # Keys one request may name, and the longest reason: a request is a person's keys, not a purge.
 MAX_KEYS = 1000
 MAX_REASON = 500
@@ -87,8 +90,19 @@ UNRECORDED_TYPES = (
 _NAMED = 20
 
 
-class ErasureError(ValueError):
+class ErasureError(Refusal):
     """The request cannot be carried out as given; nothing was written."""
+
+
+@dataclass(frozen=True)
+class EraseRequest(Request):
+    """The keys to erase (each naming every key column, its value as text), why, the run
+    that asks, and whether a key with no event may be recorded all the same."""
+
+    keys: tuple[Mapping[str, str], ...]
+    reason: str
+    run_id: str
+    allow_absent: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,7 @@ class EraseResult:
     # The request's keys as the ledger records them: one per way a key was read (a hashed key
     # column's value as its stored hash, or hashed in each source type).
     key_hashes: tuple[str, ...]
+    keys_asked: int
     newly_recorded: int  # 0 on a re-run
     events_removed: int
     keys_found: int  # keys with events in the change log
@@ -103,75 +118,96 @@ class EraseResult:
     merge: MergeResult
     forgotten_rows_removed: int
     reasons_withheld: int
+    changed: bool = True
+    hours: tuple[datetime, ...] = ()  # an erasure names no hour: reported as an observation
+
+    def summary(self) -> str:
+        return (
+            f"erased {self.keys_asked} key(s) ({self.keys_found} with events): "
+            f"{self.events_removed} event(s) removed; the replaced files stay until a VACUUM "
+            "past the retention"
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "operation": ERASE,
+            "key_hashes": list(self.key_hashes),
+            "keys_newly_recorded": self.newly_recorded,
+            "keys_found": self.keys_found,
+            "events_removed": self.events_removed,
+            "changelog_files_rewritten": self.changelog_files_rewritten,
+            "forgotten_rows_removed": self.forgotten_rows_removed,
+            "quarantine_reasons_withheld": self.reasons_withheld,
+            "delta_version": self.merge.history_version,
+        }
 
 
-def erase(
-    spark: SparkSession,
-    table: TableConfig,
-    paths: TablePaths,
-    keys: Sequence[Mapping[str, str]],
-    reason: str,
-    run_id: str,
-    keyring: Keyring | None,
-    now: datetime,
-    allow_absent: bool = False,
-) -> EraseResult:
-    """Erase ``keys`` (each naming every key column, its value as text) from ``table``; a key
-    without events fails the request, unless ``allow_absent``."""
-    reason = reason.strip()
+def erase(t: HistoryTable, request: EraseRequest) -> EraseResult:
+    """Erase the request's keys from the table; a key without events fails the request,
+    unless ``allow_absent``."""
+    reason = request.reason.strip()
     if not reason or len(reason) > MAX_REASON:
         raise ErasureError(f"an erasure needs a reason of 1 to {MAX_REASON} characters")
-    salt = keyring.hash_salt if keyring is not None else None
+    salt = t.keyring.hash_salt if t.keyring is not None else None
     if salt is None:
         raise KeyringError(
             "erasing keys needs the keyring's hash_salt (CDC_KEYRING): the ledger that keeps "
             "them from being logged again records them by salted hash. Nothing was written."
         )
-    log = Table.open(paths.changelog)
+    paths, log = t.paths, t.changelog
     if not log.exists:
         raise ErasureError(f"{paths.changelog}: the table has no events yet, nothing to erase")
     erased_keys.check_ledger_salt(paths.erased_keys, salt)  # another salt: nothing written
-    check_hashing_salt(log, table, keyring)
-    pk = list(table.key)
-    cands = typed_keys(log, table.key, keys, _hashed_keys(table), salt)
+    check_hashing_salt(log, t.config, t.keyring)
+    pk = t.key
+    cands = typed_keys(log, t.config.key, request.keys, _hashed_keys(t.config), salt)
     typed = cands.keys
     hashes = key_hashes({c: typed.column(c).combine_chunks() for c in pk}, typed.num_rows, salt)
-    _check_found(spark, paths, log, pk, cands, hashes.to_pylist(), salt, allow_absent)
+    _check_found(t, cands, hashes.to_pylist(), salt, request.allow_absent)
     new = erased_keys.add(
-        paths.erased_keys, hashes.to_pylist(), typed.schema, reason, run_id, now, salt
+        paths.erased_keys,
+        hashes.to_pylist(),
+        typed.schema,
+        reason,
+        request.run_id,
+        request.now,
+        salt,
     )
-    erased = erased_keys.load(paths.erased_keys, keyring)  # all of them: a re-run finishes
+    erased = erased_keys.load(paths.erased_keys, t.keyring)  # all of them: a re-run finishes
     assert erased is not None
-
-    def attempt() -> tuple[int, int, int]:
-        log = Table.open(paths.changelog)
-        return remove_events(
-            spark,
-            paths,
-            pk,
-            log,
-            log.files,
-            lambda events: erased.flag(events, pk, GONE),
-            "cdc_platform.erased_events",
-            fence=True,
-        )
-
-    (removed, found, rewritten), _ = delta.with_commit_retries(
-        attempt, f"change log erasure in {paths.changelog}"
+    removal, merge = t.change(
+        request.now,
+        lambda c: c.remove(
+            lambda events: erased.flag(events, pk, GONE), "cdc_platform.erased_events", fence=True
+        ),
+        "erasure",
+        catch_up=False,
     )
-    merge = apply_pending(spark, paths, pk, now, table.history_columns)
     drop_caught_up_retractions(paths)
-    forgotten = _scrub_forgotten(spark, paths, pk, typed, salt)
+    forgotten = _scrub_forgotten(t, typed, salt)
     withheld = _scrub_quarantine(paths)
-    current = Table.open(paths.current)
-    if table.current_table and current.exists:
-        current_table.refresh(spark, paths, pk)
-    elif current.exists and not _is_a_history_table(paths, table.name):
-        # Left behind once current_table was turned off: still readable, so the key goes.
-        _scrub_rows(spark, current, pk, _erasing(typed, pk, salt))
+    _scrub_current(t, typed, salt)
     return EraseResult(
-        tuple(hashes.to_pylist()), new, removed, found, rewritten, merge, forgotten, withheld
+        tuple(hashes.to_pylist()),
+        len(request.keys),
+        new,
+        removal.events,
+        removal.keys,
+        removal.files_rewritten,
+        merge,
+        forgotten,
+        withheld,
     )
+
+
+def _scrub_current(t: HistoryTable, typed: pa.Table, salt: bytes) -> None:
+    """The current table refreshed from the history; one left behind once ``current_table``
+    was turned off (still readable) loses the keys' rows."""
+    current = t.table(t.paths.current)
+    if t.config.current_table and current.exists:
+        current_table.refresh(t.spark, t.paths, t.key)
+    elif current.exists and not _is_a_history_table(t.paths, t.name):
+        _scrub_rows(t.spark, current, t.key, _erasing(typed, t.key, salt))
 
 
 def _is_a_history_table(paths: TablePaths, name: str) -> bool:
@@ -284,14 +320,7 @@ def _cast(texts: list[str], field: pa.Field) -> pa.Array:
 
 
 def _check_found(
-    spark: SparkSession,
-    paths: TablePaths,
-    log: Table,
-    pk: list[str],
-    cands: Candidates,
-    hashes: Sequence[str],
-    salt: bytes,
-    allow_absent: bool,
+    t: HistoryTable, cands: Candidates, hashes: Sequence[str], salt: bytes, allow_absent: bool
 ) -> None:
     """Refuse the request, before anything is written, if one of its keys has no event in
     the change log and was not erased before (a re-run finishes a request), unless
@@ -299,11 +328,12 @@ def _check_found(
     than the table holds, and reporting success would erase nothing."""
     if allow_absent:
         return
+    paths, log = t.paths, t.changelog
     known = set(
         Ledger(paths.erased_keys, erased_keys.SCHEMA).read(["key_hash"]).column(0).to_pylist()
     )
     mine = ErasedKeys.of({cands.keys.schema: set(hashes) - known}, salt)
-    present = mine.found(log.read(spark), pk) if log.files else set()
+    present = mine.found(log.read(t.spark), t.key) if log.files else set()
     hit = {i for i, h in zip(cands.given, hashes, strict=True) if h in present or h in known}
     absent = [i + 1 for i in sorted(set(cands.given) - hit)]
     if absent:
@@ -325,20 +355,18 @@ def _erasing(typed: pa.Table, shared: Sequence[str], salt: bytes) -> ErasedKeys:
     return ErasedKeys.of({types: key_hashes(cells, typed.num_rows, salt).to_pylist()}, salt)
 
 
-def _scrub_forgotten(
-    spark: SparkSession, paths: TablePaths, pk: list[str], typed: pa.Table, salt: bytes
-) -> int:
+def _scrub_forgotten(t: HistoryTable, typed: pa.Table, salt: bytes) -> int:
     """Take the keys' rows out of the forgotten-events ledger (they name the key in the clear;
     the erased-keys ledger keeps the events out now). A ledger keyed on fewer of the columns
     (a rekey added one since) loses every row of the erased key's values in those: more rows
     than the key's, never fewer."""
-    ledger = Table.open(paths.forgotten_events)
+    ledger = t.table(t.paths.forgotten_events)
     if not ledger.files:
         return 0
-    shared = [c for c in pk if c in changelog.ledger_key(ledger, pk)]
+    shared = [c for c in t.key if c in changelog.ledger_key(ledger, t.key)]
     if not shared:
         return 0
-    return _scrub_rows(spark, ledger, shared, _erasing(typed, shared, salt))
+    return _scrub_rows(t.spark, ledger, shared, _erasing(typed, shared, salt))
 
 
 def _scrub_rows(spark: SparkSession, table: Table, key: list[str], mine: ErasedKeys) -> int:

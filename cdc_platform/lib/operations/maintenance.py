@@ -52,17 +52,21 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
 from deltalake.transaction import AddAction
 
 from cdc_platform.lib.columns import ACTIVE, CURRENT, cols
 from cdc_platform.lib.config import load_config
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import merge
 from cdc_platform.lib.history.protected_columns import protecting
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.table_key import recorded_rekey
 from cdc_platform.lib.ledgers import applied_files
+from cdc_platform.lib.operations.operation import Request
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.table import Commit, Table
@@ -86,6 +90,94 @@ class Compaction:
     bytes_after: int
     files_rewritten: int
     version: int | None
+
+
+@dataclass(frozen=True)
+class MaintainRequest(Request):
+    """Compact, then VACUUM past ``retention_hours`` (below the default only with
+    ``allow_short_retention``, and only while the table's pool slot is held: a VACUUM without
+    Delta's retention check deletes a run's written, not yet committed files)."""
+
+    retention_hours: int = DEFAULT_RETENTION_HOURS
+    allow_short_retention: bool = False
+    vacuum: bool = True
+    slot_held: bool = False
+
+
+@dataclass(frozen=True)
+class MaintenanceResult:
+    compactions: tuple[Compaction, ...]
+    vacuumed_files: int | None  # None: compact only
+    changed: bool = True
+    hours: tuple[datetime, ...] = ()  # no row changed: reported as an observation
+
+    def summary(self) -> str:
+        lines = [
+            f"{c.table}: {c.files_before} -> {c.files_after} files ({c.files_rewritten} "
+            f"rewritten), {c.bytes_before:,} -> {c.bytes_after:,} bytes"
+            for c in self.compactions
+        ]
+        if self.vacuumed_files is not None:
+            lines.append(f"vacuumed {self.vacuumed_files} file(s)")
+        return "; ".join(lines)
+
+    def metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"maintenance": "compact + vacuum"}
+        for c in self.compactions:
+            meta |= {
+                f"{c.table}_files_before": c.files_before,
+                f"{c.table}_files_after": c.files_after,
+                f"{c.table}_bytes_before": c.bytes_before,
+                f"{c.table}_bytes_after": c.bytes_after,
+                f"{c.table}_files_rewritten": c.files_rewritten,
+            }
+        if self.vacuumed_files is not None:
+            meta["vacuumed_files"] = self.vacuumed_files
+        return meta
+
+
+def retention_refusal(request: MaintainRequest) -> str | None:
+    """Why the retention is refused before anything is read (None: it is not): a negative
+    one, or one below the default not asked for explicitly."""
+    hours, default = request.retention_hours, DEFAULT_RETENTION_HOURS
+    if hours < 0:
+        return f"retention_hours {hours} is negative. Nothing was done."
+    if hours < default and request.vacuum and not request.allow_short_retention:
+        return (
+            f"retention_hours {hours} is below the default {default}: add"
+            " allow_short_retention: true to the run config to VACUUM the files replaced"
+            " since (the table's pool slot keeps its runs out meanwhile; time travel then"
+            f" reaches back {hours} hours), or leave retention_hours at {default}."
+            " Nothing was done."
+        )
+    return None
+
+
+SHORT_RETENTION_NEEDS_SLOT = (
+    "allow_short_retention needs the table's concurrency pool slot, and this Dagster instance"
+    " gave none (no concurrency pools, or a pool without a limit: dagster.yaml sets"
+    " pools.default_limit: 1): nothing was done; run it on the deployment's instance"
+)
+
+
+def maintain(t: HistoryTable, request: MaintainRequest) -> MaintenanceResult:
+    """Compact the table, then VACUUM it (see the module docstring)."""
+    refusal = retention_refusal(request)
+    if refusal is None and request.allow_short_retention and not request.slot_held:
+        refusal = SHORT_RETENTION_NEEDS_SLOT
+    if refusal is not None:
+        raise Refusal(refusal)
+    compactions = compact(t.spark, t.paths, t.key)
+    removed = None
+    if request.vacuum:
+        removed = vacuum(
+            t.paths,
+            request.retention_hours,
+            enforce_retention_duration=not request.allow_short_retention,
+            current_table=t.config.current_table,
+        )
+    t.refresh()
+    return MaintenanceResult(tuple(compactions), len(removed) if removed is not None else None)
 
 
 def compact(

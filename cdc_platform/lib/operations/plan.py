@@ -24,12 +24,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib.columns import CURRENT, LAST_EVENT_AT, TS, col, cols
-from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.landing.decoding.keyring import Keyring
-from cdc_platform.lib.pipeline import MaterializationOutcome, materialize
+from cdc_platform.lib.errors import Refusal
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.operations.operation import Request
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize_hours
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
 from cdc_platform.lib.storage.table import Table
@@ -42,40 +43,78 @@ DELTA_LOG = "_delta_log"
 
 
 @dataclass(frozen=True)
+class PlanRequest(Request):
+    """The hours a materialization would apply."""
+
+    hours: tuple[datetime, ...]
+
+
+@dataclass(frozen=True)
 class MergePlan:
     """What a materialization of ``hours`` would do now."""
 
+    hours_planned: int
     outcome: MaterializationOutcome  # every figure the real run would report
     late_events: int  # new events at or before their key's last applied event
     late_keys: int
     oldest_late_event: datetime | None  # the earliest commit time among them
     reaches_back_seconds: float | None  # the longest gap, late event to its key's last event
+    # A dry run committed nowhere, reported all the same: as an observation (no hour).
+    changed: bool = True
+    hours: tuple[datetime, ...] = ()
+
+    def summary(self) -> str:
+        m = self.outcome.merge
+        return (
+            f"plan for {self.hours_planned} hour(s): {m.keys_affected} keys, "
+            f"{m.versions_opened} versions opened, {m.files_removed} files "
+            f"({m.bytes_removed:,} bytes) removed, {m.files_added} added "
+            f"({m.bytes_added:,} bytes), {self.late_events} late events"
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        o, m = self.outcome, self.outcome.merge
+        reach = self.reaches_back_seconds
+        return {
+            "dry_run": True,
+            "files_read": o.files_read,
+            "events_new": o.events_new,
+            "files_quarantined": len(o.quarantined),
+            "quarantined": [
+                {"file": q.file, "row": q.row, "reason": q.reason} for q in o.quarantined
+            ],
+            "keys_affected": m.keys_affected,
+            "versions_opened": m.versions_opened,
+            "versions_closed": m.versions_closed,
+            "files_removed": m.files_removed,
+            "bytes_removed": m.bytes_removed,
+            "files_added": m.files_added,
+            "bytes_added": m.bytes_added,
+            "late_events": self.late_events,
+            "late_keys": self.late_keys,
+            "oldest_late_event": (
+                self.oldest_late_event.isoformat() if self.oldest_late_event else None
+            ),
+            "late_reach_hours": round(reach / 3600, 3) if reach is not None else None,
+        }
 
 
-def plan(
-    spark: SparkSession,
-    table: TableConfig,
-    landing_root: Where,
-    warehouse_root: Where,
-    hours: Sequence[datetime],
-    keyring: Keyring | None = None,
-) -> MergePlan:
-    """The merge plan for ``hours`` of ``table``; writes nothing outside a temporary folder.
+def plan(t: HistoryTable, request: PlanRequest) -> MergePlan:
+    """The merge plan for the request's hours; writes nothing outside a temporary folder.
 
     The warehouse must be a local or mounted folder: the shadow links to the real files.
     """
-    if not Location.of(warehouse_root).is_local:
-        raise ValueError(
+    if not Location.of(t.warehouse_root).is_local:
+        raise Refusal(
             f"a merge plan needs a local or mounted warehouse (its shadow links to the real "
-            f"files); {warehouse_root} is on an object store"
+            f"files); {t.warehouse_root} is on an object store"
         )
-    real = TablePaths.of(warehouse_root, table.name)
-    with shadow_warehouse(warehouse_root, table.name) as shadow_root:
-        shadow = TablePaths.of(shadow_root, table.name)
-        log_before = delta.version_or_none(shadow.changelog)
-        outcome = materialize(spark, table, landing_root, shadow_root, hours, keyring)
-        late = _late_events(spark, real, shadow, table.key, log_before)
-    return MergePlan(outcome, *late)
+    with shadow_warehouse(t.warehouse_root, t.name) as shadow_root:
+        shadow = HistoryTable(t.spark, t.config, shadow_root, t.landing_root, t.keyring)
+        log_before = delta.version_or_none(shadow.paths.changelog)
+        outcome = materialize_hours(shadow, request.hours, request.now)
+        late = _late_events(t.spark, t.paths, shadow.paths, t.key, log_before)
+    return MergePlan(len(request.hours), outcome, *late)
 
 
 @contextmanager

@@ -22,12 +22,13 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from cdc_platform.lib.columns import ROW_ID, cols
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import changelog, current_table
 from cdc_platform.lib.history.merge import fault_point
 from cdc_platform.lib.history.protected_columns import (
@@ -37,9 +38,11 @@ from cdc_platform.lib.history.protected_columns import (
     protecting,
     recorded_protected_columns,
 )
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.table_key import PROTECT_JOB, Rekey, check_key, recorded_rekey
 from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
 from cdc_platform.lib.landing.rows.pii import hash_column
+from cdc_platform.lib.operations.operation import Request
 from cdc_platform.lib.operations.rekey import (
     RekeyResult,
     check_history_columns,
@@ -63,8 +66,13 @@ REWRITTEN_TO = "cdc_platform.protected_columns"
 AFTER_REWRITE_FAULT = "after_protected_log_rewrite"
 
 
-class ProtectionError(ValueError):
+class ProtectionError(Refusal):
     """The table cannot be brought to the config's lists; nothing was written."""
+
+
+@dataclass(frozen=True)
+class ProtectRequest(Request):
+    """A protect asks nothing but its time: the lists are the config's."""
 
 
 @dataclass(frozen=True)
@@ -74,16 +82,35 @@ class ProtectResult:
     changed: bool
     rebuild: RekeyResult | None = None
 
+    def summary(self) -> str:
+        if not self.changed:
+            return "the table already follows its lists"
+        return (
+            f"rewritten hashing {self.after['hash']} and blocking {self.after['block']} (was "
+            f"{self.before['hash']} and {self.before['block']}); the cleartext stays in "
+            "replaced files until a VACUUM past the retention"
+        )
 
-def reprotect(
-    spark: SparkSession,
-    table: TableConfig,
-    paths: TablePaths,
-    keyring: Keyring | None,
-    synced_at: datetime,
-) -> ProtectResult:
-    """Rewrite ``table``'s change log, history and current table for the config's lists."""
-    log, history = Table.open(paths.changelog), Table.open(paths.history)
+    def metadata(self) -> dict[str, Any]:
+        r = self.rebuild
+        return {
+            "operation": PROTECT_JOB,
+            "hashed_before": self.before["hash"],
+            "blocked_before": self.before["block"],
+            "hashed": self.after["hash"],
+            "blocked": self.after["block"],
+            "old_rows_at_version": r.from_version if r else None,
+            "delta_version": r.history_version if r else None,
+        }
+
+    @property
+    def hours(self) -> tuple[datetime, ...]:
+        return self.rebuild.hours if self.rebuild else ()
+
+
+def protect(t: HistoryTable, request: ProtectRequest) -> ProtectResult:
+    """Rewrite the table's change log, history and current table for the config's lists."""
+    table, paths, log, history = t.config, t.paths, t.changelog, t.history
     wanted = protected_columns(table)
     if not log.exists:
         return ProtectResult(wanted, wanted, changed=False)  # its first run records them
@@ -91,26 +118,26 @@ def reprotect(
     state = recorded_rekey(history)
     pending = state is not None and state.pending
     if recorded == wanted and protecting(log) is None and not pending:
-        _refresh_current(spark, table, paths)  # a run that stopped before it, if any
+        _refresh_current(t)  # a run that stopped before it, if any
         return ProtectResult(recorded, wanted, changed=False)
-    salt = _refuse(paths, log, history, table, recorded, wanted, keyring)
+    salt = _refuse(paths, log, history, table, recorded, wanted, t.keyring)
     if state is None or not pending:
         assert history.version is not None or not history.exists
         state = Rekey(history.version or 0, False, tuple(table.key), PROTECT_JOB)
-    rewrite = partial(_protected_log, spark, table, wanted, salt)
+    rewrite = partial(_protected_log, t.spark, table, wanted, salt)
     result = None
     if history.exists:
-        result = rebuild_table(spark, table, paths, state, synced_at, rewrite)
+        result = rebuild_table(t, state, request.now, rewrite)
     else:
         rewrite(log)
-    _refresh_current(spark, table, paths)
+    _refresh_current(t.refresh())
     return ProtectResult(recorded, wanted, changed=True, rebuild=result)
 
 
-def _refresh_current(spark: SparkSession, table: TableConfig, paths: TablePaths) -> None:
+def _refresh_current(t: HistoryTable) -> None:
     """The current table from the history as it now is (it holds the old cells until then)."""
-    if table.current_table and Table.open(paths.current).exists:
-        current_table.refresh(spark, paths, table.key)
+    if t.config.current_table and t.table(t.paths.current).exists:
+        current_table.refresh(t.spark, t.paths, t.key)
 
 
 def _refuse(

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from deltalake.exceptions import TableNotFoundError
@@ -54,14 +54,17 @@ from cdc_platform.lib.columns import (
     timestamp_lit,
 )
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge.columns import AFTER_LOG_VERSION, APP_ID, SYSTEM_COLUMNS
 from cdc_platform.lib.history.merge.snapshot import history_properties, history_schema
 from cdc_platform.lib.history.merge.write import write_segments
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.table_key import (
     REKEY_JOB,
     REKEY_PROPERTY,
     Rekey,
+    named,
     recorded_key,
     recorded_rekey,
     same_key,
@@ -69,6 +72,7 @@ from cdc_platform.lib.history.table_key import (
 from cdc_platform.lib.history.versions import build_versions
 from cdc_platform.lib.landing.rows.row_id import row_ids
 from cdc_platform.lib.ledgers import erased_keys
+from cdc_platform.lib.operations.operation import Request, hour_of
 from cdc_platform.lib.spark.session import persisted
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
@@ -85,7 +89,7 @@ _PRIOR_SYNCED = internal("prior_synced")
 _KEPT = internal("synced_kept")
 
 
-class RekeyError(ValueError):
+class RekeyError(Refusal):
     """The table cannot be rebuilt under the config's key as it is; nothing was written."""
 
 
@@ -103,6 +107,11 @@ class KeyCounts:
 
 
 @dataclass(frozen=True)
+class RekeyRequest(Request):
+    """A rekey asks nothing but its time: the key is the config's."""
+
+
+@dataclass(frozen=True)
 class RekeyResult:
     old_key: tuple[str, ...]
     new_key: tuple[str, ...]
@@ -115,13 +124,48 @@ class RekeyResult:
     history_version: int | None = None
     last_event_at: datetime | None = None
 
+    def summary(self) -> str:
+        c = self.counts
+        if not self.changed or c is None:
+            return (
+                f"the table is already folded under {named(self.new_key)} (or has no history "
+                "yet): nothing to do"
+            )
+        return (
+            f"history rebuilt under {named(self.new_key)} (was {named(self.old_key)}): "
+            f"{c.keys_before} key(s) became {c.keys_after}, {c.merged} merged and {c.split} "
+            f"split; {self.versions} version(s); the old rows are version {self.from_version}"
+        )
 
-def rekey(
-    spark: SparkSession, table: TableConfig, paths: TablePaths, synced_at: datetime
-) -> RekeyResult:
-    """Rebuild ``table``'s history under the key its config names, from the change log. Every
+    def metadata(self) -> dict[str, Any]:
+        c = self.counts or KeyCounts(0, 0, 0, 0, 0, 0, None)
+        return {
+            "operation": REKEY_JOB,
+            "old_key": named(self.old_key),
+            "new_key": named(self.new_key),
+            "events": c.events,
+            "keys_before": c.keys_before,
+            "keys_after": c.keys_after,
+            "keys_merged": c.merged,
+            "keys_split": c.split,
+            "events_counted_once": c.counted_once,
+            "versions": self.versions,
+            "versions_synced_kept": self.synced_kept,
+            "changelog_rewritten": self.changelog_rewritten,
+            "old_rows_at_version": self.from_version,
+            "delta_version": self.history_version,
+        }
+
+    @property
+    def hours(self) -> tuple[datetime, ...]:
+        """The hour of the table's last event: the rebuild concerns its whole history."""
+        return (hour_of(self.last_event_at),) if self.last_event_at else ()
+
+
+def rekey(t: HistoryTable, request: RekeyRequest) -> RekeyResult:
+    """Rebuild the table's history under the key its config names, from the change log. Every
     refusal comes before the first commit (a rekey under way stays so until a run completes)."""
-    history = Table.open(paths.history)
+    table, paths, history = t.config, t.paths, t.history
     new = tuple(table.key)
     state = recorded_rekey(history)
     old = recorded_key(history)
@@ -144,31 +188,27 @@ def rekey(
                 " table again before changing its key. Nothing was written."
             )
         old, from_version = list(state.from_key), state.from_version
-    log = Table.open(paths.changelog)
-    _refuse(spark, paths, log, table, old, from_version, history.version)
+    _refuse(t.spark, paths, t.changelog, table, old, from_version, history.version)
     state = Rekey(from_version, pending, tuple(old))
-    return rebuild_table(spark, table, paths, state, synced_at, partial(_keyed_log, spark, table))
+    return rebuild_table(t, state, request.now, partial(_keyed_log, t.spark, table))
 
 
 def rebuild_table(
-    spark: SparkSession,
-    table: TableConfig,
-    paths: TablePaths,
-    state: Rekey,
-    synced_at: datetime,
-    rewrite_log: Callable[[Table], Table],
+    t: HistoryTable, state: Rekey, synced_at: datetime, rewrite_log: Callable[[Table], Table]
 ) -> RekeyResult:
     """Steps 1 to 4 (the module docstring), ``rewrite_log`` being step 2: the history rebuilt
     under ``table``'s key from the change log as ``rewrite_log`` leaves it (it returns the log
     as it is when there is nothing to rewrite, as after a crash that came later). ``state``
     pending: step 1 was done by a run that did not finish. Also ``protect_columns``' rebuild."""
+    table, paths = t.config, t.paths
     if not state.pending:
-        _mark(Table.open(paths.history), table, replace(state, pending=True))
+        _mark(t.refresh().history, table, replace(state, pending=True))
     result, _ = delta.with_commit_retries(
-        lambda: _rebuild(spark, table, paths, state, synced_at, rewrite_log),
+        lambda: _rebuild(t.spark, table, paths, state, synced_at, rewrite_log),
         f"rebuild of {paths.history}",
     )
-    _mark(Table.open(paths.history), table, replace(state, pending=False))
+    _mark(t.refresh().history, table, replace(state, pending=False))
+    t.refresh()
     return result
 
 

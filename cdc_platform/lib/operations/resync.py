@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -52,34 +52,28 @@ from cdc_platform.lib.columns import (
     timestamp_lit,
 )
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import changelog
-from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up
+from cdc_platform.lib.history.merge import MergeResult
 from cdc_platform.lib.history.protected_columns import changelog_properties, record_hashing
+from cdc_platform.lib.history.table import Change, HistoryTable
+from cdc_platform.lib.landing.batch import LandingBatch
 from cdc_platform.lib.landing.decoding.codecs import LandingFileError
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.reading.file_reader import LandingReader
-from cdc_platform.lib.landing.reading.passes import (
-    event_schema,
-    inspect_files,
-    read_events,
-    unify_schema,
-    with_row_id,
-)
+from cdc_platform.lib.landing.reading.passes import event_schema
 from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.landing.where.root import zone_at
+from cdc_platform.lib.landing.where.safe_open import FileId
 from cdc_platform.lib.landing.where.zone import IncompleteSnapshotError, LandingZone, LocalZone
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
-from cdc_platform.lib.operations.revocation import GONE, remove_events
-from cdc_platform.lib.pipeline import to_ms
-from cdc_platform.lib.storage import delta
+from cdc_platform.lib.operations.operation import Request, hour_of, to_ms
 from cdc_platform.lib.storage.roots import SourceRootError, snapshot_folder
 from cdc_platform.lib.storage.schema import spark_schema
 from cdc_platform.lib.storage.stores import Location, Where
-from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
 
 SOURCE_PREFIX = "resync:at="
@@ -91,21 +85,75 @@ _SAMPLE = 5
 # cannot clash with them.
 _ROWS = internal("resync_rows")
 _PLACES = internal("resync_places")
+RESYNC = "resync_table"
 
 
-class ResyncError(ValueError):
+class ResyncError(Refusal):
     """The snapshot cannot be applied as it is; nothing was written."""
+
+
+@dataclass(frozen=True)
+class ResyncRequest(Request):
+    """The snapshot folder (as typed: checked against ``snapshot_roots``, the config's, never
+    resolved by the caller) and the re-sync's time R (None: ``now``)."""
+
+    snapshot: Path | str
+    snapshot_roots: tuple[Where, ...]
+    at: datetime | None = None
 
 
 @dataclass(frozen=True)
 class ResyncResult:
     at: datetime
+    snapshot: str
     files: int
     rows: int  # snapshot rows (one per key)
     keys_closed: int  # live keys absent from the snapshot, closed at R
     keys_replaced: int  # keys whose history the snapshot replaced (the exception)
     events_new: int  # 0 when the same re-sync ran before
     merge: MergeResult
+    changed: bool = True
+
+    def summary(self) -> str:
+        return (
+            f"re-synced {self.rows} row(s) from {self.files} file(s) at {self.at.isoformat()}: "
+            f"{self.keys_closed} key(s) closed, {self.keys_replaced} replaced, history version "
+            f"{self.merge.history_version}"
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "operation": RESYNC,
+            "at": self.at.isoformat(),
+            "snapshot": self.snapshot,
+            "files": self.files,
+            "rows": self.rows,
+            "keys_closed": self.keys_closed,
+            "keys_replaced": self.keys_replaced,
+            "events_new": self.events_new,
+            "versions_opened": self.merge.versions_opened,
+            "versions_closed": self.merge.versions_closed,
+            "delta_version": self.merge.history_version,
+        }
+
+    @property
+    def hours(self) -> tuple[datetime, ...]:
+        return (hour_of(self.at),)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """The snapshot as read and checked: its events (None: no row), how many rows and files,
+    and what the change log records of its files."""
+
+    events: DataFrame | None
+    rows: int
+    files: int
+    shape: StructType
+    own_sources: list[str]
+    properties: dict[str, str]
+    schemas: list[pa.Schema | None]
+    salt: bytes | None
 
 
 def resync_seqs(at: datetime) -> tuple[int, int]:
@@ -187,27 +235,38 @@ def snapshot_source(folder: Path | Location, landing_root: Where) -> LandingZone
     return zone_at(Location(folder.uri, options))
 
 
-def resync(
-    spark: SparkSession,
-    table: TableConfig,
-    landing_root: Where,
-    warehouse_root: Where,
-    snapshot: Path | str,
-    at: datetime | None = None,
-    keyring: Keyring | None = None,
-    now: datetime | None = None,
-    *,
-    snapshot_roots: Sequence[Where],
-) -> ResyncResult:
-    """Apply the snapshot in ``snapshot`` as a re-sync at ``at`` (see the module docstring).
+def resync(t: HistoryTable, request: ResyncRequest) -> ResyncResult:
+    """Apply the snapshot as a re-sync at R (see the module docstring).
 
-    ``snapshot`` must be under one of ``snapshot_roots`` (the config's), apart from the landing
+    The snapshot must be under one of ``snapshot_roots`` (the config's), apart from the landing
     and warehouse roots (``lib.storage.roots``): a run's config never makes the service read
     another folder."""
-    from pyspark.sql import functions as F
+    now = request.now
+    at = to_ms(request.at or now)
+    _check_time(at, now)
+    erased_keys.load(t.paths.erased_keys, t.keyring)  # without the salt: refused, nothing written
+    snap = _read_snapshot(t, request, at)
+    # A re-run after its events were un-applied logs them again (the user asks for it).
+    revoked_files.remove(t.paths.revoked_files, snap.own_sources)
+    # A hashed column's source types, so an erasure hashes a cleartext as these rows were.
+    record_hashing(t.paths.changelog, t.config, snap.salt, snap.schemas)
+    replaced: list[int] = []  # keys whose history a committed removal took (any attempt)
+    (keys_closed, new_events), merge = t.change(
+        now, lambda c: _apply_snapshot(c, snap, at, replaced), "re-sync"
+    )
+    return ResyncResult(
+        at,
+        str(request.snapshot),
+        snap.files,
+        snap.rows,
+        keys_closed,
+        sum(replaced),
+        new_events,
+        merge,
+    )
 
-    now = to_ms(now or datetime.now(UTC))
-    at = to_ms(at or now)
+
+def _check_time(at: datetime, now: datetime) -> None:
     if at.year < 1971:
         raise ResyncError(f"re-sync at {at.isoformat()}: a time after 1970 is expected")
     if ahead_of(at, now):
@@ -217,11 +276,20 @@ def resync(
             "come after every CDC event logged until then; give a time that has passed, or "
             "none for now"
         )
+
+
+def _listed(
+    t: HistoryTable, request: ResyncRequest
+) -> tuple[LandingZone, list[str], dict[str, FileId], Path | Location]:
+    """The snapshot's source and every file in it, listed whole (or refused)."""
+    landing = t.landing_place
     try:
-        folder = snapshot_folder(snapshot, snapshot_roots, (landing_root, warehouse_root))
+        folder = snapshot_folder(
+            request.snapshot, request.snapshot_roots, (landing, t.warehouse_root)
+        )
     except SourceRootError as exc:
         raise ResyncError(str(exc)) from None
-    source = snapshot_source(folder, landing_root)
+    source = snapshot_source(folder, landing)
     if not source.exists():
         raise ResyncError(
             f"{folder}: no such folder, or it cannot be listed (the snapshot is a folder of"
@@ -231,94 +299,94 @@ def resync(
         listed = source.all_files()
     except IncompleteSnapshotError as exc:
         raise ResyncError(f"the snapshot was not applied: {exc}") from None
-    files = list(listed)
-    if not files:
+    if not listed:
         raise ResyncError(
             f"{folder}: no snapshot file (a snapshot of an empty table is one file with no rows)"
         )
-    pk = list(table.key)
-    paths = TablePaths.of(warehouse_root, table.name)
-    erased_keys.load(paths.erased_keys, keyring)  # without the salt: refused, nothing written
-    insert_seq, delete_seq = resync_seqs(at)
-    logged_fields = changelog.key_and_data_fields(Table.open(paths.changelog))
-    known = logged_fields.names if logged_fields is not None else ()
-    reader = SnapshotReader(table, landing_root, keyring, at, insert_seq, source, known)
-    reader.expect(listed)
+    return source, list(listed), listed, folder
 
-    reports = inspect_files(spark, reader, files, native=False)
+
+def _read_snapshot(t: HistoryTable, request: ResyncRequest, at: datetime) -> _Snapshot:
+    """Every snapshot file inspected and read as events at R; any bad file refuses the
+    whole snapshot (nothing written)."""
+    source, files, listed, folder = _listed(t, request)
+    erased_keys.load(t.paths.erased_keys, t.keyring)  # without the salt: refused, nothing written
+    table, pk = t.config, t.key
+    logged_fields = changelog.key_and_data_fields(t.changelog)
+    known = logged_fields.names if logged_fields is not None else ()
+    seq = resync_seqs(at)[0]
+    reader = SnapshotReader(table, t.landing_place, t.keyring, at, seq, source, known)
+    batch = LandingBatch.of_files(t.spark, reader, listed)
+    inspected = batch.inspect(logged_fields, native=False)
+    reports, fields = inspected.reports, inspected.fields
     bad = [f"{r.path}: {r.error}" for r in reports if not r.ok]
     if bad:
         raise ResyncError("the snapshot was not applied: " + "; ".join(bad))
-    fields, clashes = unify_schema(logged_fields, reports, table.may_widen, table.keyless)
-    fields = with_row_id(fields, table.keyless)
-    if clashes:
+    if inspected.clashes:
         raise ResyncError(
             "the snapshot was not applied: "
-            + "; ".join(f"{p}: {why}" for p, why in sorted(clashes.items()))
+            + "; ".join(f"{p}: {why}" for p, why in sorted(inspected.clashes.items()))
         )
     with_rows = [r.path for r in reports if r.num_rows]
-    rows = sum(r.num_rows for r in reports)
-    events = read_events(spark, reader, with_rows, event_schema(fields)) if with_rows else None
+    schema = event_schema(fields)
+    events = batch.events(with_rows, fields) if with_rows else None
     if events is not None and table.keyless:  # identical rows are one row (section 3)
         events = _first_of_each_key(events, pk)
     elif events is not None:
         _check_one_row_per_key(events, pk, folder)
-
-    # A re-run after its events were un-applied logs them again (the user asks for it).
-    own_sources = [source_name(at), *(reader.relative(p) for p in with_rows)]
-    revoked_files.remove(paths.revoked_files, own_sources)
-    # A hashed column's source types, so an erasure hashes a cleartext as these rows were.
     schemas = [r.schema for r in reports]
-    record_hashing(paths.changelog, table, reader.salt, schemas)
+    return _Snapshot(
+        events,
+        sum(r.num_rows for r in reports),
+        len(files),
+        spark_schema(schema),
+        [source_name(at), *(reader.relative(p) for p in with_rows)],
+        changelog_properties(table, reader.salt, schemas),
+        schemas,
+        reader.salt,
+    )
+
+
+def _apply_snapshot(
+    c: Change, snap: _Snapshot, at: datetime, replaced: list[int]
+) -> tuple[int, int]:
+    """Decide which keys close and which are replaced on the change-log version the table
+    has caught up with, then remove and append strictly on it: an event logged meanwhile
+    makes a commit fail and the attempt decide again, so it is never removed (nor
+    forgotten) unseen, and no key it brought is left open. Returns (keys closed, events new)."""
+    closing, replacing = _closing_and_replacing(c.table, snap.events)
+    if c.log is not None and replacing is not None:
+        replaced.append(c.remove_keys(replacing, "cdc_platform.resync_replaced").keys)
+    insert_seq, delete_seq = resync_seqs(at)
+    deletes = _deletes(closing, c.table.key, snap.shape, at, delete_seq)
+    keys_closed = deletes.count() if deletes is not None else 0
+    logged = snap.events
+    if deletes is not None and keys_closed:
+        logged = deletes if logged is None else logged.unionByName(deletes)
+    if logged is None or not snap.rows + keys_closed:
+        return keys_closed, 0
+    rows = snap.rows + keys_closed
+    return keys_closed, c.append(logged, (insert_seq, delete_seq), rows, snap.properties)
+
+
+def _closing_and_replacing(
+    t: HistoryTable, events: DataFrame | None
+) -> tuple[DataFrame | None, DataFrame | None]:
+    """The live keys the snapshot lacks (closed at R), and the keys whose snapshot row is
+    older than their first version (their history is replaced); None before any history."""
+    from pyspark.sql import functions as F
+
+    history = t.history.read(t.spark) if t.history.files else None
+    if history is None:
+        return None, None
+    pk = t.key
     snapshot_keys = events.select(*cols(pk), col(TS)) if events is not None else None
-    shape = spark_schema(event_schema(fields))
-    replaced: list[int] = []  # keys whose history a committed removal took (any attempt)
-
-    def attempt() -> tuple[int, int]:
-        """Decide which keys close and which are replaced on the change-log version the table
-        has caught up with, then remove and append strictly on it: an event logged meanwhile
-        makes a commit fail and the attempt decide again, so it is never removed (nor
-        forgotten) unseen, and no key it brought is left open."""
-        log = caught_up(spark, paths, pk, now, table.history_columns)
-        history = _history(spark, paths)
-        closing = None
-        replaced_keys = None
-        if history is not None:
-            live = history.filter(col(CURRENT) & col(ACTIVE)).select(*cols(pk))
-            closing = live if snapshot_keys is None else live.join(snapshot_keys, pk, "left_anti")
-            if snapshot_keys is not None:
-                first = history.groupBy(*cols(pk)).agg(F.min(col(START)).alias(START))
-                replaced_keys = (
-                    snapshot_keys.join(first, pk).filter(col(TS) < col(START)).select(*cols(pk))
-                )
-        version = log.version if log is not None else None
-        if log is not None:
-            keys_replaced, version = _remove_history_of(spark, paths, pk, replaced_keys, log)
-            replaced.append(keys_replaced)
-        deletes = _deletes(closing, pk, shape, at, delete_seq)
-        keys_closed = deletes.count() if deletes is not None else 0
-        logged = events
-        if deletes is not None and keys_closed:
-            logged = deletes if logged is None else logged.unionByName(deletes)
-        new_events = 0
-        if logged is not None and rows + keys_closed:
-            new_events = changelog.append(
-                spark,
-                paths.changelog,
-                changelog.Batch(logged, pk, (insert_seq, delete_seq), rows + keys_closed, now),
-                changelog.Guards(
-                    revoked=lambda: revoked_files.revoked_names(paths.revoked_files),
-                    erased=erased_keys.loader(paths.erased_keys, keyring),
-                    fence=changelog.Fence(version),
-                ),
-                changelog_properties(table, reader.salt, schemas),
-            ).new_events
-        return keys_closed, new_events
-
-    (keys_closed, new_events), _ = delta.with_commit_retries(attempt, f"re-sync of {paths.history}")
-    keys_replaced = sum(replaced)
-    merge = apply_pending(spark, paths, pk, now, table.history_columns)
-    return ResyncResult(at, len(files), rows, keys_closed, keys_replaced, new_events, merge)
+    live = history.filter(col(CURRENT) & col(ACTIVE)).select(*cols(pk))
+    if snapshot_keys is None:
+        return live, None
+    first = history.groupBy(*cols(pk)).agg(F.min(col(START)).alias(START))
+    replacing = snapshot_keys.join(first, pk).filter(col(TS) < col(START)).select(*cols(pk))
+    return live.join(snapshot_keys, pk, "left_anti"), replacing
 
 
 def _first_of_each_key(events: DataFrame, pk: Sequence[str]) -> DataFrame:
@@ -356,53 +424,6 @@ def _check_one_row_per_key(events: DataFrame, pk: Sequence[str], folder: Path | 
             for r in twice
         )
         raise ResyncError(f"{folder}: a snapshot holds one row per key; one key is on {sample}")
-
-
-def _history(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
-    """Every version of the history table (None before it exists)."""
-    history = Table.open(paths.history)
-    return history.read(spark) if history.files else None
-
-
-def _remove_history_of(
-    spark: SparkSession,
-    paths: TablePaths,
-    pk: Sequence[str],
-    keys: DataFrame | None,
-    log: Table,
-) -> tuple[int, int]:
-    """Take every event of ``keys`` out of the change-log snapshot ``log`` (the merge then
-    drops their versions), committing strictly on it (``CommitFailedError`` if the log moved:
-    the caller decides again). Returns (keys, the change log's version now)."""
-    from pyspark.sql import functions as F
-
-    decided = log.version
-    assert decided is not None  # the caller read this snapshot of an existing log
-    if keys is None:
-        return 0, decided
-    gone = keys.distinct().withColumn(GONE, F.lit(True)).cache()
-    try:
-        if gone.isEmpty():
-            return 0, decided
-
-        def mark(events: DataFrame) -> DataFrame:
-            return events.join(gone, list(pk), "left").select(
-                *cols(events.columns), F.coalesce(col(GONE), F.lit(False)).alias(GONE)
-            )
-
-        _, keys_removed, rewritten = remove_events(
-            spark,
-            paths,
-            pk,
-            log,
-            log.files,
-            mark,
-            "cdc_platform.resync_replaced",
-            forget=True,
-        )
-        return keys_removed, decided + 1 if rewritten else decided
-    finally:
-        gone.unpersist()
 
 
 def _deletes(

@@ -27,40 +27,33 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from deltalake.exceptions import CommitFailedError
-
-from cdc_platform.lib.columns import SOURCE_FILE, col, cols, internal
-from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.history import changelog
-from cdc_platform.lib.history.merge import APP_ID, MergeResult, apply_pending, record_retracted_keys
-from cdc_platform.lib.history.merge import table_relative as _table_relative
-from cdc_platform.lib.landing.decoding.keyring import Keyring
+from cdc_platform.lib.columns import SOURCE_FILE, col
+from cdc_platform.lib.errors import Refusal
+from cdc_platform.lib.history.merge import MergeResult
+from cdc_platform.lib.history.removal import GONE
+from cdc_platform.lib.history.table import Change, HistoryTable, Removal
 from cdc_platform.lib.landing.where.layout import is_data_file
 from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.zone import Landing
 from cdc_platform.lib.ledgers import revoked_files
-from cdc_platform.lib.pipeline import MaterializationOutcome, materialize, to_ms
-from cdc_platform.lib.storage import delta
-from cdc_platform.lib.storage.stores import Where
-from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
+from cdc_platform.lib.operations.operation import Request
+from cdc_platform.lib.pipeline import MaterializationOutcome, materialize_hours
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    pass
 
-# The column ``remove_events``' callers set on each change-log event: true if it goes.
-GONE = internal("gone")
 # The sources of an operation's own events (``adoption``, ``resync``, ``truncation`` import
 # this module, so their prefixes are spelled here too; a test checks they agree).
 ADOPT_PREFIX = "adopt:"
 RESYNC_PREFIX = "resync:at="
 TRUNCATE_PREFIX = "truncate:before="
+UNAPPLY = "unapply_files"
+READMIT = "readmit_files"
 # Digits the landing layout can hold (padded or not): ASCII only, never more than a year's
 # four (an unbounded group would hand ``datetime`` a number it overflows on).
 _HOUR_PARTS = re.compile(
@@ -68,16 +61,26 @@ _HOUR_PARTS = re.compile(
 )
 
 
-class NoMatchingFileError(LookupError):
+class NoMatchingFileError(Refusal, LookupError):
     """A file name or glob given to un-apply or re-admit matches no file of the table."""
 
 
-class NotReadmittableError(ValueError):
+class NotReadmittableError(Refusal):
     """Re-admit named an operation's events (adopt, re-sync, truncate): re-run it instead."""
 
 
 @dataclass(frozen=True)
+class UnapplyRequest(Request):
+    """Files to take back out (paths or globs, ``match``), why, and the run that asks."""
+
+    files: tuple[str, ...]
+    reason: str
+    run_id: str
+
+
+@dataclass(frozen=True)
 class UnapplyResult:
+    reason: str
     files: tuple[str, ...]  # every file the request names, now revoked
     newly_revoked: tuple[str, ...]  # those this call recorded (a replay records none)
     events_removed: int
@@ -85,6 +88,35 @@ class UnapplyResult:
     changelog_files_rewritten: int
     merge: MergeResult
     hours: tuple[datetime, ...]  # the hour folders the files are in
+    changed: bool = True
+
+    def summary(self) -> str:
+        return (
+            f"revoked {len(self.files)} file(s) ({len(self.newly_revoked)} newly), removed "
+            f"{self.events_removed} event(s) of {self.keys_retracted} key(s), history version "
+            f"{self.merge.history_version}"
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "operation": UNAPPLY,
+            "reason": self.reason,
+            "files": list(self.files),
+            "newly_revoked": len(self.newly_revoked),
+            "events_removed": self.events_removed,
+            "keys_retracted": self.keys_retracted,
+            "changelog_files_rewritten": self.changelog_files_rewritten,
+            "keys_affected": self.merge.keys_affected,
+            "versions_closed": self.merge.versions_closed,
+            "files_removed": self.merge.files_removed,
+            "files_added": self.merge.files_added,
+            "delta_version": self.merge.history_version,
+        }
+
+
+@dataclass(frozen=True)
+class ReadmitRequest(Request):
+    files: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,25 @@ class ReadmitResult:
     files: tuple[str, ...]
     hours: tuple[datetime, ...]
     outcome: MaterializationOutcome | None  # None when no file is in an hour folder
+    version_before: int | None
+    changed: bool = True
+
+    def summary(self) -> str:
+        new = self.outcome.events_new if self.outcome else 0
+        return (
+            f"re-admitted {len(self.files)} file(s); {new} event(s) logged again over "
+            f"{len(self.hours)} hour(s)"
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        o = self.outcome
+        return {
+            "operation": READMIT,
+            "files": list(self.files),
+            "events_new": o.events_new if o else 0,
+            "keys_affected": o.merge.keys_affected if o else 0,
+            "delta_version": o.merge.history_version if o else self.version_before,
+        }
 
 
 def hour_of(file: str) -> datetime | None:
@@ -174,201 +225,82 @@ def _landing_files(landing_root: Landing, table: str) -> set[str]:
     return {f for f in files if is_data_file(f.rsplit("/", 1)[-1])}
 
 
-def _logged_files(spark: SparkSession, paths: TablePaths) -> set[str]:
+def _logged_files(t: HistoryTable) -> set[str]:
     """Every landing file with an event in the change log."""
-    log = Table.open(paths.changelog)
+    log = t.changelog
     if not log.files:
         return set()
-    events = log.read(spark)
+    events = log.read(t.spark)
     return {r[0] for r in events.select(SOURCE_FILE).distinct().collect() if r[0] is not None}
 
 
-def unapply(
-    spark: SparkSession,
-    table: TableConfig,
-    landing_root: Landing,
-    warehouse_root: Where,
-    patterns: Sequence[str],
-    reason: str,
-    run_id: str,
-    now: datetime | None = None,
-) -> UnapplyResult:
+def unapply(t: HistoryTable, request: UnapplyRequest) -> UnapplyResult:
     """Take the named landing files' events out of the table (see the module docstring)."""
-    if not reason.strip():
-        raise ValueError("un-applying files needs a reason (it is recorded with them)")
-    paths = TablePaths.of(warehouse_root, table.name)
-    now = to_ms(now or datetime.now(UTC))
-    candidates = (
-        _logged_files(spark, paths)
-        | _landing_files(landing_root, table.name)
-        | revoked_files.revoked_names(paths.revoked_files)
+    reason = request.reason.strip()
+    if not reason:
+        raise Refusal("un-applying files needs a reason (it is recorded with them)")
+    candidates = _logged_files(t) | _landing_files(t.landing, t.name) | t.revoked()
+    files = match(request.files, candidates, t.name, t.landing)
+    newly = revoked_files.add(t.paths.revoked_files, files, reason, request.run_id, request.now)
+    removal, merge = t.change(
+        request.now,
+        lambda c: _remove_revoked(c, t.revoked(), fence=bool(newly)),
+        "un-apply",
+        catch_up=False,
     )
-    files = match(patterns, candidates, table.name, landing_root)
-    newly = revoked_files.add(paths.revoked_files, files, reason.strip(), run_id, now)
-    (removed, keys, rewritten), _ = delta.with_commit_retries(
-        lambda: _remove_events(
-            spark,
-            paths,
-            table.key,
-            revoked_files.revoked_names(paths.revoked_files),
-            fence=bool(newly),
-        ),
-        f"change log rewrite of {paths.changelog}",
-    )
-    merge = apply_pending(spark, paths, table.key, now, table.history_columns)
     hours = sorted({h for f in files if (h := hour_of(f)) is not None})
-    return UnapplyResult(tuple(files), tuple(newly), removed, keys, rewritten, merge, tuple(hours))
+    return UnapplyResult(
+        reason,
+        tuple(files),
+        tuple(newly),
+        removal.events,
+        removal.keys,
+        removal.files_rewritten,
+        merge,
+        tuple(hours),
+    )
 
 
-def _remove_events(
-    spark: SparkSession,
-    paths: TablePaths,
-    primary_key: Sequence[str],
-    names: set[str],
-    fence: bool = False,
-) -> tuple[int, int, int]:
-    """One attempt: record the keys, rewrite the change-log files holding events of ``names``
-    without them, commit strictly. Returns (events removed, keys, files rewritten).
+def _remove_revoked(c: Change, names: set[str], fence: bool) -> Removal:
+    """One attempt: rewrite the change-log files holding events of ``names`` without them.
 
     With ``fence`` (files were just revoked) a change log holding none of their events still
     gets a commit, an empty one: an append that read the revoked list before the files were
     revoked then loses its strict commit and re-reads the list, instead of logging them."""
     from pyspark.sql import functions as F
 
-    log = Table.open(paths.changelog)
-    if not names or not log.exists:
-        return 0, 0, 0
-    files = [f for f in log.files if revoked_files.may_hold(f, names)]
+    if not names or c.log is None:
+        return Removal(0, 0, 0)
+    files = [f for f in c.log.files if revoked_files.may_hold(f, names)]
     gone = F.coalesce(col(SOURCE_FILE).isin(sorted(names)), F.lit(False))
-    return remove_events(
-        spark,
-        paths,
-        primary_key,
-        log,
-        files,
+    return c.remove(
         lambda events: events.withColumn(GONE, gone),
         "cdc_platform.unapplied_events",
-        fence,
+        files,
+        fence=fence,
     )
 
 
-def remove_events(
-    spark: SparkSession,
-    paths: TablePaths,
-    primary_key: Sequence[str],
-    log: Table,
-    files: Sequence[delta.DataFile],
-    mark: Callable[[DataFrame], DataFrame],
-    metadata_key: str,
-    fence: bool = False,
-    forget: bool = False,
-) -> tuple[int, int, int]:
-    """Take the events ``mark`` flags (its boolean column ``GONE``) out of ``files`` of the
-    change-log snapshot ``log``: record their keys as retracted, then rewrite the files holding
-    them in one strict commit. Returns (events removed, keys, files rewritten); with ``fence``
-    an empty commit is made even when nothing is removed (see ``_remove_events``). With
-    ``forget`` the events are recorded as forgotten first: no append logs them again (an
-    un-apply needs no such record: its files are never read again).
-
-    ``mark`` must flag each event from the event alone (a column test, a join with keys
-    decided beforehand): it runs again over the rewritten files only, so a flag that looked
-    at a key's other events (a window) would see part of them there."""
-    from pyspark.sql import functions as F
-
-    pk = list(primary_key)
-    version = log.version
-    assert version is not None  # the caller read this snapshot of an existing log
-    if not files:
-        return _fenced(log, fence, metadata_key)
-    file_col = "_cdc_tmp_log_file"
-    events = mark(
-        log.read(spark, files).withColumn(
-            file_col, _table_relative(F.input_file_name(), log.location)
-        )
-    )
-    row = (
-        events.filter(col(GONE))
-        .agg(
-            F.count(F.lit(1)).alias("n"),
-            F.collect_set(file_col).alias("files"),
-            F.count_distinct(*cols(pk)).alias("keys"),
-        )
-        .collect()[0]
-    )
-    removed = int(row["n"])
-    if not removed:
-        return _fenced(log, fence, metadata_key)
-    holding = set(row["files"])
-    rewritten = [f for f in files if f.path in holding]
-    applied = Table.open(paths.history).watermark(APP_ID)
-    # Tied to this commit (``changelog.removal_committed``): if it loses its race, the retry
-    # decides again and may keep some of these events, which must not stay forgotten.
-    removal = uuid.uuid4().hex if forget else None
-    if removal is not None:
-        changelog.forget(paths.forgotten_events, events.filter(col(GONE)), pk, version, removal)
-    # Tied to the version too: a removal that never committed only costs a recomputation.
-    record_retracted_keys(paths, events.filter(col(GONE)).select(*cols(pk)), version, applied)
-    kept_rows = sum(f.num_records or 0 for f in rewritten) - removed
-    kept = mark(log.read(spark, rewritten)).filter(~col(GONE)).drop(GONE)
-    try:
-        with log.committing() as rewrite:
-            rewrite.write(kept.coalesce(delta.file_count_for(kept_rows)))
-            rewrite.commit(
-                delta.removes_for(rewritten),
-                metadata={
-                    metadata_key: removed,
-                    **({changelog.REMOVAL_KEY: removal} if removal else {}),
-                },
-                strict=True,
-            )
-    except CommitFailedError:
-        if removal is not None:  # surely not committed
-            changelog.unforget(paths.forgotten_events, removal)
-        raise
-    return removed, int(row["keys"]), len(rewritten)
-
-
-def _fenced(log: Table, fence: bool, metadata_key: str) -> tuple[int, int, int]:
-    """Nothing to remove: commit an empty version if asked to fence off racing appends."""
-    if fence:
-        with log.committing() as empty:
-            empty.commit(metadata={metadata_key: 0}, strict=True)
-    return 0, 0, 0
-
-
-def readmit(
-    spark: SparkSession,
-    table: TableConfig,
-    landing_root: Landing,
-    warehouse_root: Where,
-    patterns: Sequence[str],
-    keyring: Keyring | None = None,
-    synced_at: datetime | None = None,
-) -> ReadmitResult:
+def readmit(t: HistoryTable, request: ReadmitRequest) -> ReadmitResult:
     """Lift the named files' revocation and materialize the hours they are in. An
     operation's source is refused (NotReadmittableError, saying what to run instead).
 
     Naming a file that is no longer revoked (a re-run after a crash) is not an error: its
     hour is materialized again, which applies whatever is not applied yet.
     """
-    paths = TablePaths.of(warehouse_root, table.name)
-    revoked = revoked_files.revoked_names(paths.revoked_files)
+    version_before = t.history.version
     try:
-        files = match(patterns, revoked, table.name, landing_root)
+        files = match(request.files, t.revoked(), t.name, t.landing)
     except NoMatchingFileError:
-        files = match(patterns, _landing_files(landing_root, table.name), table.name, landing_root)
-    operations = [f for f in files if not is_landing_file(f, table.name)]
+        files = match(request.files, _landing_files(t.landing, t.name), t.name, t.landing)
+    operations = [f for f in files if not is_landing_file(f, t.name)]
     if operations:
         raise NotReadmittableError(
             "an operation's events are not re-admitted (no landing file holds them, so nothing "
             "would log them again); the revocation stays: "
             + "; ".join(f"{f}: {operation_of(f)}" for f in operations)
         )
-    revoked_files.remove(paths.revoked_files, files)
+    revoked_files.remove(t.paths.revoked_files, files)
     hours = sorted({h for f in files if (h := hour_of(f)) is not None})
-    outcome = (
-        materialize(spark, table, landing_root, warehouse_root, hours, keyring, synced_at)
-        if hours
-        else None
-    )
-    return ReadmitResult(tuple(files), tuple(hours), outcome)
+    outcome = materialize_hours(t.refresh(), hours, request.now) if hours else None
+    return ReadmitResult(tuple(files), tuple(hours), outcome, version_before)

@@ -22,10 +22,10 @@ truncate again) finishes the work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from datetime import datetime, timedelta
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from cdc_platform.lib.columns import (
     ACTIVE,
@@ -36,29 +36,35 @@ from cdc_platform.lib.columns import (
     SOURCE_FILE,
     SYNCED,
     TS,
-    HistoryColumns,
     col,
     cols,
     internal,
     timestamp_lit,
 )
-from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.history import changelog
-from cdc_platform.lib.history.merge import MergeResult, apply_pending, caught_up, is_closed_file
+from cdc_platform.lib.errors import Refusal
+from cdc_platform.lib.history.merge import MergeResult, is_closed_file
+from cdc_platform.lib.history.table import Change, HistoryTable
 from cdc_platform.lib.ledgers import revoked_files
-from cdc_platform.lib.operations.revocation import GONE, remove_events
-from cdc_platform.lib.pipeline import to_ms
-from cdc_platform.lib.storage import delta
-from cdc_platform.lib.storage.stores import Where
+from cdc_platform.lib.operations.operation import Request, hour_of, to_ms
 from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame
 
 SOURCE_PREFIX = "truncate:before="
 _OLD = internal("written_before")
 _LOGGED = internal("last_logged")
+_GOES = internal("goes")
+TRUNCATE = "truncate_table"
+
+
+@dataclass(frozen=True)
+class TruncateRequest(Request):
+    """Truncate what was written before ``before`` (None: everything up to the catch-up),
+    soft (close the live versions) or hard (remove the keys)."""
+
+    before: datetime | None = None
+    soft: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,34 @@ class TruncateResult:
     events_logged: int  # soft: synthetic deletes added to the change log
     events_removed: int  # hard: events taken out of the change log
     merge: MergeResult
-    table_existed: bool
+    changed: bool  # False: no table yet, nothing to truncate
+
+    def summary(self) -> str:
+        if not self.changed:
+            return "no table yet, nothing to truncate"
+        kind, done = ("soft", "closed") if self.soft else ("hard", "removed")
+        return (
+            f"{kind} truncate before {self.before.isoformat()}: {self.keys} key(s) {done}, "
+            f"history version {self.merge.history_version}"
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "operation": TRUNCATE,
+            "before": self.before.isoformat(),
+            "soft": self.soft,
+            f"keys_{'closed' if self.soft else 'removed'}": self.keys,
+            "events_logged": self.events_logged,
+            "events_removed": self.events_removed,
+            "versions_closed": self.merge.versions_closed,
+            "files_removed": self.merge.files_removed,
+            "files_added": self.merge.files_added,
+            "delta_version": self.merge.history_version,
+        }
+
+    @property
+    def hours(self) -> tuple[datetime, ...]:
+        return (hour_of(self.before),)
 
 
 def source_name(before: datetime) -> str:
@@ -82,90 +115,75 @@ def truncate_seq(before: datetime) -> int:
     return -int(to_ms(before).timestamp() * 1000)
 
 
-def truncate(
-    spark: SparkSession,
-    table: TableConfig,
-    warehouse_root: Where,
-    before: datetime | None = None,
-    soft: bool = True,
-    now: datetime | None = None,
-) -> TruncateResult:
-    """Truncate ``table`` before ``before`` (see the module docstring).
+def truncate(t: HistoryTable, request: TruncateRequest) -> TruncateResult:
+    """Truncate the table before ``request.before`` (see the module docstring).
 
     Without ``before``, T is the millisecond after the catch-up merge: every row written so far
     counts as written before it, the ones that merge just wrote included. A ``before`` later
     than ``now`` is refused: it would close or remove what events logged later still write.
     """
-    now = to_ms(now or datetime.now(UTC))
+    now, soft = request.now, request.soft
+    before = _checked_before(request.before, now)
+    if not t.changelog.exists:
+        return TruncateResult(before, soft, 0, 0, 0, MergeResult(), changed=False)
+    if soft:
+        # A re-run after its events were un-applied logs them again (the user asks for it).
+        revoked_files.remove(t.paths.revoked_files, [source_name(before)])
+        (keys, logged), merge = t.change(now, partial(_close_live, before=before), "soft truncate")
+        return TruncateResult(before, soft, keys, logged, 0, merge, changed=True)
+    (removed, keys), merge = t.change(now, partial(_remove_keys, before=before), "hard truncate")
+    return TruncateResult(before, soft, keys, 0, removed, merge, changed=True)
+
+
+def _checked_before(before: datetime | None, now: datetime) -> datetime:
+    """T as given, to the millisecond; the millisecond after ``now`` when not given."""
     if before is None:
-        before = now + timedelta(milliseconds=1)
+        return now + timedelta(milliseconds=1)
     if before.tzinfo is None:
-        raise ValueError(f"truncate before {before.isoformat()}: give a time zone (or Z for UTC)")
+        raise Refusal(f"truncate before {before.isoformat()}: give a time zone (or Z for UTC)")
     if before.year < 1971:
-        raise ValueError(f"truncate before {before.isoformat()}: a time after 1970 is expected")
+        raise Refusal(f"truncate before {before.isoformat()}: a time after 1970 is expected")
     before = to_ms(before)
     if before > now + timedelta(milliseconds=1):
-        raise ValueError(
+        raise Refusal(
             f"truncate before {before.isoformat()}: that is in the future (now is "
             f"{now.isoformat()}); give a time that has passed, or none for now"
         )
-    paths = TablePaths.of(warehouse_root, table.name)
-    pk = list(table.key)
-    if not Table.open(paths.changelog).exists:
-        return TruncateResult(before, soft, 0, 0, 0, MergeResult(), table_existed=False)
-    if soft:
-        # A re-run after its events were un-applied logs them again (the user asks for it).
-        revoked_files.remove(paths.revoked_files, [source_name(before)])
-
-        def attempt() -> tuple[int, int]:
-            # Decided on the version the table has caught up with (a crash may have left
-            # events logged but not merged), and appended on exactly that version.
-            log = caught_up(spark, paths, pk, now, table.history_columns)
-            latest = _latest_rows(spark, paths)
-            closing = (
-                None
-                if latest is None
-                else latest.filter(col(ACTIVE) & (col(SYNCED) < timestamp_lit(before)))
-            )
-            fence = changelog.Fence(log.version if log is not None else None)
-            return _log_deletes(spark, paths, pk, closing, before, now, fence)
-
-        (keys, logged), _ = delta.with_commit_retries(attempt, f"soft truncate of {paths.history}")
-        removed = 0
-    else:
-        logged = 0
-        removed, keys = _remove_keys(spark, paths, pk, before, now, table.history_columns)
-    merge = apply_pending(spark, paths, pk, now, table.history_columns)
-    return TruncateResult(before, soft, keys, logged, removed, merge, table_existed=True)
+    return before
 
 
-def _latest_rows(spark: SparkSession, paths: TablePaths) -> DataFrame | None:
+def _latest_rows(t: HistoryTable) -> DataFrame | None:
     """Each key's latest version (live or deleted), read from the live and deleted files only;
     None when the table has no history yet."""
-    history = Table.open(paths.history)
-    files = [f for f in history.files if not is_closed_file(f)]
+    files = [f for f in t.history.files if not is_closed_file(f)]
     if not files:
         return None
-    return history.read(spark, files, where=col(CURRENT))
+    return t.history.read(t.spark, files, where=col(CURRENT))
 
 
-def _log_deletes(
-    spark: SparkSession,
-    paths: TablePaths,
-    pk: Sequence[str],
-    rows: DataFrame | None,
-    before: datetime,
-    now: datetime,
-    fence: changelog.Fence,
-) -> tuple[int, int]:
-    """Append a delete at ``before`` for the key of each of ``rows``, on the change-log version
-    ``fence`` the keys were decided on; returns (keys, events new to the log). The events have
-    every change-log column (null where a delete has no value)."""
+def _close_live(c: Change, before: datetime) -> tuple[int, int]:
+    """Log a delete at ``before`` for every key live and written before it, decided on the
+    version the table has caught up with (a crash may have left events logged but not
+    merged); returns (keys, events new to the log)."""
+    latest = _latest_rows(c.table)
+    closing = (
+        None
+        if latest is None
+        else latest.filter(col(ACTIVE) & (col(SYNCED) < timestamp_lit(before)))
+    )
+    return _log_deletes(c, closing, before)
+
+
+def _log_deletes(c: Change, rows: DataFrame | None, before: datetime) -> tuple[int, int]:
+    """Append a delete at ``before`` for the key of each of ``rows``, fenced on the version the
+    keys were decided on; returns (keys, events new to the log). The events have every
+    change-log column (null where a delete has no value)."""
     from pyspark.sql import functions as F
 
     count = 0 if rows is None else rows.count()
-    if rows is None or not count:
+    if rows is None or not count or c.log is None:
         return 0, 0
+    pk = c.table.key
     seq = truncate_seq(before)
     given = {
         OP: F.lit("DELETE"),
@@ -173,88 +191,48 @@ def _log_deletes(
         TS: timestamp_lit(before),
         SOURCE_FILE: F.lit(source_name(before)),
     }
-    log_schema = Table.open(paths.changelog).spark_schema
     events = rows.select(
         *[
             (col(f.name) if f.name in pk else given.get(f.name, F.lit(None)))
             .cast(f.dataType)
             .alias(f.name)
-            for f in log_schema.fields
+            for f in c.log.spark_schema.fields
         ]
     )
-    appended = changelog.append(
-        spark,
-        paths.changelog,
-        changelog.Batch(events, pk, (seq, seq), count, now),
-        changelog.Guards(
-            revoked=lambda: revoked_files.revoked_names(paths.revoked_files), fence=fence
-        ),
-    )
-    return count, appended.new_events
+    return count, c.append(events, (seq, seq), count)
 
 
-def _remove_keys(
-    spark: SparkSession,
-    paths: TablePaths,
-    pk: Sequence[str],
-    before: datetime,
-    now: datetime,
-    history_columns: HistoryColumns,
-) -> tuple[int, int]:
+def _remove_keys(c: Change, before: datetime) -> tuple[int, int]:
     """Take out of the change log every event of the keys a hard truncate removes: those whose
     latest version was written before ``before``, and delete-only keys (no version) whose events
     were all logged before it. Returns (events removed, keys).
 
-    Each attempt decides on a change log the history table has caught up with, and commits
-    strictly on it: an event logged meanwhile (a key this attempt never saw) makes the commit
-    fail and the attempt start again, so it is never removed (nor forgotten) unseen."""
+    Decided on a change log the history table has caught up with, and committed strictly on
+    it: an event logged meanwhile (a key this attempt never saw) makes the commit fail and the
+    attempt start again, so it is never removed (nor forgotten) unseen."""
+    assert c.log is not None  # the caller checked that the change log exists
+    going = _keys_going(c.table, c.log, before)
+    removal = c.remove_keys(going, "cdc_platform.truncated_events")
+    return removal.events, removal.keys
+
+
+def _keys_going(t: HistoryTable, log: Table, before: datetime) -> DataFrame:
+    """The keys that go, decided once over every change-log file: a key's events may lie in
+    files that are not all rewritten, so a flag computed again over the rewritten ones would
+    see part of them (and drop an event it neither counts nor forgets)."""
     from pyspark.sql import functions as F
 
-    key_cols = cols(list(pk))
-    cut = timestamp_lit(before)
-
-    def keys_going(log: Table, latest: DataFrame | None) -> DataFrame:
-        """The keys that go, decided once over every change-log file: a key's events may lie in
-        files that are not all rewritten, so a flag computed again over the rewritten ones
-        would see part of them (and drop an event it neither counts nor forgets)."""
-        last = log.read(spark).groupBy(*key_cols).agg(F.max(col(INGESTED_AT)).alias(_LOGGED))
-        # A key with no version: its events were all logged before T (null: an old log).
-        unversioned_gone = F.coalesce(col(_LOGGED) < cut, F.lit(True))
-        if latest is None:
-            flagged = last.select(*key_cols, unversioned_gone.alias(GONE))
-        else:
-            versioned = latest.select(*key_cols, (col(SYNCED) < cut).alias(_OLD))
-            flagged = last.join(versioned, list(pk), "left").select(
-                *key_cols,
-                F.when(col(_OLD).isNull(), unversioned_gone).otherwise(col(_OLD)).alias(GONE),
-            )
-        return flagged.filter(col(GONE))
-
-    def attempt() -> tuple[int, int, int]:
-        log = caught_up(spark, paths, pk, now, history_columns)
-        assert log is not None  # the caller checked that the change log exists
-        going = keys_going(log, _latest_rows(spark, paths)).cache()
-        try:
-
-            def mark(events: DataFrame) -> DataFrame:
-                return events.join(going, list(pk), "left").select(
-                    *cols(events.columns), F.coalesce(col(GONE), F.lit(False)).alias(GONE)
-                )
-
-            return remove_events(
-                spark,
-                paths,
-                pk,
-                log,
-                log.files,
-                mark,
-                "cdc_platform.truncated_events",
-                forget=True,
-            )
-        finally:
-            going.unpersist()
-
-    (removed, keys, _), _ = delta.with_commit_retries(
-        attempt, f"change log rewrite of {paths.changelog}"
-    )
-    return removed, keys
+    key_cols, cut = cols(t.key), timestamp_lit(before)
+    last = log.read(t.spark).groupBy(*key_cols).agg(F.max(col(INGESTED_AT)).alias(_LOGGED))
+    # A key with no version: its events were all logged before T (null: an old log).
+    unversioned_gone = F.coalesce(col(_LOGGED) < cut, F.lit(True))
+    latest = _latest_rows(t)
+    if latest is None:
+        flagged = last.select(*key_cols, unversioned_gone.alias(_GOES))
+    else:
+        versioned = latest.select(*key_cols, (col(SYNCED) < cut).alias(_OLD))
+        flagged = last.join(versioned, t.key, "left").select(
+            *key_cols,
+            F.when(col(_OLD).isNull(), unversioned_gone).otherwise(col(_OLD)).alias(_GOES),
+        )
+    return flagged.filter(col(_GOES)).select(*key_cols)

@@ -1,4 +1,5 @@
-"""``table_maintenance``: compaction then VACUUM of one table, named in the run config.
+"""The schedules of ``table_maintenance`` (compaction then VACUUM of one table, named in the
+run config: ``defs.jobs.registry``, ``lib.operations.maintenance``).
 
 One job for every table (the Jobs page does not grow with the table count); each table gets a
 schedule, ``<table>_maintenance_schedule``, on the config's ``maintenance_schedule``, that
@@ -6,12 +7,12 @@ launches this job with the table in its run config, so a table's maintenance can
 on its own. A fleet (``landing_sensor: fleet``) gets one schedule instead,
 ``cdc_maintenance_schedule``, that starts each table at the same spread minute: 500 schedules
 make the Automation page slow and the daemon's loop long. The op holds the table's pool slot
-while it works (``defs.operations``), so it never overlaps a materialization or an operator job of the same table. What it did is
+while it works (``defs.jobs.skeleton``), so it never overlaps a materialization or an operator job of the same table. What it did is
 recorded as an observation of the table's asset (files and bytes before and after), visible
 on the asset's page beside its materializations.
 
 A retention below Delta's default (168 hours) is an explicit choice, ``allow_short_retention``,
-checked before the op waits for the slot (``MaintenanceConfig.refusal``). It is safe here because the
+checked before the op waits for the slot (``MaintenanceConfig.request``). It is safe here because the
 slot keeps the table's own runs from writing meanwhile (files younger than the retention are a
 writer's files in flight); it shortens time travel to that many hours.
 """
@@ -20,12 +21,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import dagster as dg
-from dagster._core.storage.tags import SCHEDULE_NAME_TAG
-from pydantic import Field
 
-from cdc_platform.defs.operations import TableRunConfig, operator_run
-from cdc_platform.defs.resources import SparkResource
-from cdc_platform.defs.sensors import TABLE_TAG
+from cdc_platform.defs.tags import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.fleet.schedule_spread import (
     due_by,
@@ -33,46 +30,17 @@ from cdc_platform.lib.fleet.schedule_spread import (
     window_cron,
     window_started,
 )
-from cdc_platform.lib.operations.maintenance import DEFAULT_RETENTION_HOURS, compact, vacuum
 
 MAINTENANCE_JOB = "table_maintenance"
+# Dagster's own tag on a scheduled run (dagster._core.storage.tags): spelled out, not imported
+# from a private module.
+SCHEDULE_NAME_TAG = "dagster/schedule_name"
 # The run queue starts higher priorities first (Dagster's tag): ingestion runs carry none (0),
 # maintenance and full-table checks come after them.
 PRIORITY_TAG = "dagster/priority"
 BACKGROUND_PRIORITY = "-1"
 MAINTENANCE_OP = "compact_and_vacuum"
 FLEET_MAINTENANCE_SCHEDULE = "cdc_maintenance_schedule"
-
-
-class MaintenanceConfig(TableRunConfig):
-    retention_hours: int = Field(
-        default=DEFAULT_RETENTION_HOURS,
-        description="VACUUM removes files no longer referenced for at least this many hours "
-        "(time travel reaches back as far).",
-    )
-    allow_short_retention: bool = Field(
-        default=False,
-        description=f"True: a retention_hours below {DEFAULT_RETENTION_HOURS} is meant (to "
-        "purge the files an erase_key or protect_columns replaced sooner); time travel then "
-        "reaches back only that far.",
-    )
-    vacuum: bool = Field(default=True, description="False: compact only.")
-
-    def refusal(self) -> str | None:
-        """Why the retention is refused before the op waits or reads anything (None: it is
-        not): a negative one, or one below the default not asked for explicitly."""
-        hours, default = self.retention_hours, DEFAULT_RETENTION_HOURS
-        if hours < 0:
-            return f"retention_hours {hours} is negative. Nothing was done."
-        if hours < default and self.vacuum and not self.allow_short_retention:
-            return (
-                f"retention_hours {hours} is below the default {default}: add"
-                " allow_short_retention: true to the run config to VACUUM the files replaced"
-                " since (the table's pool slot keeps its runs out meanwhile; time travel then"
-                f" reaches back {hours} hours), or leave retention_hours at {default}."
-                " Nothing was done."
-            )
-        return None
 
 
 def maintenance_schedule_name(platform: PlatformConfig, table: TableConfig) -> str:
@@ -84,68 +52,6 @@ def maintenance_schedule_name(platform: PlatformConfig, table: TableConfig) -> s
 def maintenance_run_config(table: TableConfig) -> dict[str, Any]:
     """The run config of a table's scheduled maintenance (the Launchpad takes the same)."""
     return {"ops": {MAINTENANCE_OP: {"config": {"table": table.name}}}}
-
-
-# A VACUUM without Delta's retention check deletes a run's written, not yet committed files:
-# safe only while the table's pool slot keeps its runs out.
-SHORT_RETENTION_NEEDS_SLOT = (
-    "allow_short_retention needs the table's concurrency pool slot, and this Dagster instance"
-    " gave none (no concurrency pools, or a pool without a limit: dagster.yaml sets"
-    " pools.default_limit: 1): nothing was done; run it on the deployment's instance"
-)
-
-
-def build_maintenance_job(platform: PlatformConfig) -> dg.JobDefinition:
-    @dg.op(name=MAINTENANCE_OP)
-    def compact_and_vacuum(
-        context: dg.OpExecutionContext, config: MaintenanceConfig, spark: SparkResource
-    ) -> None:
-        refusal = config.refusal()
-        if refusal is not None:
-            raise dg.Failure(refusal)
-        with operator_run(context, platform, config, spark, refuse=()) as run:
-            if config.allow_short_retention and not run.holds_slot:
-                raise dg.Failure(SHORT_RETENTION_NEEDS_SLOT)
-            table, paths = run.table, run.paths
-            metadata: dict[str, int | None] = {}
-            for c in compact(run.session, paths, table.key):
-                context.log.info(
-                    f"{table.name} {c.table}: {c.files_before} -> {c.files_after} files "
-                    f"({c.files_rewritten} rewritten), "
-                    f"{c.bytes_before:,} -> {c.bytes_after:,} bytes"
-                )
-                metadata |= {
-                    f"{c.table}_files_before": c.files_before,
-                    f"{c.table}_files_after": c.files_after,
-                    f"{c.table}_bytes_before": c.bytes_before,
-                    f"{c.table}_bytes_after": c.bytes_after,
-                    f"{c.table}_files_rewritten": c.files_rewritten,
-                }
-            if config.vacuum:
-                removed = vacuum(
-                    paths,
-                    config.retention_hours,
-                    enforce_retention_duration=not config.allow_short_retention,
-                    current_table=table.current_table,
-                )
-                metadata["vacuumed_files"] = len(removed)
-            context.log_event(
-                dg.AssetObservation(
-                    asset_key=dg.AssetKey(table.name),
-                    metadata={"maintenance": "compact + vacuum", **metadata},
-                )
-            )
-
-    @dg.job(
-        name=MAINTENANCE_JOB,
-        description="Compact a table's history table and change log, then VACUUM them (and "
-        "its current table). Each table's <table>_maintenance_schedule launches it (a "
-        "fleet's: cdc_maintenance_schedule).",
-    )
-    def table_maintenance() -> None:
-        compact_and_vacuum()
-
-    return table_maintenance
 
 
 def build_maintenance_schedules(

@@ -1,6 +1,6 @@
-"""What the operator jobs (un-apply, re-admit, truncate, adopt, re-sync, maintenance, merge
-plan) share, in one skeleton (``operator_run``): finding the table a run names, holding its
-pool slot while they work on it, and reporting what they did.
+"""What every operator job shares, in one skeleton (``operator_run``): finding the table a run
+names, holding its pool slot while it works on it, and reporting what it did
+(``OperatorRun.finish``). The jobs themselves are one registry (``defs.jobs.registry``).
 
 **One job for every table.** Each of these jobs names its table in its run config
 (``TableRunConfig``), so the Jobs page lists the same dozen jobs whatever the table count. A
@@ -27,24 +27,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field
 
 from cdc_platform.defs.resources import KeyringResource, SparkResource
-from cdc_platform.defs.sensors import TABLE_TAG
+from cdc_platform.defs.tags import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig, TableConfig
+from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.history.protected_columns import (
-    ProtectedColumnsChangedError,
-    check_protected_columns,
-)
-from cdc_platform.lib.history.table_key import PrimaryKeyChangedError, check_key
-from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key
+from cdc_platform.lib.operations.operation import Result
 from cdc_platform.lib.pipeline import check_salts, needs_keyring
-from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -75,34 +73,61 @@ class OperatorRun:
     table: TableConfig
     spark: SparkResource
     keyring_resource: KeyringResource | None
-    version_before: int | None
     # Whether the table's pool slot is held (False: an instance without pools or limits).
     holds_slot: bool = True
+    # An erasure's: its ledger is keyed by the salt, whatever the table's files need.
+    keyring_always: bool = False
 
     @property
     def session(self) -> "SparkSession":
         return self.spark.session(self.platform.warehouse_root)
 
-    @property
-    def paths(self) -> TablePaths:
-        return TablePaths.of(self.platform.warehouse_root, self.table.name)
+    @cached_property
+    def history_table(self) -> HistoryTable:
+        """The table's handle for the run, opened once; the keyring only if the job needs
+        one and the table does (``keyring``)."""
+        return HistoryTable.of(self.session, self.platform, self.table, self.keyring())
+
+    @cached_property
+    def version_before(self) -> int | None:
+        """The history version before the work: the checks after it cover what changed."""
+        return self.history_table.history.version
 
     def keyring(self) -> Keyring | None:
         """The keyring, loaded only for a table that needs it (decryption keys, the hash salt,
-        erased keys)."""
-        if self.keyring_resource is None or not needs_keyring(
-            self.table, self.platform.warehouse_root
-        ):
+        erased keys), or for a job that always does (``keyring_always``)."""
+        if self.keyring_resource is None:
+            return None
+        if not self.keyring_always and not needs_keyring(self.table, self.platform.warehouse_root):
             return None
         return self.keyring_resource.load()
 
-    def done(self, summary: str, hours: tuple[datetime, ...], meta: dict[str, Any]) -> None:
-        """Log what the run did, report it on ``hours`` and check the keys it recomputed
-        (``check_and_report``)."""
-        self.context.log.info(f"{self.table.name}: {summary}")
+    def finish(self, result: Result, checked: bool = True) -> None:
+        """Log what the run did and report it on its hours; a ``checked`` run also checks the
+        keys it recomputed (``check_and_report``). A result that changed nothing is logged."""
+        self.context.log.info(f"{self.table.name}: {result.summary()}")
+        if not result.changed:
+            return
+        meta = as_metadata(result.metadata())
+        if not checked:
+            report(self.context, self.table, result.hours, meta)
+            return
         check_and_report(
-            self.context, self.spark, self.platform, self.table, self.version_before, hours, meta
+            self.context,
+            self.spark,
+            self.platform,
+            self.table,
+            self.version_before,
+            result.hours,
+            meta,
         )
+
+
+def as_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """A result's metadata for Dagster: lists and dicts as JSON values."""
+    return {
+        k: dg.MetadataValue.json(v) if isinstance(v, list | dict) else v for k, v in meta.items()
+    }
 
 
 @contextmanager
@@ -112,30 +137,26 @@ def operator_run(
     config: "TableRunConfig",
     spark: SparkResource,
     keyring: KeyringResource | None = None,
-    refuse: tuple[type[Exception], ...] = (ValueError,),
     rebuilding: bool = False,
+    keyring_always: bool = False,
 ) -> Iterator[OperatorRun]:
     """The skeleton every operator job shares: find the table the run names, hold its pool
     slot, refuse a config whose key or protected columns are not the table's (``table_key``,
     ``protected_columns``; but for ``rebuilding``, the jobs that change them, which check what
     they need), refuse a keyring whose hash salt is not the one the table's erased keys or
     hashed columns were recorded under (a job given the keyring: it reads landing files or logs
-    events; ``pipeline.check_salts``), note the history version before the work (the checks after it cover what
-    changed since), and turn the library's refusals (``refuse``) into a failure without a
-    traceback."""
+    events; ``pipeline.check_salts``), note the history version before the work (the checks
+    after it cover what changed since), and turn the library's refusals (``Refusal``) into a
+    failure without a traceback."""
     table = table_named(platform, config.table)
     tag_run_with_table(context, table)
-    refusals = (PrimaryKeyChangedError, ProtectedColumnsChangedError, KeyringError)
-    with table_pool_slot(context, table) as held, refused(*refuse, *refusals):
-        paths = TablePaths.of(platform.warehouse_root, table.name)
-        history = Table.open(paths.history)
-        if not rebuilding:  # before the job writes anything
-            check_key(history, table.key)
-            check_protected_columns(Table.open(paths.changelog), table)
+    with table_pool_slot(context, table) as held, refused(Refusal):
+        run = OperatorRun(context, platform, table, spark, keyring, held, keyring_always)
+        run.history_table.check(rebuilding)  # before the job writes anything
         if keyring is not None and needs_keyring(table, platform.warehouse_root):
             # A job that reads landing files or logs events: not with another hash salt.
             check_salts(table, platform.warehouse_root, keyring.load())
-        yield OperatorRun(context, platform, table, spark, keyring, history.version, held)
+        yield run
 
 
 def pool_name(table: TableConfig) -> str:
