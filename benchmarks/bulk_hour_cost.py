@@ -1,4 +1,4 @@
-"""Bulk hour benchmark (issue 22, target 9): an initial load dumped into one hour folder.
+"""What a bulk hour costs (issue 22, target 9): an initial load dumped into one hour folder.
 
 One hour folder of ``--files`` Parquet files holding ``--events`` events over ``--keys`` keys
 (default 2M events over 1M keys in 4 files, about 37 MB: every key gets its first event, then

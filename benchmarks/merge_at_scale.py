@@ -1,4 +1,4 @@
-"""Scale benchmark (issue 8): merge cost vs history depth, backfill vs DuckDB, fixed cost per run.
+"""The merge at scale (issue 8): its cost vs history depth, a backfill vs DuckDB, the fixed cost.
 
 Prints figures, never asserts a time (it does assert that the backfill and the DuckDB reference
 agree). Only public entry points are used: ``cdc_platform.lib.pipeline.materialize`` and the
