@@ -188,6 +188,18 @@ def _stored_state(
         return None
 
 
+@dataclass(frozen=True)
+class _Fleet:
+    """What every tick of the sensor looks at: the tables by name (in the order ticks take them
+    up), where they land and are written, and each asset's not-yet-closed hours."""
+
+    by_name: Mapping[str, TableConfig]
+    names: list[str]
+    landing_root: Landing
+    warehouse_root: Where | None
+    end_offsets: Mapping[str, int]
+
+
 def build_fleet_landing_sensor(
     tables: Sequence[TableConfig],
     landing_root: Landing,
@@ -202,7 +214,13 @@ def build_fleet_landing_sensor(
     """The fleet's landing sensor: ``tick_table`` for each table, the requests batched."""
     by_name = {t.name: t for t in tables}
     names = sorted(by_name)
-    end_offsets = {t.name: partition_end_offset(assets[t.name]) for t in tables}
+    fleet = _Fleet(
+        by_name,
+        names,
+        landing_root,
+        warehouse_root,
+        {t.name: partition_end_offset(assets[t.name]) for t in tables},
+    )
 
     @dg.sensor(
         name=FLEET_SENSOR,
@@ -228,7 +246,7 @@ def build_fleet_landing_sensor(
         stored = dict(context.instance.run_storage.get_cursor_values(keys))
         start = _start(cursor, stored) % len(names)
         ticks, looked_at = _tick_tables(
-            context, cursor, start, stored, now, time.monotonic() + budget_seconds
+            fleet, context, cursor, start, stored, now, time.monotonic() + budget_seconds
         )
         position = {cursor.position_key: str((start + looked_at) % len(names))}
         if stored.get(cursor.position_key, str(start)) != position[cursor.position_key]:
@@ -248,46 +266,48 @@ def build_fleet_landing_sensor(
             asset_events=[o for tick in ticks.values() for o in tick.observations],
         )
 
-    def _tick_tables(
-        context: dg.SensorEvaluationContext,
-        cursor: FleetCursor,
-        start: int,
-        stored: dict[str, str],
-        now: datetime,
-        deadline: float,
-    ) -> tuple[dict[str, TableTick], int]:
-        """Each table's share, from where the last tick stopped, until the deadline; each
-        table's cursor saved as soon as its share is done."""
-        in_flight = InFlight(context.instance)
-        ticks: dict[str, TableTick] = {}
-        order = names[start:] + names[:start]
-        looked_at = 0
-        for name in order:
-            if looked_at and time.monotonic() > deadline:
-                break
-            looked_at += 1
-            table = by_name[name]
-            try:
-                state = _stored_state(context, table, stored.get(cursor.key(name)))
-                ticks[name] = tick_table(
-                    context,
-                    table,
-                    landing_root,
-                    warehouse_root,
-                    state,
-                    now,
-                    in_flight,
-                    end_offsets[name],
-                    tick_budget(deadline - time.monotonic()),
-                )
-                position = str((start + looked_at) % len(names))
-                _save(context.instance, stored, cursor, name, ticks[name].state, position)
-            except Exception as exc:  # one table's trouble never stops the others
-                context.log.error(
-                    f"{name}: its landing folders could not be looked at "
-                    f"({type(exc).__name__}: {exc}); the other tables go on, this one is "
-                    "looked at again next tick"
-                )
-        return ticks, looked_at
-
     return _fleet_sensor
+
+
+def _tick_tables(
+    fleet: _Fleet,
+    context: dg.SensorEvaluationContext,
+    cursor: FleetCursor,
+    start: int,
+    stored: dict[str, str],
+    now: datetime,
+    deadline: float,
+) -> tuple[dict[str, TableTick], int]:
+    """Each table's share, from where the last tick stopped, until the deadline; each
+    table's cursor saved as soon as its share is done."""
+    in_flight = InFlight(context.instance)
+    ticks: dict[str, TableTick] = {}
+    order = fleet.names[start:] + fleet.names[:start]
+    looked_at = 0
+    for name in order:
+        if looked_at and time.monotonic() > deadline:
+            break
+        looked_at += 1
+        table = fleet.by_name[name]
+        try:
+            state = _stored_state(context, table, stored.get(cursor.key(name)))
+            ticks[name] = tick_table(
+                context,
+                table,
+                fleet.landing_root,
+                fleet.warehouse_root,
+                state,
+                now,
+                in_flight,
+                fleet.end_offsets[name],
+                tick_budget(deadline - time.monotonic()),
+            )
+            position = str((start + looked_at) % len(fleet.names))
+            _save(context.instance, stored, cursor, name, ticks[name].state, position)
+        except Exception as exc:  # one table's trouble never stops the others
+            context.log.error(
+                f"{name}: its landing folders could not be looked at "
+                f"({type(exc).__name__}: {exc}); the other tables go on, this one is "
+                "looked at again next tick"
+            )
+    return ticks, looked_at

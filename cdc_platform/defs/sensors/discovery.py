@@ -18,7 +18,7 @@ the code location is reloaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from cdc_platform.lib.landing.discovery import (
     unlisted_tables,
 )
 from cdc_platform.lib.landing.where.root import zone_at
-from cdc_platform.lib.landing.where.zone import LandingUnavailableError
+from cdc_platform.lib.landing.where.zone import LandingUnavailableError, LandingZone
 
 NEW_TABLES_SENSOR_NAME = "cdc_new_tables"
 
@@ -126,6 +126,9 @@ def build_new_tables_sensor(
     listed = [t.name for t in platform.tables]
     added = set(discovered)
 
+    def status_for(table: DiscoveredTable) -> str:
+        return status_line(table, platform, added)
+
     @dg.sensor(
         name=NEW_TABLES_SENSOR_NAME,
         minimum_interval_seconds=minimum_interval_seconds,
@@ -154,31 +157,9 @@ def build_new_tables_sensor(
         for name in names:
             if name in reported:
                 continue
-            try:
-                table = describe(landing, name)
-            except (
-                OSError,
-                LandingUnavailableError,
-            ) as exc:  # the folder went away meanwhile: try again next tick
-                context.log.info(f"{name}: not described this tick ({type(exc).__name__})")
+            payload = _new_table_alert(context, landing, name, status_for)
+            if payload is None:
                 continue
-            status = status_line(table, platform, added)
-            snippet = table.config_snippet()
-            columns = ", ".join(f"{c} {t}" for c, t in table.columns) or "unknown"
-            context.log.warning(
-                f"new table folder '{name}' in {landing_root} is not in the config: {status}. "
-                f"Columns: {columns}.\n{snippet}"
-            )
-            payload = new_table_alert(
-                table=name,
-                columns=table.columns,
-                primary_key=list(table.primary_key),
-                first_hour=table.start,
-                sample_file=landing.relative(table.sample_file),
-                snippet=snippet,
-                status=status,
-                notes=list(table.notes),
-            )
             state.pending.append({"payload": payload, "attempts": 0})
             reported.add(name)
             new.append(name)
@@ -199,3 +180,36 @@ def build_new_tables_sensor(
         return dg.SensorResult(cursor=state.to_json(), skip_reason=summary)
 
     return cdc_new_tables
+
+
+def _new_table_alert(
+    context: dg.SensorEvaluationContext,
+    landing: LandingZone,
+    name: str,
+    status_for: Callable[[DiscoveredTable], str],
+) -> dict[str, Any] | None:
+    """The ``new_table`` alert for an unlisted folder, logged as a warning with the entry to
+    paste; None when the folder cannot be described this tick (it went away meanwhile: it is
+    tried again next tick)."""
+    try:
+        table = describe(landing, name)
+    except (OSError, LandingUnavailableError) as exc:
+        context.log.info(f"{name}: not described this tick ({type(exc).__name__})")
+        return None
+    status = status_for(table)
+    snippet = table.config_snippet()
+    columns = ", ".join(f"{c} {t}" for c, t in table.columns) or "unknown"
+    context.log.warning(
+        f"new table folder '{name}' in {landing.root} is not in the config: {status}. "
+        f"Columns: {columns}.\n{snippet}"
+    )
+    return new_table_alert(
+        table=name,
+        columns=table.columns,
+        primary_key=list(table.primary_key),
+        first_hour=table.start,
+        sample_file=landing.relative(table.sample_file),
+        snippet=snippet,
+        status=status,
+        notes=list(table.notes),
+    )
