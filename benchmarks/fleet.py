@@ -82,9 +82,9 @@ from benchmarks.harness.measure import git_head, percentile, rss_bytes, tree_pid
 from benchmarks.harness.report import log, met, print_table
 from benchmarks.harness.table import REPO_ROOT
 from cdc_platform import connect_server
-from cdc_platform.defs.alerts import ALERT_RESOURCE_KEY, AlertWebhookResource
-from cdc_platform.defs.factory import build_definitions
-from cdc_platform.defs.fleet import FLEET_SENSOR, FleetCursor
+from cdc_platform.definitions import build_definitions
+from cdc_platform.defs.alerts.webhook import ALERT_RESOURCE_KEY, AlertWebhookResource
+from cdc_platform.defs.sensors.all_tables import FLEET_SENSOR, FleetCursor
 from cdc_platform.lib.config import CONFIG_ENV_VAR, load_config
 from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.storage.warehouse import TablePaths

@@ -87,8 +87,8 @@ from benchmarks.harness.measure import git_head, percentile
 from benchmarks.harness.report import log, met, print_table
 from benchmarks.harness.table import BIN, HOUR_US
 from cdc_platform import connect_server
-from cdc_platform.defs.factory import build_table_definitions
-from cdc_platform.defs.sensors import PARTITION_TAG
+from cdc_platform.defs.tables import build_table_definitions
+from cdc_platform.defs.tags import PARTITION_TAG
 from cdc_platform.lib.config import REPO_ROOT, load_config
 from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition_key
 from cdc_platform.lib.storage.warehouse import TablePaths

@@ -13,16 +13,10 @@ import dagster as dg
 
 from cdc_platform.defs.sensors.all_tables import build_fleet_landing_sensor
 from cdc_platform.defs.sensors.discovery import build_new_tables_sensor
-
-# operations.py and maintenance.py read the run's table tag from here; it lives in defs.tags
-# (this import goes when those job modules move to defs/jobs/ and import defs.tags).
-from cdc_platform.defs.tags import TABLE_TAG
 from cdc_platform.lib.config import PlatformConfig
 
 if TYPE_CHECKING:  # the tables role builds on the per-table sensor module: no import cycle
     from cdc_platform.defs.tables import TableDefinitions
-
-__all__ = ["TABLE_TAG", "definitions"]
 
 
 def definitions(

@@ -92,7 +92,7 @@ def history_checks(platform: PlatformConfig, table: TableConfig) -> dg.AssetChec
                     "checked_keys": o.checked_keys,  # None (null) when not counted
                     "scope": scope_label,
                     **({"detail": o.detail} if o.detail else {}),
-                    # the files set aside: the check alert names each once (defs.check_alerts)
+                    # the files set aside: the check alert names each once (defs.alerts.checks)
                     **(
                         {"files": dg.MetadataValue.json(list(o.files))}
                         if o.name == invariants.NO_QUARANTINE

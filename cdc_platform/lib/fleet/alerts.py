@@ -23,7 +23,7 @@ AlertKind = Literal["check_failed", "check_recovered", "run_failed"]
 # build_alert's kinds; new_table_alert's own:
 KINDS: tuple[str, ...] = ("check_failed", "check_recovered", "run_failed")
 NEW_TABLE_KIND = "new_table"
-# source_alert's kinds: each problem, then its recovery (defs.source_alerts).
+# source_alert's kinds: each problem, then its recovery (defs.alerts.sources).
 SourceAlertKind = Literal[
     "source_stale",
     "source_fresh",
