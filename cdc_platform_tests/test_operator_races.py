@@ -17,10 +17,11 @@ import pytest
 
 from cdc_platform import read
 from cdc_platform.lib.config import TableConfig
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW
 from cdc_platform.lib.operations.adoption import AdoptionError, adopt
-from cdc_platform.lib.operations.resync import ResyncError, resync
-from cdc_platform.lib.operations.truncation import truncate
+from cdc_platform.lib.operations.resync import ResyncError, ResyncRequest, resync
+from cdc_platform.lib.operations.truncation import TruncateRequest, truncate
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -57,7 +58,7 @@ def test_a_hard_truncate_keeps_every_delete_of_a_delete_only_key_logged_after_t(
     materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
     paths = TablePaths.of(warehouse, TABLE.name)
 
-    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    r = truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=False, now=S1 + MS))
     assert (r.keys, r.events_removed) == (1, 1)  # key 1 and its one event
     assert logged(paths) == [(9, 2), (9, 3)]
     assert [k["id"] for k in delta.read_arrow(paths.delete_only_keys).to_pylist()] == [9]
@@ -107,14 +108,8 @@ def test_a_resync_or_an_adoption_in_the_future_is_refused(spark, lake):
     for at, now in [(datetime(9999, 1, 1, tzinfo=UTC), None), (S0 + CLOCK_SKEW + MS, S0)]:
         with pytest.raises(ResyncError, match="in the future"):
             resync(
-                spark,
-                TABLE,
-                lake["landing"],
-                warehouse,
-                folder,
-                at,
-                now=now,
-                snapshot_roots=[lake["root"]],
+                HistoryTable(spark, TABLE, warehouse, lake["landing"]),
+                ResyncRequest(folder, (lake["root"],), at, now=now or datetime.now(UTC)),
             )
     source = lake["root"] / "export"
     source.mkdir()
@@ -162,26 +157,21 @@ def test_a_resync_never_removes_an_event_logged_after_it_decided(spark, lake, mo
         pa.table({"id": ["a"], "counter": [5], "cdc_commit_timestamp": stamp}),
         folder / "part-0.parquet",
     )
-    real = resync_module._history
+    real = resync_module._closing_and_replacing
     calls: list[int] = []
 
-    def racing(spark_, paths_):
-        history = real(spark_, paths_)
+    def racing(t_, events_):
+        decided = real(t_, events_)
         if not calls:  # decided on this read: another run logs a late event of key a now
             write_parquet_events(landing, RESYNCED.name, D2, [late], name="late.parquet")
             materialize(spark, RESYNCED, landing, warehouse, [D2])
         calls.append(1)
-        return history
+        return decided
 
-    monkeypatch.setattr(resync_module, "_history", racing)
+    monkeypatch.setattr(resync_module, "_closing_and_replacing", racing)
     r = resync(
-        spark,
-        RESYNCED,
-        landing,
-        warehouse,
-        folder,
-        D3 + timedelta(hours=6),
-        snapshot_roots=[lake["root"]],
+        HistoryTable(spark, RESYNCED, warehouse, landing),
+        ResyncRequest(folder, (lake["root"],), D3 + timedelta(hours=6)),
     )
     paths = TablePaths.of(warehouse, RESYNCED.name)
     assert r.keys_replaced == 0  # decided again: a has a version older than the snapshot row
@@ -200,7 +190,12 @@ def test_events_a_lost_hard_truncate_attempt_forgot_come_back_when_re_admitted(
     Its events must not stay forgotten: un-applying their file and re-admitting it gives the
     same change log back (they were filtered out as forgotten, lost)."""
     from cdc_platform.lib.history import changelog
-    from cdc_platform.lib.operations.revocation import readmit, unapply
+    from cdc_platform.lib.operations.revocation import (
+        ReadmitRequest,
+        UnapplyRequest,
+        readmit,
+        unapply,
+    )
 
     landing, warehouse = lake["landing"], lake["warehouse"]
     hour0 = [ev("INSERT", 1, H0 + MS, 1, status="new"), ev("INSERT", 2, H0 + 2 * MS, 2)]
@@ -219,16 +214,19 @@ def test_events_a_lost_hard_truncate_attempt_forgot_come_back_when_re_admitted(
         calls.append(1)
 
     monkeypatch.setattr(changelog, "forget", racing)
-    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    r = truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=False, now=S1 + MS))
     monkeypatch.undo()
     assert len(calls) == 2 and r.keys == 1  # key 2 only: key 1 was written after T
     before = logged(paths)
     assert before == [(1, 1), (1, 5)]
 
     h0 = f"{TABLE.name}/year=2024/month=01/day=01/hour=00/h0.parquet"
-    unapply(spark, TABLE, landing, warehouse, [h0], "bad delivery", "run-1", S1 + 2 * MS)
+    unapply(
+        HistoryTable(spark, TABLE, warehouse, landing),
+        UnapplyRequest((h0,), "bad delivery", "run-1", now=S1 + 2 * MS),
+    )
     assert logged(paths) == [(1, 5)]
-    readmit(spark, TABLE, landing, warehouse, [h0], synced_at=S1 + 3 * MS)
+    readmit(HistoryTable(spark, TABLE, warehouse, landing), ReadmitRequest((h0,), now=S1 + 3 * MS))
     assert logged(paths) == before
 
 
@@ -243,7 +241,7 @@ def test_an_operator_job_waits_for_the_tables_pool_slot_then_gives_up(spark, tmp
     import dagster as dg
 
     from cdc_platform.definitions import build_definitions
-    from cdc_platform.defs import operations
+    from cdc_platform.defs.jobs import skeleton as operations
     from cdc_platform.lib.config import load_config
     from cdc_platform_tests.helpers import dagster_resources
 
@@ -312,6 +310,8 @@ def test_globs_never_match_an_operations_events_and_re_admitting_them_is_refused
         RESYNC_PREFIX,
         TRUNCATE_PREFIX,
         NotReadmittableError,
+        ReadmitRequest,
+        UnapplyRequest,
         match,
         readmit,
         unapply,
@@ -357,11 +357,17 @@ def test_globs_never_match_an_operations_events_and_re_admitting_them_is_refused
     adopted = logged(paths)
     (name,) = {r["_cdc_source_file"] for r in delta.read_arrow(paths.changelog).to_pylist()}
     with pytest.raises(LookupError, match="named exactly"):
-        unapply(spark, TABLE, landing, warehouse, ["*"], "everything", "r1", S0)
-    unapply(spark, TABLE, landing, warehouse, [name], "wrong source", "r1", S0)
+        unapply(
+            HistoryTable(spark, TABLE, warehouse, landing),
+            UnapplyRequest(("*",), "everything", "r1", now=S0),
+        )
+    unapply(
+        HistoryTable(spark, TABLE, warehouse, landing),
+        UnapplyRequest((name,), "wrong source", "r1", now=S0),
+    )
     assert logged(paths) == []
     with pytest.raises(NotReadmittableError, match="run adopt_table again with source"):
-        readmit(spark, TABLE, landing, warehouse, [name])
+        readmit(HistoryTable(spark, TABLE, warehouse, landing), ReadmitRequest((name,)))
     assert revoked_files.revoked_names(paths.revoked_files) == {name}
     assert adopt_it(S0) == 2  # was 0, silently: the revocation filtered every event out
     assert logged(paths) == adopted

@@ -13,8 +13,14 @@ import pytest
 from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import changelog, invariants
-from cdc_platform.lib.operations.revocation import unapply
-from cdc_platform.lib.operations.truncation import source_name, truncate, truncate_seq
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.operations.revocation import UnapplyRequest, unapply
+from cdc_platform.lib.operations.truncation import (
+    TruncateRequest,
+    source_name,
+    truncate,
+    truncate_seq,
+)
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
@@ -98,7 +104,9 @@ def versions(paths: TablePaths) -> tuple[int | None, int | None]:
 
 def test_soft_truncate_closes_the_live_versions_written_before_t(spark, built, lake):
     paths = build(built, lake["landing"], lake["warehouse"])
-    r = truncate(spark, TABLE, lake["warehouse"], T, soft=True, now=S1 + MS)
+    r = truncate(
+        HistoryTable(spark, TABLE, lake["warehouse"]), TruncateRequest(T, soft=True, now=S1 + MS)
+    )
 
     # Key 1 (written at S0) closes at T; key 2 (rewritten at S1) stays; key 3 was deleted.
     assert (r.keys, r.events_logged, r.events_removed) == (1, 1, 0)
@@ -124,7 +132,10 @@ def test_soft_truncate_closes_the_live_versions_written_before_t(spark, built, l
 
     # The same truncate again changes nothing: no commit to either table.
     seen = versions(paths)
-    again = truncate(spark, TABLE, lake["warehouse"], T, soft=True, now=S1 + 2 * MS)
+    again = truncate(
+        HistoryTable(spark, TABLE, lake["warehouse"]),
+        TruncateRequest(T, soft=True, now=S1 + 2 * MS),
+    )
     assert (again.keys, again.events_logged) == (0, 0) and versions(paths) == seen
 
 
@@ -133,7 +144,7 @@ def test_events_after_a_soft_truncate_are_placed_around_it(spark, built, lake):
     event in T's own millisecond sorts after the truncate (its seq is lower than any real one)."""
     landing, warehouse = lake["landing"], lake["warehouse"]
     paths = build(built, landing, warehouse)
-    truncate(spark, TABLE, warehouse, T, soft=True, now=S1 + MS)
+    truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=True, now=S1 + MS))
     late = [
         ev("UPDATE", 20, at(H0, 30), 1, status="late"),  # before T: closed at T
         ev("UPDATE", 21, T, 2, status="at-T"),  # key 2 is live: a new version at T
@@ -154,10 +165,13 @@ def test_a_soft_truncate_is_undone_by_unapplying_it(spark, built, lake):
     landing, warehouse = lake["landing"], lake["warehouse"]
     paths = build(built, landing, warehouse)
     before = rows_of(paths)
-    truncate(spark, TABLE, warehouse, T, soft=True, now=S1 + MS)
+    truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=True, now=S1 + MS))
     assert rows_of(paths) != before
 
-    r = unapply(spark, TABLE, landing, warehouse, [source_name(T)], "wrong time", "r1")
+    r = unapply(
+        HistoryTable(spark, TABLE, warehouse, landing),
+        UnapplyRequest((source_name(T),), "wrong time", "r1"),
+    )
     assert (r.events_removed, r.keys_retracted) == (1, 1)
     assert rows_of(paths) == before
     checks_pass(spark, paths)
@@ -168,7 +182,7 @@ def test_hard_truncate_removes_the_keys_written_before_t_and_their_events(spark,
     paths = build(built, landing, warehouse)
     version = delta.version_or_none(paths.history)
     assert version is not None
-    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    r = truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=False, now=S1 + MS))
 
     # Keys 1 and 3 (latest version written at S0) and key 4 (no version) go, with all their
     # events; key 2's latest version was written at S1, so it stays whole.
@@ -184,7 +198,9 @@ def test_hard_truncate_removes_the_keys_written_before_t_and_their_events(spark,
     assert {row["id"] for row in old.to_pylist()} == {1, 2, 3}
 
     seen = versions(paths)
-    again = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + 2 * MS)
+    again = truncate(
+        HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=False, now=S1 + 2 * MS)
+    )
     assert (again.keys, again.events_removed) == (0, 0) and versions(paths) == seen
 
     # A late file lands in the old hour, which is read again: its new event is applied, the
@@ -200,7 +216,10 @@ def test_hard_truncate_removes_the_keys_written_before_t_and_their_events(spark,
 
 def test_a_hard_truncate_with_no_before_empties_the_table(spark, built, lake):
     paths = build(built, lake["landing"], lake["warehouse"])
-    r = truncate(spark, TABLE, lake["warehouse"], datetime.now(UTC), soft=False)
+    r = truncate(
+        HistoryTable(spark, TABLE, lake["warehouse"]),
+        TruncateRequest(datetime.now(UTC), soft=False),
+    )
     assert r.keys == 4 and rows_of(paths) == []
     assert delta.read_arrow(paths.changelog).num_rows == 0
     checks_pass(spark, paths)
@@ -208,14 +227,17 @@ def test_a_hard_truncate_with_no_before_empties_the_table(spark, built, lake):
 
 def test_truncating_a_table_that_does_not_exist_is_not_an_error(spark, lake):
     for soft in (True, False):
-        r = truncate(spark, TABLE, lake["warehouse"], T, soft=soft)
-        assert not r.table_existed and r.keys == 0
+        r = truncate(HistoryTable(spark, TABLE, lake["warehouse"]), TruncateRequest(T, soft=soft))
+        assert not r.changed and r.keys == 0
     assert not delta.exists(TablePaths.of(lake["warehouse"], TABLE.name).history)
 
 
 def test_a_time_without_a_zone_is_refused(spark, lake):
     with pytest.raises(ValueError, match="give a time zone"):
-        truncate(spark, TABLE, lake["warehouse"], datetime(2024, 1, 2), soft=True)
+        truncate(
+            HistoryTable(spark, TABLE, lake["warehouse"]),
+            TruncateRequest(datetime(2024, 1, 2), soft=True),
+        )
 
 
 def test_the_dagster_job_truncate_table(spark, built, tmp_path):
@@ -278,10 +300,10 @@ def test_a_soft_truncate_with_no_before_closes_what_its_catch_up_merge_writes(
         raise _Crash
 
     with monkeypatch.context() as m:
-        m.setattr("cdc_platform.lib.pipeline.apply_pending", crash)
+        m.setattr("cdc_platform.lib.history.table.apply_pending", crash)
         with pytest.raises(_Crash):
             materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
-    r = truncate(spark, TABLE, warehouse, soft=True, now=S1 + MS)
+    r = truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(soft=True, now=S1 + MS))
     assert r.before == S1 + 2 * MS and r.keys == 2  # keys 1 and 2, key 2 just merged
     paths = TablePaths.of(warehouse, TABLE.name)
     closing = [truncate_delete(k, S1 + 2 * MS) for k in (1, 2)]
@@ -294,7 +316,10 @@ def test_a_before_in_the_future_is_refused(spark, built, lake):
     paths = build(built, lake["landing"], lake["warehouse"])
     seen = versions(paths)
     with pytest.raises(ValueError, match="in the future"):
-        truncate(spark, TABLE, lake["warehouse"], S1 + timedelta(days=1), soft=False, now=S1)
+        truncate(
+            HistoryTable(spark, TABLE, lake["warehouse"]),
+            TruncateRequest(S1 + timedelta(days=1), soft=False, now=S1),
+        )
     assert versions(paths) == seen
 
 
@@ -304,7 +329,7 @@ def test_a_hard_truncate_keeps_delete_only_keys_logged_at_or_after_t(spark, buil
     ghost = ev("DELETE", 20, at(H1, 5), 9)  # key 9: only a delete, logged at S1 > T
     write_parquet_events(landing, TABLE.name, H1, [ghost], name="ghost.parquet")
     materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
-    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    r = truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=False, now=S1 + MS))
     assert (r.keys, r.events_removed) == (3, 5)  # keys 1, 3 and 4 (logged at S0) go
     logged = sorted(e["id"] for e in delta.read_arrow(paths.changelog).to_pylist())
     assert logged == [2, 2, 9]
@@ -327,15 +352,15 @@ def test_a_hard_truncate_never_removes_an_event_logged_while_it_ran(
     real = truncation._latest_rows
     calls = []
 
-    def racing(spark_, paths_):
-        latest = real(spark_, paths_)
+    def racing(t_):
+        latest = real(t_)
         if not calls:  # the first attempt has decided what to keep: another run commits now
             materialize(spark, TABLE, landing, warehouse, [H2], synced_at=S1 + 2 * MS)
         calls.append(1)
         return latest
 
     monkeypatch.setattr(truncation, "_latest_rows", racing)
-    r = truncate(spark, TABLE, warehouse, T, soft=False, now=S1 + MS)
+    r = truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(T, soft=False, now=S1 + MS))
     assert len(calls) == 2 and r.keys == 3
     assert rows_of(paths) == expected([e for e in [*HOUR0, *HOUR1, newcomer] if e["id"] in (2, 7)])
     assert sorted(e["id"] for e in delta.read_arrow(paths.changelog).to_pylist()) == [2, 2, 7]
