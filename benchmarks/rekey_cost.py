@@ -36,7 +36,8 @@ from benchmarks.harness.generate import (
 from benchmarks.harness.measure import commit_bytes, local_session, table_bytes
 from benchmarks.harness.report import fmt_mb, log
 from benchmarks.harness.table import TABLE
-from cdc_platform.lib.operations.rekey import rekey
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.operations.rekey import RekeyRequest, rekey
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 
@@ -77,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         before = DeltaTable(str(history)).version()
         t0 = time.perf_counter()
-        r = rekey(spark, table, paths, datetime.now(UTC).replace(microsecond=0))
+        request = RekeyRequest(now=datetime.now(UTC).replace(microsecond=0))
+        r = rekey(HistoryTable(spark, table, warehouse), request)
         seconds = time.perf_counter() - t0
         after = DeltaTable(str(history)).version()
         written = commit_bytes(history, range(before + 1, after + 1))
