@@ -62,6 +62,10 @@ __all__ = [  # the column names are re-exported for existing callers; their home
     "HistoryColumns",
     "build_versions",
     "dedupe_events",
+    "event_images",
+    "fold_order",
+    "millisecond_steps",
+    "openings",
     "tmax_literal",
 ]
 
@@ -155,60 +159,17 @@ def build_versions(
 
     pk = list(primary_key)
     pkc = cols(pk)
-    ev = (events if deduplicated else dedupe_events(events, pk)).select(
-        *pkc,
-        *cols(list(data_columns)),
-        col(SEQ).alias(_SEQ),
-        F.date_trunc("millisecond", col(TS)).alias(_MS),
-        (F.upper(col(OP)) == F.lit("DELETE")).alias(_DEL),
-        F.coalesce(col(UNMODIFIED), F.array().cast("array<string>")).alias(_UNMOD),
-    )
-
-    # Rule 1: resolve unmodified cells against the key's last image (``resolved_cell_sql``).
-    so_far = window_sql(pk, [_MS, _SEQ], RUNNING)
-    resolved = [
-        f"{resolved_cell_sql(c, _DEL, _UNMOD, so_far) if resolve_unmodified else quote(c)} "
-        f"AS {quote(c)}"
-        for c in data_columns
-    ]
-    image = F.expr(f"struct({', '.join(resolved)})" if data_columns else "struct(true AS _)")
-    ev = ev.select(*pkc, col(_SEQ), col(_MS), col(_DEL), image.alias(_IMG))
-
-    # One step per (key, millisecond).
-    steps = ev.groupBy(*pkc, col(_MS)).agg(
-        F.max(~col(_DEL)).alias(_HAS_IMAGE),
-        F.max_by(col(_DEL), col(_SEQ)).alias(_ENDS_DELETED),
-        F.max_by(col(_IMG), F.when(~col(_DEL), col(_SEQ))).alias(_IMG),
+    maps = map_columns(events.schema)
+    tracked = history_columns.tracked(data_columns)
+    steps = (
+        (events if deduplicated else events.transform(dedupe_events, pk))
+        .transform(fold_order, pk, data_columns)
+        .transform(event_images, pk, data_columns, resolve_unmodified)
+        .transform(millisecond_steps, pk)
+        .transform(openings, pk, data_columns, history_columns, maps)
     )
 
     w_steps = Window.partitionBy(*pkc).orderBy(col(_MS))
-    live_after = col(_HAS_IMAGE) & ~col(_ENDS_DELETED)
-    steps = steps.withColumn(
-        _LIVE_BEFORE, F.coalesce(F.lag(live_after).over(w_steps), F.lit(False))
-    )
-    steps = steps.withColumn(_PREV_IMG, F.lag(col(_IMG)).over(w_steps))
-    tracked = history_columns.tracked(data_columns)
-    untracked = history_columns.untracked(data_columns)
-    maps = map_columns(events.schema)
-    same_image = _images_equal(quote(_IMG), quote(_PREV_IMG), tracked, maps)
-    steps = steps.withColumn(_OPENS, col(_HAS_IMAGE) & ~(col(_LIVE_BEFORE) & same_image))
-    if untracked:
-        # A step that opens no version but has an image belongs to the live version: the
-        # version takes the image of its last such step (untracked cells updated in place).
-        steps = steps.withColumn(
-            _VERSION_NO,
-            F.sum(col(_OPENS).cast("int")).over(
-                w_steps.rowsBetween(Window.unboundedPreceding, Window.currentRow)
-            ),
-        )
-        in_version = Window.partitionBy(*pkc, col(_VERSION_NO)).orderBy(col(_MS))
-        steps = steps.withColumn(
-            _IMG,
-            F.last(F.when(col(_HAS_IMAGE), col(_IMG)), ignorenulls=True).over(
-                in_version.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
-            ),
-        )
-
     one_ms = F.expr("INTERVAL 1 MILLISECOND")
     closes_previous_at = F.when(col(_OPENS), col(_MS) - one_ms).when(col(_ENDS_DELETED), col(_MS))
     w_after = w_steps.rowsBetween(1, Window.unboundedFollowing)
@@ -229,7 +190,117 @@ def build_versions(
             LAST_EVENT_AT, F.when(col(CURRENT), F.max(col(_MS)).over(whole_key))
         )
     opened = steps.filter(col(_OPENS))
-    # Which columns differ from the key's previous version (null for the first one it folds).
+    versions = opened.select(
+        *pkc,
+        *[F.expr(f"{quote(_IMG)}.{quote(c)} AS {quote(c)}") for c in data_columns],
+        col(_MS).alias(START),
+        end.alias(END),
+        _changed_columns(pk, tracked, maps).alias(CHANGED),
+        *([col(CURRENT), col(LAST_EVENT_AT)] if with_state else []),
+    )
+    return versions.withColumn(ACTIVE, col(END) == tmax_literal())
+
+
+def fold_order(
+    events: DataFrame, primary_key: Sequence[str], data_columns: Sequence[str]
+) -> DataFrame:
+    """Each event as the fold reads it (docs/HISTORY_MODE.md section 3): its key and data
+    cells, what orders a key's events (its commit time truncated to the millisecond, then its
+    ``cdc_change_seq``), whether it is a delete, and the columns it leaves unmodified (none
+    when null). Every later step orders by these two, never by arrival."""
+    from pyspark.sql import functions as F
+
+    return events.select(
+        *cols(list(primary_key)),
+        *cols(list(data_columns)),
+        col(SEQ).alias(_SEQ),
+        F.date_trunc("millisecond", col(TS)).alias(_MS),
+        (F.upper(col(OP)) == F.lit("DELETE")).alias(_DEL),
+        F.coalesce(col(UNMODIFIED), F.array().cast("array<string>")).alias(_UNMOD),
+    )
+
+
+def event_images(
+    events: DataFrame,
+    primary_key: Sequence[str],
+    data_columns: Sequence[str],
+    resolve_unmodified: bool = True,
+) -> DataFrame:
+    """Rule 1 per event (``fold_order``'s rows): its image, a struct of its cells, where a
+    cell it leaves unmodified takes the key's latest image before it in (millisecond, seq)
+    order (``resolved_cell_sql``); ``resolve_unmodified`` False: the event's own cells."""
+    from pyspark.sql import functions as F
+
+    pk = list(primary_key)
+    so_far = window_sql(pk, [_MS, _SEQ], RUNNING)
+    resolved = [
+        f"{resolved_cell_sql(c, _DEL, _UNMOD, so_far) if resolve_unmodified else quote(c)} "
+        f"AS {quote(c)}"
+        for c in data_columns
+    ]
+    image = F.expr(f"struct({', '.join(resolved)})" if data_columns else "struct(true AS _)")
+    return events.select(*cols(pk), col(_SEQ), col(_MS), col(_DEL), image.alias(_IMG))
+
+
+def millisecond_steps(events: DataFrame, primary_key: Sequence[str]) -> DataFrame:
+    """One step per (key, millisecond) of ``event_images``' rows (rule 1): whether it has a
+    non-delete event, whether its last event by seq is a delete (rules 4, 5), and the image
+    of its last non-delete event by seq."""
+    from pyspark.sql import functions as F
+
+    return events.groupBy(*cols(list(primary_key)), col(_MS)).agg(
+        F.max(~col(_DEL)).alias(_HAS_IMAGE),
+        F.max_by(col(_DEL), col(_SEQ)).alias(_ENDS_DELETED),
+        F.max_by(col(_IMG), F.when(~col(_DEL), col(_SEQ))).alias(_IMG),
+    )
+
+
+def openings(
+    steps: DataFrame,
+    primary_key: Sequence[str],
+    data_columns: Sequence[str],
+    history_columns: HistoryColumns = TRACK_ALL,
+    maps: frozenset[str] = frozenset(),
+) -> DataFrame:
+    """Which steps open a version (rules 2, 3), in the key's millisecond order: one with an
+    image opens one unless the key was live before it with the same image (in the tracked
+    columns; ``maps`` are compared by their sorted entries). With untracked columns, a step
+    that opens none belongs to the live version, which takes its last such step's image."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    pkc = cols(list(primary_key))
+    w_steps = Window.partitionBy(*pkc).orderBy(col(_MS))
+    live_after = col(_HAS_IMAGE) & ~col(_ENDS_DELETED)
+    steps = steps.withColumn(
+        _LIVE_BEFORE, F.coalesce(F.lag(live_after).over(w_steps), F.lit(False))
+    )
+    steps = steps.withColumn(_PREV_IMG, F.lag(col(_IMG)).over(w_steps))
+    tracked = history_columns.tracked(data_columns)
+    same_image = _images_equal(quote(_IMG), quote(_PREV_IMG), tracked, maps)
+    steps = steps.withColumn(_OPENS, col(_HAS_IMAGE) & ~(col(_LIVE_BEFORE) & same_image))
+    if not history_columns.untracked(data_columns):
+        return steps
+    steps = steps.withColumn(
+        _VERSION_NO,
+        F.sum(col(_OPENS).cast("int")).over(
+            w_steps.rowsBetween(Window.unboundedPreceding, Window.currentRow)
+        ),
+    )
+    in_version = Window.partitionBy(*pkc, col(_VERSION_NO)).orderBy(col(_MS))
+    return steps.withColumn(
+        _IMG,
+        F.last(F.when(col(_HAS_IMAGE), col(_IMG)), ignorenulls=True).over(
+            in_version.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+        ),
+    )
+
+
+def _changed_columns(pk: list[str], tracked: Sequence[str], maps: frozenset[str]) -> Column:
+    """The tracked columns a version changed from the key's previous one it folds (null for
+    the first), as one SQL expression over the opening steps."""
+    from pyspark.sql import functions as F
+
     previous = f"(lag({quote(_IMG)}) OVER ({window_sql(pk, [_MS])}))"
     differing = [
         f"CASE WHEN NOT ({same_sql(f'{quote(_IMG)}.{quote(c)}', f'{previous}.{quote(c)}', c in maps)}) "
@@ -241,16 +312,7 @@ def build_versions(
         if differing
         else "CAST(array() AS array<string>)"
     )
-    changed = F.expr(f"CASE WHEN {previous} IS NOT NULL THEN {names} END")
-    versions = opened.select(
-        *pkc,
-        *[F.expr(f"{quote(_IMG)}.{quote(c)} AS {quote(c)}") for c in data_columns],
-        col(_MS).alias(START),
-        end.alias(END),
-        changed.alias(CHANGED),
-        *([col(CURRENT), col(LAST_EVENT_AT)] if with_state else []),
-    )
-    return versions.withColumn(ACTIVE, col(END) == tmax_literal())
+    return F.expr(f"CASE WHEN {previous} IS NOT NULL THEN {names} END")
 
 
 def _images_equal(
