@@ -18,7 +18,15 @@ from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.columns import TMAX, TMIN
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import invariants, table_key
-from cdc_platform.lib.operations.adoption import AdoptionError, adopt, adoption_seqs, source_name
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.operations.adoption import (
+    AdoptionError,
+    AdoptRequest,
+    SourceFormat,
+    adopt,
+    adoption_seqs,
+    source_name,
+)
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location
@@ -42,9 +50,16 @@ A = datetime(2024, 1, 1, 11, 30, 0, 123000, tzinfo=UTC)
 NOW = datetime(2024, 1, 2, tzinfo=UTC)
 
 
-def roots(lake: dict[str, Path]) -> dict[str, Any]:
+def adopting(spark: Any, lake: dict[str, Path], table: TableConfig = TABLE) -> HistoryTable:
+    """The table as an adoption opens it: its landing zone known, so it stays refused."""
+    return HistoryTable(spark, table, lake["warehouse"], lake["landing"])
+
+
+def asked(
+    lake: dict[str, Path], source: Path, source_format: SourceFormat = "auto", now: datetime = NOW
+) -> AdoptRequest:
     """Adoption allowed from the test's folder (the warehouse and landing zone stay refused)."""
-    return {"adoption_roots": [lake["root"]], "landing_root": lake["landing"]}
+    return AdoptRequest(source, (lake["root"],), source_format, now=now)
 
 
 def soft_delete_mode_source() -> pa.Table:
@@ -86,7 +101,7 @@ def test_a_soft_delete_mode_delta_table_is_adopted_as_the_seeds_say(spark, lake)
     source = lake["root"] / "source"
     write_deltalake(str(source), soft_delete_mode_source())
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
-    r = adopt(spark, TABLE, lake["warehouse"], source, now=NOW, **roots(lake))
+    r = adopt(adopting(spark, lake), asked(lake, source))
 
     assert (r.format, r.adopted_at, r.live_rows, r.deleted_rows) == ("delta", A, 2, 1)
     assert r.dropped_columns == ("_fivetran_synced", "_fivetran_deleted")
@@ -106,9 +121,7 @@ def test_a_soft_delete_mode_delta_table_is_adopted_as_the_seeds_say(spark, lake)
 
     # The same adoption again: nothing new, no commit.
     seen = (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog))
-    again = adopt(
-        spark, TABLE, lake["warehouse"], source, now=NOW + timedelta(hours=1), **roots(lake)
-    )
+    again = adopt(adopting(spark, lake), asked(lake, source, now=NOW + timedelta(hours=1)))
     assert again.events_new == 0
     assert (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog)) == seen
 
@@ -122,7 +135,7 @@ def test_a_partitioned_delta_table_keeps_its_partition_columns(spark, lake):
     )
     write_deltalake(str(source), rows, partition_by=["region", "status"])
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
-    adopt(spark, TABLE, lake["warehouse"], source, now=NOW, **roots(lake))
+    adopt(adopting(spark, lake), asked(lake, source))
     got = normalize(history_rows(paths.history), [*COLUMNS, "region"])
     assert got == [
         (1, "new", 1.5, A, TMAX, True, "north east"),
@@ -136,7 +149,7 @@ def test_cdc_events_apply_on_top_of_an_adopted_table(spark, lake):
     source = lake["root"] / "source"
     write_deltalake(str(source), soft_delete_mode_source())
     landing, warehouse = lake["landing"], lake["warehouse"]
-    adopt(spark, TABLE, warehouse, source, now=NOW, **roots(lake))
+    adopt(adopting(spark, lake), asked(lake, source))
     h12 = H0 + timedelta(hours=12)
     cdc = [
         ev("UPDATE", 1, h12 + timedelta(minutes=5), 1, status="shipped", amount=1.5),
@@ -172,7 +185,7 @@ def test_a_live_mode_parquet_folder_is_adopted_at_the_time_of_the_run(spark, lak
     source.mkdir()
     pq.write_table(pa.table({"id": [1, 2], "status": ["a", "b"]}), source / "part-0.parquet")
     pq.write_table(pa.table({"id": [5], "status": ["c"]}), source / "part-1.parquet")
-    r = adopt(spark, TABLE, lake["warehouse"], source, now=NOW, **roots(lake))
+    r = adopt(adopting(spark, lake), asked(lake, source))
     assert (r.format, r.adopted_at, r.live_rows, r.deleted_rows) == ("parquet", NOW, 3, 0)
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
     assert normalize(history_rows(paths.history), ["id", "status", *COLUMNS[3:]]) == [
@@ -203,9 +216,7 @@ def test_a_source_that_cannot_be_adopted_is_refused_with_its_reason(spark, lake,
     export = lake["root"] / "export"
     export.mkdir()
     pq.write_table(pa.table({"id": [1], "status": ["x"]}), export / "part-0.parquet")
-    adopt(
-        spark, TABLE, warehouse, export, now=NOW, **roots(lake)
-    )  # the table's status column is a string
+    adopt(adopting(spark, lake), asked(lake, export))  # the table's status column is a string
     paths = TablePaths.of(warehouse, TABLE.name)
     seen = (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog))
 
@@ -213,12 +224,12 @@ def test_a_source_that_cannot_be_adopted_is_refused_with_its_reason(spark, lake,
     bad.mkdir()
     pq.write_table(pa.table(rows), bad / "part-0.parquet")
     with pytest.raises(AdoptionError, match=message):
-        adopt(spark, TABLE, warehouse, bad, now=NOW, **roots(lake))
+        adopt(adopting(spark, lake), asked(lake, bad))
     assert (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog)) == seen
     with pytest.raises(AdoptionError, match="no such file or folder"):
-        adopt(spark, TABLE, warehouse, lake["root"] / "missing", now=NOW, **roots(lake))
+        adopt(adopting(spark, lake), asked(lake, lake["root"] / "missing"))
     with pytest.raises(AdoptionError, match="no Delta table there"):
-        adopt(spark, TABLE, warehouse, bad, "delta", now=NOW, **roots(lake))
+        adopt(adopting(spark, lake), asked(lake, bad, "delta"))
 
 
 @pytest.mark.parametrize("key", [("n",), ("at",), ("at", "n")])
@@ -231,7 +242,7 @@ def test_key_columns_named_like_the_checks_working_names_adopt(spark, lake, key)
     source = lake["root"] / "export"
     source.mkdir()
     pq.write_table(pa.table({**ids, "status": ["a", "b"]}), source / "part-0.parquet")
-    r = adopt(spark, table, lake["warehouse"], source, now=NOW, **roots(lake))
+    r = adopt(adopting(spark, lake, table), asked(lake, source))
     assert (r.live_rows, r.deleted_rows) == (2, 0)
     paths = TablePaths.of(lake["warehouse"], table.name)
     assert normalize(history_rows(paths.history), [*key, "status", *COLUMNS[3:]]) == [
@@ -251,7 +262,7 @@ def test_key_columns_named_like_the_checks_working_names_adopt(spark, lake, key)
         match=r"one key is on .*p.parquet row 1 and .*p.parquet row 2 and "
         r".*p.parquet row 3 \(4 rows\)$",
     ):
-        adopt(spark, table, lake["warehouse"], bad, now=NOW, **roots(lake))
+        adopt(adopting(spark, lake, table), asked(lake, bad))
 
 
 def test_the_dagster_job_adopt_table(spark, tmp_path: Path):

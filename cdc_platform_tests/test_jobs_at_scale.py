@@ -22,11 +22,12 @@ from dagster._core.test_utils import freeze_time
 from dagster._utils.schedules import cron_string_iterator
 
 from cdc_platform.definitions import build_definitions
-from cdc_platform.defs import maintenance, operations
+from cdc_platform.defs.jobs import skeleton
 from cdc_platform.defs.jobs.maintenance_schedules import (
     FLEET_MAINTENANCE_SCHEDULE,
     MAINTENANCE_JOB,
     MAINTENANCE_OP,
+    maintenance_run_config,
 )
 from cdc_platform.defs.jobs.registry import PLAN_JOB, PLAN_OP
 from cdc_platform.defs.resources import SparkResource
@@ -39,6 +40,7 @@ from cdc_platform.lib.fleet.schedule_spread import (
     spread_daily_cron,
     window_started,
 )
+from cdc_platform.lib.operations import maintenance
 from cdc_platform_tests.helpers import dagster_resources
 
 # The jobs the Jobs page lists, whatever the table count.
@@ -168,7 +170,7 @@ def test_a_fleet_has_one_maintenance_schedule_starting_each_table_once_a_window(
             for request in _launched(instance, repo, schedule, tick):
                 assert tick >= began, f"{request.tags[TABLE_TAG]} started before its window"
                 started[request.tags[TABLE_TAG]].append(tick)
-                assert request.run_config == maintenance.maintenance_run_config(
+                assert request.run_config == maintenance_run_config(
                     fleet.table(request.tags[TABLE_TAG])
                 )
                 assert request.tags["dagster/priority"] == "-1"
@@ -300,8 +302,8 @@ def test_maintenance_holds_the_tables_pool_slot_and_tags_the_run(tmp_path, monke
         storage.initialize_concurrency_limit_to_default(pool)
         assert storage.claim_concurrency_slot(pool, "sensor-run", "t001", 0).is_claimed
         with monkeypatch.context() as m:
-            m.setattr(operations, "POOL_WAIT_SECONDS", 0.5)
-            m.setattr(operations, "_POLL_SECONDS", 0.1)
+            m.setattr(skeleton, "POOL_WAIT_SECONDS", 0.5)
+            m.setattr(skeleton, "_POLL_SECONDS", 0.1)
             failed = _run(
                 job, MAINTENANCE_OP, {"table": "t001"}, resources=resources, instance=instance
             )
@@ -329,8 +331,8 @@ def test_the_merge_plan_waits_for_the_tables_pool_slot(tmp_path, monkeypatch):
         storage = instance.event_log_storage
         storage.initialize_concurrency_limit_to_default(pool)
         assert storage.claim_concurrency_slot(pool, "backfill", "t000", 0).is_claimed
-        monkeypatch.setattr(operations, "POOL_WAIT_SECONDS", 0.5)
-        monkeypatch.setattr(operations, "_POLL_SECONDS", 0.1)
+        monkeypatch.setattr(skeleton, "POOL_WAIT_SECONDS", 0.5)
+        monkeypatch.setattr(skeleton, "_POLL_SECONDS", 0.1)
         config = {"table": "t000", "first_partition": "2024-01-01-05:00"}
         kwargs: dict[str, Any] = {"resources": {"spark": NoSpark()}, "instance": instance}
         waited = _run(job, PLAN_OP, config, **kwargs)

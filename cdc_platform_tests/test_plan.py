@@ -10,8 +10,9 @@ import dagster as dg
 
 from cdc_platform.defs.jobs.registry import PLAN_JOB, operator_job
 from cdc_platform.lib.config import load_config
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.where.layout import hour_folder
-from cdc_platform.lib.operations.plan import plan
+from cdc_platform.lib.operations.plan import PlanRequest, plan
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, write_parquet_events
@@ -123,7 +124,7 @@ def test_plan_of_a_table_not_created_yet(spark, lake):
 
     table = TableConfig(name="fresh", primary_key=("id",), start=H0)
     write_parquet_events(lake["landing"], "fresh", H0, [ev("INSERT", 1, H0, 1, status="a")])
-    p = plan(spark, table, lake["landing"], lake["warehouse"], [H0])
+    p = plan(HistoryTable(spark, table, lake["warehouse"], lake["landing"]), PlanRequest((H0,)))
     assert (p.outcome.merge.versions_opened, p.late_events) == (1, 0)
     assert not TablePaths.of(lake["warehouse"], "fresh").history.path.exists()
     assert [p.name for p in (lake["warehouse"] / "_cdc").iterdir()] == []
