@@ -487,12 +487,12 @@ def test_a_file_swapped_while_spark_reads_it_is_never_taken_even_when_spark_fail
 ) -> None:
     """Swapped for a link to a file that is no Parquet once the guard has looked: Spark's own
     read fails first (its error would name the target); the guard is asked all the same."""
-    from cdc_platform.lib import pipeline
+    from cdc_platform.lib.landing import batch
 
     table = TableConfig(name="orders", primary_key=("id",), start=H5)
     path = write_parquet_events(site["landing"], "orders", H5, [ev("INSERT", 1, TS, 1, v="ok")])
     keyring = site["private"] / "keyring.json"
-    real_read = pipeline.read_events
+    real_read = batch.read_events
 
     def swap_then_read(*args: Any, **kwargs: Any) -> Any:
         if args[4] and not path.is_symlink():  # the native read: Spark opens by path
@@ -500,7 +500,7 @@ def test_a_file_swapped_while_spark_reads_it_is_never_taken_even_when_spark_fail
             path.symlink_to(keyring)
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "read_events", swap_then_read)
+    monkeypatch.setattr(batch, "read_events", swap_then_read)
     try:
         out = materialize(spark, table, site["landing"], site["warehouse"], [H5])
     except Exception as exc:  # refused: through the checked descriptor, the link is no file

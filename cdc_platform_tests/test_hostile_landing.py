@@ -444,7 +444,7 @@ BAD_ROWS = [ev("DELETE", 9, TS, None, v="no key"), ev("BOGUS", 10, TS, 2, v="no 
 def test_a_file_rewritten_in_place_after_inspection_is_set_aside_never_logged(
     spark, lake, monkeypatch, encoded
 ) -> None:
-    from cdc_platform.lib import pipeline
+    from cdc_platform.lib.landing import batch
 
     table = TABLE
     victim = write_parquet_events(
@@ -467,7 +467,7 @@ def test_a_file_rewritten_in_place_after_inspection_is_set_aside_never_logged(
     write_parquet_events(
         lake["landing"], "t", H5, [ev("INSERT", 5, TS, 5, v="b")], name="other.parquet"
     )
-    real_read = pipeline.read_events
+    real_read = batch.read_events
 
     def rewrite_then_read(*args: Any, **kwargs: Any) -> Any:
         if victim.stat().st_size and not getattr(rewrite_then_read, "done", False):
@@ -475,7 +475,7 @@ def test_a_file_rewritten_in_place_after_inspection_is_set_aside_never_logged(
             rewrite_in_place(victim, BAD_ROWS)
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "read_events", rewrite_then_read)
+    monkeypatch.setattr(batch, "read_events", rewrite_then_read)
     out = materialize(spark, table, lake["landing"], lake["warehouse"], [H5])
     assert reasons(lake)["victim.parquet"] == CHANGED
     assert logged_keys(lake) == [5] and out.events_read == 1
@@ -483,7 +483,7 @@ def test_a_file_rewritten_in_place_after_inspection_is_set_aside_never_logged(
 
     # Once the file is stable, its hour read again applies what inspection allows: nothing
     # of it (bad rows set it aside), the quarantine naming the row.
-    monkeypatch.setattr(pipeline, "read_events", real_read)
+    monkeypatch.setattr(batch, "read_events", real_read)
     materialize(spark, table, lake["landing"], lake["warehouse"], [H5])
     assert "row 1: primary key column 'id' is null" in reasons(lake)["victim.parquet"]
     assert logged_keys(lake) == [5]
@@ -494,7 +494,7 @@ def test_pass_two_checks_rows_again_even_when_the_file_looks_unchanged(
 ) -> None:
     """A rewrite the file system cannot show (a coarse clock, a mount that reports times
     poorly): Spark's pass 2 validates every row again, within pass 1's rows and seq range."""
-    from cdc_platform.lib import pipeline
+    from cdc_platform.lib.landing import batch
 
     monkeypatch.setattr(FileId, "matches", lambda self, st: self.ino == st.st_ino)
     victim = write_parquet_events(
@@ -503,7 +503,7 @@ def test_pass_two_checks_rows_again_even_when_the_file_looks_unchanged(
     write_parquet_events(
         lake["landing"], "t", H5, [ev("INSERT", 5, TS, 5, v="b")], name="other.parquet"
     )
-    real_read = pipeline.read_events
+    real_read = batch.read_events
 
     def rewrite_then_read(*args: Any, **kwargs: Any) -> Any:
         if not getattr(rewrite_then_read, "done", False):
@@ -511,7 +511,7 @@ def test_pass_two_checks_rows_again_even_when_the_file_looks_unchanged(
             rewrite_in_place(victim, [ev("INSERT", 99, TS, 1, v="a")])  # seq out of range
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "read_events", rewrite_then_read)
+    monkeypatch.setattr(batch, "read_events", rewrite_then_read)
     materialize(spark, TABLE, lake["landing"], lake["warehouse"], [H5])
     assert reasons(lake)["victim.parquet"] == CHANGED
     assert logged_keys(lake) == [5]
@@ -611,9 +611,9 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
     fingerprint does not see it, so the ledger must not claim the file was read, or its hour
     would never be asked for again (the pending hour is re-requested instead)."""
 
-    from cdc_platform.lib import pipeline
     from cdc_platform.lib.config import load_config
     from cdc_platform.lib.fleet import sensor_cursor
+    from cdc_platform.lib.landing import batch
     from cdc_platform.lib.ledgers import applied_files
 
     (tmp_path / "cdc_platform.yaml").write_text(
@@ -626,13 +626,13 @@ def test_a_file_set_aside_as_changed_is_not_recorded_as_applied(spark, tmp_path,
         landing, "t", H5, [ev("INSERT", 1, TS, 1, v="a")], name="v.parquet"
     )
     write_parquet_events(landing, "t", H5, [ev("INSERT", 5, TS, 5, v="b")], name="o.parquet")
-    real_read = pipeline.read_events
+    real_read = batch.read_events
 
     def chmod_then_read(*args: Any, **kwargs: Any) -> Any:
         os.chmod(victim, 0o640)  # the permissions cron: only the ctime moves
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "read_events", chmod_then_read)
+    monkeypatch.setattr(batch, "read_events", chmod_then_read)
     materialize_through_the_asset(platform)
     ledger = applied_files.ledger_path(platform.warehouse_root, "t")
     recorded = {f.rsplit("/", 1)[1] for f, _, _ in applied_files.applied(ledger)}

@@ -262,7 +262,7 @@ class NativeGuard:
     back). The validation (pass 1) inspects a changed file in Python instead; the read (pass 2)
     calls ``verify`` before its change-log commit (``changelog.Guards(before_commit=...)``),
     and a change discards what was written and reads every file through the checked
-    descriptor instead (``pipeline.materialize``). A false alarm (a file delivered into the
+    descriptor instead (``batch.LandingBatch.append``). A false alarm (a file delivered into the
     same hour folder meanwhile changes its ctime) only costs that slower read.
     """
 
