@@ -12,6 +12,7 @@ import pytest
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history.merge import write as merge_write
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.operations.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -88,7 +89,7 @@ def test_crash_before_side_table_then_changelog_compaction_then_late_insert(t, m
         _crash_before_side_table(m)
         with pytest.raises(RuntimeError, match="killed"):
             t.run(H0 + HOUR, [ev("DELETE", 2, H0 + HOUR + MIN, 2)])
-    compact(t.spark, t.paths, ["id"])
+    compact(HistoryTable(t.spark, t.table, t.warehouse))
     t.run(H0 + 2 * HOUR, [ev("INSERT", 3, H0 + 30 * MIN, 2, v=2)])
     t.check(["v"])
 

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.operations.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
@@ -141,7 +142,7 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
     # Maintenance between runs: compaction rewrites files but must change no row, and must not
     # make the compacted change-log files look like new events.
     if data.draw(st.booleans(), label="compact"):
-        compact(spark, TablePaths.of(warehouse, table.name), table.key)
+        compact(HistoryTable(spark, table, warehouse))
     # Phase 2: late files land in folders already materialized; replays must change nothing.
     for key in sorted(late):
         write(key)

@@ -22,6 +22,7 @@ from cdc_platform.lib.history.versions import TMAX, HistoryColumns
 from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
+from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     dagster_resources,
@@ -279,9 +280,9 @@ def test_the_setting_is_not_recorded_over_another_writers_commit(spark, lake):
     data_version = dt.version()
     delta.commit(dt, [], [], delta.table_arrow_schema(dt))  # another writer's commit
     selective = HistoryColumns(ignore=("updated_at",))
-    assert not record_settings(paths, ["id"], selective, data_version)
+    assert not record_settings(Table.open(paths.history), ["id"], selective, data_version)
     assert HistoryColumns.of_table(DeltaTable(str(paths.history))).tracks_everything
-    assert record_settings(paths, ["id"], selective, data_version + 1)
+    assert record_settings(Table.open(paths.history), ["id"], selective, data_version + 1)
     assert HistoryColumns.of_table(DeltaTable(str(paths.history))).same_as(selective)
 
 

@@ -41,7 +41,6 @@ from cdc_platform.lib.operations.operation import to_ms
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored
 from cdc_platform.lib.storage.stores import Location, Where
-from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -90,17 +89,6 @@ def needs_keyring(table: TableConfig, warehouse_root: Where) -> bool:
     (``TableConfig.needs_keyring``), or keys erased from it, known by their salted hash."""
     paths = TablePaths.of(warehouse_root, table.name)
     return table.needs_keyring or erased_keys.recorded(paths.erased_keys)
-
-
-def check_salts(table: TableConfig, warehouse_root: Where, keyring: Keyring | None) -> None:
-    """Refuse a keyring whose hash_salt is not the one the table's erased keys or hashed columns
-    were recorded under (``pii.check_salt``): what an operator job that reads landing files or
-    logs events checks before it does."""
-    paths = TablePaths.of(warehouse_root, table.name)
-    salt = keyring.hash_salt if keyring is not None else None
-    if salt is not None:
-        erased_keys.check_ledger_salt(paths.erased_keys, salt)
-    check_hashing_salt(Table.open(paths.changelog), table, keyring)
 
 
 def materialize(
@@ -319,7 +307,7 @@ def _log_events(
         )
         # How the batch's hashed cells were made, recorded before they are logged.
         schemas = [r.schema for r in files]
-        record_hashing(run.paths.changelog, run.table, reader.salt, schemas)
+        record_hashing(run.handle.fresh(run.paths.changelog), run.table, reader.salt, schemas)
         rows = sum(r.num_rows for r in files)
         return changelog.append(
             run.spark,

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 
 import dagster as dg
 
-from cdc_platform.defs.jobs import requests as rq
+import cdc_platform.defs.jobs.requests as rq
 from cdc_platform.defs.jobs.maintenance_schedules import MAINTENANCE_JOB, MAINTENANCE_OP
 from cdc_platform.defs.jobs.skeleton import OperatorRun, operator_run, refused, table_named
 from cdc_platform.defs.resources import KeyringResource, SparkResource

@@ -42,7 +42,7 @@ from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.operations.operation import Result
-from cdc_platform.lib.pipeline import check_salts, needs_keyring
+from cdc_platform.lib.pipeline import needs_keyring
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def operator_run(
     ``protected_columns``; but for ``rebuilding``, the jobs that change them, which check what
     they need), refuse a keyring whose hash salt is not the one the table's erased keys or
     hashed columns were recorded under (a job given the keyring: it reads landing files or logs
-    events; ``pipeline.check_salts``), note the history version before the work (the checks
+    events; ``HistoryTable.check_salts``), note the history version before the work (the checks
     after it cover what changed since), and turn the library's refusals (``Refusal``) into a
     failure without a traceback."""
     table = table_named(platform, config.table)
@@ -155,7 +155,7 @@ def operator_run(
         run.history_table.check(rebuilding)  # before the job writes anything
         if keyring is not None and needs_keyring(table, platform.warehouse_root):
             # A job that reads landing files or logs events: not with another hash salt.
-            check_salts(table, platform.warehouse_root, keyring.load())
+            run.history_table.check_salts(keyring.load())
         yield run
 
 

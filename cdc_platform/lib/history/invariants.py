@@ -229,7 +229,8 @@ def run_checks(
     another key is refused by every run, and the table's versions follow its own key.
     ``hide_keys`` (an encrypted table): a failing check's sample holds ``REDACTED``, never a
     key value; the counts are unchanged."""
-    outcomes = [_quarantine_check(paths), _revoked_check(spark, paths)]
+    log = Table.open(paths.changelog)  # each opened once, read by every check
+    outcomes = [_quarantine_check(paths), _revoked_check(spark, paths, log)]
     history = Table.open(paths.history)
     pk = _recorded_or(history, primary_key)
     if history.dt is None:
@@ -240,7 +241,6 @@ def run_checks(
         ]
     dt = history.dt
     table = history.read(spark)
-    log = Table.open(paths.changelog)
     events = log.read(spark) if log.exists else None
     with (
         conf_restored(spark, ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS),
@@ -411,16 +411,15 @@ def _quarantine_check(paths: TablePaths) -> CheckOutcome:
     return CheckOutcome(NO_QUARANTINE, not entries, len(entries), sample, files=files)
 
 
-def _revoked_check(spark: SparkSession, paths: TablePaths) -> CheckOutcome:
+def _revoked_check(spark: SparkSession, paths: TablePaths, log: Table) -> CheckOutcome:
     """Events of revoked files left in the change log, per file. Costs nothing when no file
     was ever revoked; then reads only the log files whose ``_cdc_source_file`` statistics
     admit a revoked name. The history table follows the log: ``matches_change_log`` covers it."""
     from pyspark.sql import functions as F
 
     names = revoked_files.revoked_names(paths.revoked_files)
-    log = Table.open(paths.changelog) if names else None
-    files = [f for f in log.files if revoked_files.may_hold(f, names)] if log is not None else []
-    if log is None or not files:
+    files = [f for f in log.files if revoked_files.may_hold(f, names)] if names else []
+    if not files:
         return CheckOutcome(NO_REVOKED, True, 0)
     left = (
         log.read(spark, files)

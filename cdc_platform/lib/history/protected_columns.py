@@ -35,7 +35,6 @@ from cdc_platform.lib.landing.rows.pii import (
     type_from_text,
     type_text,
 )
-from cdc_platform.lib.storage.stores import Where
 from cdc_platform.lib.storage.table import Table
 
 PROTECTED_COLUMNS_PROPERTY = "cdc_platform.protected_columns"
@@ -103,12 +102,12 @@ def hashed_types(changelog: Table) -> dict[str, list[pa.DataType]]:
 
 
 def record_hashing(
-    path: Where, table: TableConfig, salt: bytes | None, schemas: Iterable[pa.Schema | None]
+    log: Table, table: TableConfig, salt: bytes | None, schemas: Iterable[pa.Schema | None]
 ) -> None:
-    """Before an append to an existing change log: the source types its batch (``schemas``)
-    brings that the log does not record yet, and the salt's fingerprint if the log has none
-    (one from before it), in one metadata commit; none when both are recorded."""
-    log = Table.open(path)
+    """Before an append to an existing change log (``log``, as it is now): the source types
+    its batch (``schemas``) brings that the log does not record yet, and the salt's
+    fingerprint if the log has none (one from before it), in one metadata commit; none when
+    both are recorded."""
     if salt is None or not table.hash_columns or not log.exists:
         return
     recorded = {c: set(ts) for c, ts in hashed_types(log).items()}

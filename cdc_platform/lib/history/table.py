@@ -11,6 +11,7 @@ through the handle.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -18,12 +19,21 @@ from typing import TYPE_CHECKING, TypeVar
 
 from deltalake.exceptions import CommitFailedError
 
-from cdc_platform.lib.columns import cols
+from cdc_platform.lib.columns import col, cols
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import changelog
-from cdc_platform.lib.history.merge import APP_ID, MergeResult, apply_pending
-from cdc_platform.lib.history.protected_columns import check_protected_columns
-from cdc_platform.lib.history.removal import GONE, marked_by, remove_events
+from cdc_platform.lib.history.merge import (
+    APP_ID,
+    MergeResult,
+    apply_pending,
+    record_retracted_keys,
+    table_relative,
+)
+from cdc_platform.lib.history.protected_columns import (
+    check_hashing_salt,
+    check_protected_columns,
+)
+from cdc_platform.lib.history.removal import GONE, fenced, marked_by
 from cdc_platform.lib.history.table_key import check_key
 from cdc_platform.lib.landing.where.object_store import S3Landing
 from cdc_platform.lib.landing.where.zone import LandingZone
@@ -41,6 +51,7 @@ if TYPE_CHECKING:
     from cdc_platform.lib.landing.where.zone import Landing
 
 T = TypeVar("T")
+_LOG_FILE = "_cdc_tmp_log_file"
 
 
 @dataclass
@@ -102,8 +113,12 @@ class HistoryTable:
     def table(self, location: Location) -> Table:
         """The Delta table at ``location`` (one of ``paths``), opened once until ``refresh``."""
         opened = self._opened.get(location.uri)
-        if opened is None:
-            opened = self._opened[location.uri] = Table.open(location)
+        return opened if opened is not None else self.fresh(location)
+
+    def fresh(self, location: Location) -> Table:
+        """The Delta table at ``location`` as it is now (read again, and kept as opened): for
+        a step that decides on the latest version, an attempt after a lost race."""
+        opened = self._opened[location.uri] = Table.open(location)
         return opened
 
     @property
@@ -127,6 +142,15 @@ class HistoryTable:
             check_key(self.history, self.config.key)
             check_protected_columns(self.changelog, self.config)
 
+    def check_salts(self, keyring: Keyring | None) -> None:
+        """Refuse a keyring whose hash_salt is not the one the table's erased keys or hashed
+        columns were recorded under (``pii.check_salt``): what an operator job that reads
+        landing files or logs events checks before it does."""
+        salt = keyring.hash_salt if keyring is not None else None
+        if salt is not None:
+            erased_keys.check_ledger_salt(self.paths.erased_keys, salt)
+        check_hashing_salt(self.changelog, self.config, keyring)
+
     def revoked(self) -> set[str]:
         """The landing files un-applied so far: asked again before every commit."""
         return revoked_files.revoked_names(self.paths.revoked_files)
@@ -139,9 +163,7 @@ class HistoryTable:
         """Merge what the change log holds and the history table does not yet reflect (the
         merge, ``lib.history.merge``); ``list_keys`` names the keys in the commit for the
         checks that follow (never an encrypted table's: its keys are decrypted data)."""
-        result = apply_pending(
-            self.spark, self.paths, self.key, synced_at, self.config.history_columns, list_keys
-        )
+        result = apply_pending(self, synced_at, list_keys)
         self.refresh()
         return result
 
@@ -226,26 +248,67 @@ class Change:
         fence: bool = False,
         forget: bool = False,
     ) -> Removal:
-        """Take the events ``mark`` flags out of the decided change log's ``files`` (default:
-        all), in one commit strictly after the version decided on (``remove_events``)."""
+        """Take the events ``mark`` flags (its boolean column ``GONE``) out of the decided
+        change log's ``files`` (default: all): record their keys as retracted, then rewrite
+        the files holding them in one commit strictly after the version decided on. With
+        ``fence`` an empty commit is made even when nothing is removed: an append that read
+        the revoked list before a revocation then loses its strict commit and reads it again.
+        With ``forget`` the events are recorded as forgotten first: no append logs them
+        again (an un-apply needs no such record: its files are never read again).
+
+        ``mark`` must flag each event from the event alone (a column test, a join with keys
+        decided beforehand): it runs again over the rewritten files only, so a flag that
+        looked at a key's other events (a window) would see part of them there."""
         log = self.log
         if log is None:
             return Removal(0, 0, 0)
-        removed, keys, rewritten = remove_events(
-            self.spark,
-            self.table.paths,
-            self.table.key,
-            log,
-            log.files if files is None else files,
-            mark,
-            metadata_key,
-            fence=fence,
-            forget=forget,
-        )
-        if rewritten or fence:
+        files = log.files if files is None else files
+        flagged = _flagged(self.spark, log, files, mark, self.table.key)
+        if flagged is None:
+            fenced(log, fence, metadata_key)
+        else:
+            self._rewrite(log, files, mark, metadata_key, flagged, forget)
+        if flagged is not None or fence:
             assert self.version is not None
             self.version += 1
-        return Removal(removed, keys, rewritten)
+        return flagged.removal if flagged is not None else Removal(0, 0, 0)
+
+    def _rewrite(
+        self,
+        log: Table,
+        files: Sequence[delta.DataFile],
+        mark: Callable[[DataFrame], DataFrame],
+        metadata_key: str,
+        flagged: _Flagged,
+        forget: bool,
+    ) -> None:
+        """Record, then rewrite the files holding flagged events without them (strict)."""
+        t, version = self.table, log.version
+        assert version is not None  # the caller read this snapshot of an existing log
+        gone = flagged.events.filter(col(GONE))
+        # Tied to this commit (``changelog.removal_committed``): if it loses its race, the
+        # retry decides again and may keep some of these events, which must not stay forgotten.
+        removal = uuid.uuid4().hex if forget else None
+        if removal is not None:
+            changelog.forget(t.paths.forgotten_events, gone, t.key, version, removal)
+        # Tied to the version too: a removal that never committed only costs a recomputation.
+        applied = t.fresh(t.paths.history).watermark(APP_ID)
+        retracted = t.fresh(t.paths.retracted_keys)
+        record_retracted_keys(retracted, gone.select(*cols(t.key)), version, applied)
+        rewritten = [f for f in files if f.path in flagged.holding]
+        kept_rows = sum(f.num_records or 0 for f in rewritten) - flagged.removal.events
+        kept = mark(log.read(self.spark, rewritten)).filter(~col(GONE)).drop(GONE)
+        info = {metadata_key: flagged.removal.events}
+        try:
+            with log.committing() as rewrite:
+                rewrite.write(kept.coalesce(delta.file_count_for(kept_rows)))
+                if removal is not None:
+                    info[changelog.REMOVAL_KEY] = removal  # type: ignore[assignment]
+                rewrite.commit(delta.removes_for(rewritten), metadata=info, strict=True)
+        except CommitFailedError:
+            if removal is not None:  # surely not committed
+                changelog.unforget(t.paths.forgotten_events, removal)
+            raise
 
     def remove_keys(self, keys: DataFrame, metadata_key: str) -> Removal:
         """Take every event of ``keys`` (decided beforehand: the mark runs again over the
@@ -258,6 +321,49 @@ class Change:
             if kept.isEmpty():
                 return Removal(0, 0, 0)
             return self.remove(marked_by(kept, self.table.key), metadata_key, forget=True)
+
+
+@dataclass(frozen=True)
+class _Flagged:
+    """The events a removal flags, read once with the change-log file each is in."""
+
+    events: DataFrame
+    holding: set[str]  # the change-log files holding a flagged event
+    removal: Removal
+
+
+def _flagged(
+    spark: SparkSession,
+    log: Table,
+    files: Sequence[delta.DataFile],
+    mark: Callable[[DataFrame], DataFrame],
+    pk: list[str],
+) -> _Flagged | None:
+    """The events of ``files`` ``mark`` flags, counted in one Spark job (None: none is)."""
+    from pyspark.sql import functions as F
+
+    if not files:
+        return None
+    events = mark(
+        log.read(spark, files).withColumn(
+            _LOG_FILE, table_relative(F.input_file_name(), log.location)
+        )
+    )
+    row = (
+        events.filter(col(GONE))
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.collect_set(_LOG_FILE).alias("files"),
+            F.count_distinct(*cols(pk)).alias("keys"),
+        )
+        .collect()[0]
+    )
+    removed = int(row["n"])
+    if not removed:
+        return None
+    holding = set(row["files"])
+    rewritten = sum(1 for f in files if f.path in holding)
+    return _Flagged(events, holding, Removal(removed, int(row["keys"]), rewritten))
 
 
 @dataclass(frozen=True)

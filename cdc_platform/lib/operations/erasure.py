@@ -183,7 +183,7 @@ def erase(t: HistoryTable, request: EraseRequest) -> EraseResult:
         "erasure",
         catch_up=False,
     )
-    drop_caught_up_retractions(paths)
+    drop_caught_up_retractions(t.fresh(paths.retracted_keys), t.fresh(paths.history))
     forgotten = _scrub_forgotten(t, typed, salt)
     withheld = _scrub_quarantine(paths)
     _scrub_current(t, typed, salt)
@@ -214,7 +214,7 @@ def _is_a_history_table(paths: TablePaths, name: str) -> bool:
     """Whether ``<table>_current`` is another table's history (one named so, with a change log
     of its own): never this table's to rewrite."""
     other = TablePaths.of(paths.current.parent, current_table_name(name))
-    return Table.open(other.changelog).exists
+    return delta.exists(other.changelog)
 
 
 def _hashed_keys(table: TableConfig) -> set[str]:

@@ -73,7 +73,7 @@ from cdc_platform.lib.storage.table import Commit, Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    pass
 
 # Delta's own default for deletedFileRetentionDuration: 7 days of time travel.
 DEFAULT_RETENTION_HOURS = 168
@@ -167,7 +167,7 @@ def maintain(t: HistoryTable, request: MaintainRequest) -> MaintenanceResult:
         refusal = SHORT_RETENTION_NEEDS_SLOT
     if refusal is not None:
         raise Refusal(refusal)
-    compactions = compact(t.spark, t.paths, t.key)
+    compactions = compact(t)
     removed = None
     if request.vacuum:
         removed = vacuum(
@@ -180,22 +180,17 @@ def maintain(t: HistoryTable, request: MaintainRequest) -> MaintenanceResult:
     return MaintenanceResult(tuple(compactions), len(removed) if removed is not None else None)
 
 
-def compact(
-    spark: SparkSession,
-    paths: TablePaths,
-    primary_key: Sequence[str],
-    *,
-    small_rows: int = delta.ROWS_PER_FILE // 2,
-) -> list[Compaction]:
+def compact(t: HistoryTable, *, small_rows: int = delta.ROWS_PER_FILE // 2) -> list[Compaction]:
     """Compact the history table, the change log and the applied-files ledger of one table
-    (see the module docstring)."""
-    return [
-        _compact_history(
-            spark, paths, list(primary_key), min(small_rows, merge.HISTORY_ROWS_PER_FILE // 2)
-        ),
-        _compact_changelog(spark, paths, list(primary_key), small_rows),
-        compact_applied_files(paths),
+    (see the module docstring), each from its latest version."""
+    t.refresh()
+    done = [
+        _compact_history(t, min(small_rows, merge.HISTORY_ROWS_PER_FILE // 2)),
+        _compact_changelog(t, small_rows),
+        compact_applied_files(t.paths),
     ]
+    t.refresh()
+    return done
 
 
 def compact_applied_files(paths: TablePaths) -> Compaction:
@@ -219,10 +214,8 @@ def _small(files: Sequence[delta.DataFile], small_rows: int) -> list[delta.DataF
     return small if len(small) > 1 else []
 
 
-def _compact_history(
-    spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
-) -> Compaction:
-    history = Table.open(paths.history)
+def _compact_history(t: HistoryTable, small_rows: int) -> Compaction:
+    history = t.history
     if not history.exists:
         return Compaction("history", 0, 0, 0, 0, 0, None)
     chosen: list[delta.DataFile] = []
@@ -238,17 +231,16 @@ def _compact_history(
     version = history.version
     if chosen:
         with history.committing() as rewrite:
-            rows = history.read(spark, chosen)
+            rows = history.read(t.spark, chosen)
             expected = sum(f.num_records or 0 for f in chosen)
-            adds = merge.write_segments(rows, rewrite, pk, expected, data_change=False)
+            adds = merge.write_segments(rows, rewrite, t.key, expected, data_change=False)
             version = _commit_rewrite(rewrite, chosen)
     return _summary("history", history.files, chosen, adds, version)
 
 
-def _compact_changelog(
-    spark: SparkSession, paths: TablePaths, pk: list[str], small_rows: int
-) -> Compaction:
-    log, history = Table.open(paths.changelog), Table.open(paths.history)
+def _compact_changelog(t: HistoryTable, small_rows: int) -> Compaction:
+    """After the history's own compaction: its handle is read again (that one committed)."""
+    log, history, pk = t.changelog, t.fresh(t.paths.history), t.key
     if not log.exists or not history.exists:
         return Compaction("changelog", 0, 0, 0, 0, 0, None)
     applied = history.watermark(merge.APP_ID)
@@ -257,7 +249,7 @@ def _compact_changelog(
     version = log.version
     if chosen:
         with log.committing() as rewrite:
-            rows = log.read(spark, chosen)
+            rows = log.read(t.spark, chosen)
             n = delta.file_count_for(sum(f.num_records or 0 for f in chosen))
             shaped = rows.repartitionByRange(n, *cols(pk)) if n > 1 else rows.coalesce(1)
             adds = rewrite.write(shaped.sortWithinPartitions(*cols(pk)), data_change=False)
@@ -265,7 +257,7 @@ def _compact_changelog(
         # The history table reflects every event, now in the compacted files: say so.
         with history.committing() as stamp:
             stamp.commit(app_transaction=(merge.APP_ID, version), strict=True)
-        merge.stamp_delete_only_keys(paths, version, applied)
+        merge.stamp_delete_only_keys(t.table(t.paths.delete_only_keys), version, applied)
     return _summary("changelog", log.files, chosen, adds, version)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,11 +33,10 @@ from cdc_platform.lib.operations.operation import Request
 from cdc_platform.lib.pipeline import MaterializationOutcome, materialize_hours
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
-from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    pass
 
 DELTA_LOG = "_delta_log"
 
@@ -113,7 +112,7 @@ def plan(t: HistoryTable, request: PlanRequest) -> MergePlan:
         shadow = HistoryTable(t.spark, t.config, shadow_root, t.landing_root, t.keyring)
         log_before = delta.version_or_none(shadow.paths.changelog)
         outcome = materialize_hours(shadow, request.hours, request.now)
-        late = _late_events(t.spark, t.paths, shadow.paths, t.key, log_before)
+        late = _late_events(t, shadow, log_before)
     return MergePlan(len(request.hours), outcome, *late)
 
 
@@ -151,24 +150,21 @@ def _mirror(src: Path, dst: Path) -> None:
 
 
 def _late_events(
-    spark: SparkSession,
-    real: TablePaths,
-    shadow: TablePaths,
-    primary_key: Sequence[str],
-    log_before: int | None,
+    real: HistoryTable, shadow: HistoryTable, log_before: int | None
 ) -> tuple[int, int, datetime | None, float | None]:
     """Late events among those the planned run logged: (events, keys, oldest, reach)."""
     from pyspark.sql import functions as F
 
-    planned, history = Table.open(shadow.changelog), Table.open(real.history)
+    spark = real.spark
+    planned, history = shadow.fresh(shadow.paths.changelog), real.history
     if not planned.exists or not history.exists:
         return 0, 0, None, None
-    before = Table.open(real.changelog, log_before).files if log_before is not None else []
+    before = real.changelog.at(log_before).files if log_before is not None else []
     seen = {f.path for f in before}
     new_files = [f for f in planned.files if f.path not in seen]
     if not new_files:
         return 0, 0, None, None
-    pk = list(primary_key)
+    pk = real.key
     events = planned.read(spark, new_files).select(
         *cols(pk), F.date_trunc("millisecond", col(TS)).alias("_cdc_tmp_ms")
     )
@@ -177,7 +173,7 @@ def _late_events(
     last = history.read(spark, where=col(CURRENT)).select(*cols(pk), col(LAST_EVENT_AT))
     # A key whose every event is a delete has no version; the merge keeps its last event in
     # the delete-only side table, and an event at or before it is just as late.
-    side = Table.open(real.delete_only_keys)
+    side = real.table(real.paths.delete_only_keys)
     if side.files:
         last = last.unionByName(side.read(spark).select(*cols(pk), col(LAST_EVENT_AT)))
     late = events.join(last, pk).filter(col("_cdc_tmp_ms") <= col(LAST_EVENT_AT))

@@ -40,7 +40,7 @@ from cdc_platform.lib.history.protected_columns import (
 )
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.table_key import PROTECT_JOB, Rekey, check_key, recorded_rekey
-from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
+from cdc_platform.lib.landing.decoding.keyring import KeyringError
 from cdc_platform.lib.landing.rows.pii import hash_column
 from cdc_platform.lib.operations.operation import Request
 from cdc_platform.lib.operations.rekey import (
@@ -52,7 +52,6 @@ from cdc_platform.lib.operations.rekey import (
     with_row_ids,
 )
 from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -110,7 +109,7 @@ class ProtectResult:
 
 def protect(t: HistoryTable, request: ProtectRequest) -> ProtectResult:
     """Rewrite the table's change log, history and current table for the config's lists."""
-    table, paths, log, history = t.config, t.paths, t.changelog, t.history
+    table, log, history = t.config, t.changelog, t.history
     wanted = protected_columns(table)
     if not log.exists:
         return ProtectResult(wanted, wanted, changed=False)  # its first run records them
@@ -120,7 +119,7 @@ def protect(t: HistoryTable, request: ProtectRequest) -> ProtectResult:
     if recorded == wanted and protecting(log) is None and not pending:
         _refresh_current(t)  # a run that stopped before it, if any
         return ProtectResult(recorded, wanted, changed=False)
-    salt = _refuse(paths, log, history, table, recorded, wanted, t.keyring)
+    salt = _refuse(t, recorded, wanted)
     if state is None or not pending:
         assert history.version is not None or not history.exists
         state = Rekey(history.version or 0, False, tuple(table.key), PROTECT_JOB)
@@ -141,16 +140,11 @@ def _refresh_current(t: HistoryTable) -> None:
 
 
 def _refuse(
-    paths: TablePaths,
-    log: Table,
-    history: Table,
-    table: TableConfig,
-    recorded: dict[str, list[str]],
-    wanted: dict[str, list[str]],
-    keyring: Keyring | None,
+    t: HistoryTable, recorded: dict[str, list[str]], wanted: dict[str, list[str]]
 ) -> bytes | None:
     """What stops the change, before anything is written; the salt a newly hashed column
     needs (None: none is)."""
+    paths, log, history, table = t.paths, t.changelog, t.history, t.config
     state = recorded_rekey(history)
     if state is not None and state.pending and state.job != PROTECT_JOB:
         raise ProtectionError(
@@ -180,13 +174,13 @@ def _refuse(
             f"{log}: the config newly hashes key column(s) {keys}: every key of the table would"
             " change. Nothing was written; a key column is hashed from a table's first run."
         )
-    _refuse_forgotten_ledger(paths, table, [*newly, *blocked])
+    _refuse_forgotten_ledger(t, [*newly, *blocked])
     if table.keyless and (newly or blocked):  # every id is computed again
         refuse_erased_keys(paths, ProtectionError, "rewriting a keyless table's ids")
     check_history_columns(paths, log, table, blocked)
     if not newly:
         return None
-    salt = keyring.hash_salt if keyring is not None else None
+    salt = t.keyring.hash_salt if t.keyring is not None else None
     if salt is None:
         raise KeyringError(
             f"{log}: the config newly hashes {newly}, and the keyring has no hash_salt."
@@ -195,15 +189,15 @@ def _refuse(
     return salt
 
 
-def _refuse_forgotten_ledger(paths: TablePaths, table: TableConfig, changed: list[str]) -> None:
+def _refuse_forgotten_ledger(t: HistoryTable, changed: list[str]) -> None:
     """The forgotten-events ledger names events by their key and seq (``changelog.forget``): a
     keyless table's ids all change, and a ledger column newly hashed or blocked would keep its
     cleartext and match no event, so forgotten events could be logged again."""
-    ledger = Table.open(paths.forgotten_events)
+    paths, ledger = t.paths, t.table(t.paths.forgotten_events)
     if not ledger.files:
         return
-    named = [c for c in changelog.ledger_key(ledger, table.key) if c in changed]
-    if table.keyless or named:
+    named = [c for c in changelog.ledger_key(ledger, t.key) if c in changed]
+    if t.config.keyless or named:
         raise ProtectionError(
             f"{paths.forgotten_events}: a hard truncate or a re-sync removed events of this table"
             " for good, and the ledger that keeps them from being logged again names them by"

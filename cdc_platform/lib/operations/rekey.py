@@ -75,7 +75,6 @@ from cdc_platform.lib.ledgers import erased_keys
 from cdc_platform.lib.operations.operation import Request, hour_of
 from cdc_platform.lib.spark.session import persisted
 from cdc_platform.lib.storage import delta
-from cdc_platform.lib.storage.stores import Location
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
 
@@ -188,7 +187,7 @@ def rekey(t: HistoryTable, request: RekeyRequest) -> RekeyResult:
                 " table again before changing its key. Nothing was written."
             )
         old, from_version = list(state.from_key), state.from_version
-    _refuse(t.spark, paths, t.changelog, table, old, from_version, history.version)
+    _refuse(t, old, from_version, history.version)
     state = Rekey(from_version, pending, tuple(old))
     return rebuild_table(t, state, request.now, partial(_keyed_log, t.spark, table))
 
@@ -204,7 +203,7 @@ def rebuild_table(
     if not state.pending:
         _mark(t.refresh().history, table, replace(state, pending=True))
     result, _ = delta.with_commit_retries(
-        lambda: _rebuild(t.spark, table, paths, state, synced_at, rewrite_log),
+        lambda: _rebuild(t, state, synced_at, rewrite_log),
         f"rebuild of {paths.history}",
     )
     _mark(t.refresh().history, table, replace(state, pending=False))
@@ -228,18 +227,11 @@ def _keyed_log(spark: SparkSession, table: TableConfig, log: Table) -> Table:
     )
 
 
-def _refuse(
-    spark: SparkSession,
-    paths: TablePaths,
-    log: Table,
-    table: TableConfig,
-    old: Sequence[str],
-    from_version: int,
-    latest: int,
-) -> None:
+def _refuse(t: HistoryTable, old: Sequence[str], from_version: int, latest: int) -> None:
     """Everything that stops a rekey, checked before its first commit: a table property that
     does not hold together, a history-column list naming no column, a ledger the new key cannot
     keep, and events the new key cannot take (``_refuse_events``)."""
+    paths, log, table = t.paths, t.changelog, t.config
     if not log.exists:
         raise RekeyError(f"{paths.changelog}: the table has no change log to rebuild from")
     names = set(log.arrow_schema.names) | {ROW_ID}  # a keyless log's ids may be computed
@@ -249,9 +241,9 @@ def _refuse(
             " table does not have; it was not written by cdc_platform. Nothing was written."
         )
     check_history_columns(paths, log, table)
-    _refuse_forgotten_ledger(paths, table, old)
+    _refuse_forgotten_ledger(t, old)
     refuse_erased_keys(paths, RekeyError, "a rekey")
-    _refuse_events(log, log.read(spark), table)
+    _refuse_events(log, log.read(t.spark), table)
 
 
 def refuse_erased_keys(paths: TablePaths, error: type[Exception], what: str) -> None:
@@ -291,13 +283,13 @@ def _mark(history: Table, table: TableConfig, state: Rekey) -> None:
     )
 
 
-def _refuse_forgotten_ledger(paths: TablePaths, table: TableConfig, old: Sequence[str]) -> None:
+def _refuse_forgotten_ledger(t: HistoryTable, old: Sequence[str]) -> None:
     """The forgotten-events ledger names events by the key it was created with
     (``changelog.ledger_key``); after a rekey each of its columns must still be a column of
     every event, which fails only for a keyless table becoming keyed (its ``_fivetran_id``
     goes) while the ledger holds rows (an empty one takes the new key: ``_reset_empty_ledger``)."""
-    ledger = Table.open(paths.forgotten_events)
-    if not ledger.files or table.keyless:
+    paths, ledger = t.paths, t.table(t.paths.forgotten_events)
+    if not ledger.files or t.config.keyless:
         return
     if ROW_ID in changelog.ledger_key(ledger, old):
         raise RekeyError(
@@ -308,10 +300,10 @@ def _refuse_forgotten_ledger(paths: TablePaths, table: TableConfig, old: Sequenc
         )
 
 
-def _reset_empty_ledger(paths: TablePaths, log_schema: pa.Schema, key: Sequence[str]) -> None:
+def _reset_empty_ledger(t: HistoryTable, log_schema: pa.Schema, key: Sequence[str]) -> None:
     """An empty forgotten-events ledger (its rows all dropped again, ``changelog.unforget``)
     takes the new key's columns: its old ones may not be columns of the events any more."""
-    ledger = Table.open(paths.forgotten_events)
+    ledger = t.fresh(t.paths.forgotten_events)
     if not ledger.exists or ledger.files:
         return
     have = ledger.arrow_schema
@@ -323,17 +315,13 @@ def _reset_empty_ledger(paths: TablePaths, log_schema: pa.Schema, key: Sequence[
 
 
 def _rebuild(
-    spark: SparkSession,
-    table: TableConfig,
-    paths: TablePaths,
-    state: Rekey,
-    synced_at: datetime,
-    rewrite_log: Callable[[Table], Table],
+    t: HistoryTable, state: Rekey, synced_at: datetime, rewrite_log: Callable[[Table], Table]
 ) -> RekeyResult:
     """Steps 2 to 4, decided on the change log as it now is. Each step is idempotent: after a
     crash, a run finds the change log already rewritten, say."""
+    spark, table = t.spark, t.config
     new, old, from_version = tuple(table.key), state.from_key, state.from_version
-    before = Table.open(paths.changelog)
+    before = t.fresh(t.paths.changelog)
     log = rewrite_log(before)
     rewritten = log.version != before.version
     events = log.read(spark)
@@ -349,7 +337,7 @@ def _rebuild(
     versions = build_versions(
         events, new, data, history_columns=table.history_columns, with_state=True
     )
-    history = Table.open(paths.history)
+    history = t.fresh(t.paths.history)
     compared = [*new, START, *data, END, ACTIVE]
     priors = _priors(spark, history, from_version, schema, compared)
     with persisted(_with_synced(versions, priors, compared, synced_at)) as out:
@@ -368,8 +356,8 @@ def _rebuild(
                 strict=True,
                 overwrite=True,
             )
-        _replace_side_tables(paths, events, out, list(new), log_version)
-    _reset_empty_ledger(paths, log.arrow_schema, new)
+        _replace_side_tables(t, events, out, list(new), log_version)
+    _reset_empty_ledger(t, log.arrow_schema, new)
     return RekeyResult(
         old_key=old,
         new_key=new,
@@ -563,7 +551,7 @@ def _count_kept(out: DataFrame) -> tuple[int, int]:
 
 
 def _replace_side_tables(
-    paths: TablePaths, events: DataFrame, versions: DataFrame, key: list[str], log_version: int
+    t: HistoryTable, events: DataFrame, versions: DataFrame, key: list[str], log_version: int
 ) -> None:
     """The delete-only keys under the new key (those whose events made no version), at the
     change-log version the history now reflects; no retracted key is left to recompute (the
@@ -574,8 +562,8 @@ def _replace_side_tables(
         F.max(F.date_trunc("millisecond", col(TS))).alias(LAST_EVENT_AT)
     )
     unversioned = last.join(versions.select(*cols(key)).distinct(), key, "left_anti")
-    _overwrite(paths.delete_only_keys, unversioned, (APP_ID, log_version))
-    retracted = Table.open(paths.retracted_keys)
+    _overwrite(t.fresh(t.paths.delete_only_keys), unversioned, (APP_ID, log_version))
+    retracted = t.fresh(t.paths.retracted_keys)
     if retracted.exists:
         fields = [
             *delta.arrow_schema_of(last.select(*cols(key))),
@@ -585,9 +573,8 @@ def _replace_side_tables(
             empty.commit(schema=pa.schema(fields), strict=True, overwrite=True)
 
 
-def _overwrite(where: Location, rows: DataFrame, app: tuple[str, int]) -> None:
+def _overwrite(side: Table, rows: DataFrame, app: tuple[str, int]) -> None:
     schema = delta.arrow_schema_of(rows)
-    side = Table.open(where)
     if not side.exists:
         side = side.ensure(schema, "cdc_platform keys whose events are all deletes")
     with side.committing() as store:

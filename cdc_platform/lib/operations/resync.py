@@ -249,7 +249,7 @@ def resync(t: HistoryTable, request: ResyncRequest) -> ResyncResult:
     # A re-run after its events were un-applied logs them again (the user asks for it).
     revoked_files.remove(t.paths.revoked_files, snap.own_sources)
     # A hashed column's source types, so an erasure hashes a cleartext as these rows were.
-    record_hashing(t.paths.changelog, t.config, snap.salt, snap.schemas)
+    record_hashing(t.fresh(t.paths.changelog), t.config, snap.salt, snap.schemas)
     replaced: list[int] = []  # keys whose history a committed removal took (any attempt)
     (keys_closed, new_events), merge = t.change(
         now, lambda c: _apply_snapshot(c, snap, at, replaced), "re-sync"

@@ -35,7 +35,7 @@ watermark. A crash at any point leaves the previous version intact, and the next
 same pending work.
 """
 
-from cdc_platform.lib.history.merge.apply import apply_pending, caught_up, record_settings
+from cdc_platform.lib.history.merge.apply import apply_pending, record_settings
 from cdc_platform.lib.history.merge.classify import unchanged_before
 from cdc_platform.lib.history.merge.columns import (
     APP_ID,
@@ -67,7 +67,6 @@ __all__ = [
     "HistoryColumnsError",
     "MergeResult",
     "apply_pending",
-    "caught_up",
     "drop_caught_up_retractions",
     "fault_point",
     "is_closed_file",

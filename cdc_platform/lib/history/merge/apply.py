@@ -11,13 +11,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib.columns import HISTORY_COLUMNS_PROPERTY, HistoryColumns
-from cdc_platform.lib.history import changelog, table_key
+from cdc_platform.lib.history import table_key
 from cdc_platform.lib.history.merge.classify import split_keys, touch_keys
-from cdc_platform.lib.history.merge.columns import APP_ID
 from cdc_platform.lib.history.merge.fold import changes_of, fold_versions
 from cdc_platform.lib.history.merge.gather import gather_rows
 from cdc_platform.lib.history.merge.open import open_attempt
-from cdc_platform.lib.history.merge.snapshot import MergeResult, history_properties
+from cdc_platform.lib.history.merge.snapshot import MergeResult, Opener, history_properties
 from cdc_platform.lib.history.merge.write import (
     commit_history,
     rewritten_files,
@@ -25,7 +24,6 @@ from cdc_platform.lib.history.merge.write import (
     write_files,
 )
 from cdc_platform.lib.history.table_key import PRIMARY_KEY_PROPERTY
-from cdc_platform.lib.history.versions import TRACK_ALL
 from cdc_platform.lib.spark.run_cost import lap
 from cdc_platform.lib.spark.session import interpreted
 from cdc_platform.lib.storage import delta
@@ -36,55 +34,32 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
-def apply_pending(
-    spark: SparkSession,
-    paths: TablePaths,
-    primary_key: Sequence[str],
-    synced_at: datetime,
-    history_columns: HistoryColumns = TRACK_ALL,
-    list_keys: bool = False,
-) -> MergeResult:
+def apply_pending(tables: Opener, synced_at: datetime, list_keys: bool = False) -> MergeResult:
     """Recompute the keys with pending change-log events; retry if another writer commits first.
 
     A table built with another ``history_columns`` setting is recomputed whole, once: its
     versions were cut by other columns. The setting is then recorded on the table.
     ``list_keys``: a small run names its keys in its commit, for the checks that follow
-    (``TOUCHED_KEYS``; never for an encrypted table: its keys are decrypted data).
+    (``TOUCHED_KEYS``; never for an encrypted table: its keys are decrypted data). Each
+    attempt opens its tables through ``tables`` (the run's handle), as they are then.
     """
+    spark, paths, primary_key = tables.spark, tables.paths, list(tables.config.key)
+    history_columns = tables.config.history_columns
     result, attempts = delta.with_commit_retries(
-        lambda: _apply_once(spark, paths, primary_key, synced_at, history_columns, list_keys),
+        lambda: _apply_once(
+            tables, spark, paths, primary_key, synced_at, history_columns, list_keys
+        ),
         f"history commit for {paths.history}",
     )
     version = result.history_version
-    if version is not None and record_settings(paths, primary_key, history_columns, version):
+    history = tables.fresh(paths.history)
+    if version is not None and record_settings(history, primary_key, history_columns, version):
         version += 1  # the table as this run leaves it: the settings' commit came right after
     return replace(result, attempts=attempts, history_version=version)
 
 
-def caught_up(
-    spark: SparkSession,
-    paths: TablePaths,
-    primary_key: Sequence[str],
-    synced_at: datetime,
-    history_columns: HistoryColumns = TRACK_ALL,
-) -> Table | None:
-    """The change log as the history table now reflects it, after merging what was pending:
-    the version an operator job decides on (None: no change log yet). Raises
-    ``CommitFailedError`` when events were logged during the catch-up, so the caller's retry
-    (``delta.with_commit_retries``) catches up and decides again."""
-    from deltalake.exceptions import CommitFailedError
-
-    apply_pending(spark, paths, primary_key, synced_at, history_columns)
-    log = Table.open(paths.changelog)
-    if not log.exists:
-        return None
-    if changelog.files_since(log, Table.open(paths.history).watermark(APP_ID)):
-        raise CommitFailedError(f"{paths.changelog}: events were logged during the catch-up")
-    return log
-
-
 def record_settings(
-    paths: TablePaths,
+    history: Table,
     primary_key: Sequence[str],
     history_columns: HistoryColumns,
     data_version: int,
@@ -95,10 +70,10 @@ def record_settings(
     setting may have merged some keys its way), nothing is recorded: the table still says the
     old setting, so the next run recomputes it whole again. A crash in between has the same
     effect. (A new table is created with both: this records them on tables from before.)
-    Returns whether anything was recorded now."""
+    ``history`` is the table as it is after that commit. Returns whether anything was recorded
+    now."""
     from deltalake.exceptions import CommitFailedError
 
-    history = Table.open(paths.history)
     dt = history.dt
     assert dt is not None  # it has just committed ``data_version``
     recorded = {
@@ -118,6 +93,7 @@ def record_settings(
 
 
 def _apply_once(
+    tables: Opener,
     spark: SparkSession,
     paths: TablePaths,
     primary_key: Sequence[str],
@@ -129,7 +105,7 @@ def _apply_once(
     commit, side tables (each stage's time and Spark jobs go to the run's cost)."""
     lap("merge_open")
     with ExitStack() as stack:
-        a = open_attempt(spark, paths, list(primary_key), history_columns, stack)
+        a = open_attempt(tables, spark, paths, list(primary_key), history_columns, stack)
         if isinstance(a, MergeResult):
             return a
         if a.small:

@@ -19,6 +19,7 @@ from cdc_platform.lib.history.merge.snapshot import (
     Attempt,
     HistoryColumnsError,
     MergeResult,
+    Opener,
     Snapshot,
     history_properties,
     history_schema,
@@ -47,6 +48,7 @@ def widen_to_changelog(spark: SparkSession, snap: Snapshot) -> bool:
 
 
 def open_attempt(
+    tables: Opener,
     spark: SparkSession,
     paths: TablePaths,
     pk: list[str],
@@ -56,12 +58,12 @@ def open_attempt(
     """Open every table once and find the pending change-log files; with none (and no
     retracted key), the result as it stands. The history table is created on the first run,
     with the change log's key and data columns and the system columns (rule 1)."""
-    snap = Snapshot.open(paths, history_columns)
+    snap = Snapshot.open(tables, paths, history_columns)
     if snap is None:
         return MergeResult(history_version=delta.version_or_none(paths.history))
     check_key(snap.history, pk)  # every caller checked it already: this guards the merge
     while widen_to_changelog(spark, snap):  # types only widen: it ends
-        snap = Snapshot.open(paths, history_columns)
+        snap = Snapshot.open(tables, paths, history_columns)
         assert snap is not None
     log_version = snap.changelog.version
     assert log_version is not None

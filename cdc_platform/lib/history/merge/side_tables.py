@@ -15,7 +15,6 @@ from cdc_platform.lib.history.merge.columns import AFTER_LOG_VERSION, APP_ID
 from cdc_platform.lib.history.merge.snapshot import Snapshot
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -64,11 +63,10 @@ def read_delete_only_keys(
     return unversioned, joins.records(logged.files)
 
 
-def stamp_delete_only_keys(paths: TablePaths, log_version: int, previous: int | None) -> None:
+def stamp_delete_only_keys(side: Table, log_version: int, previous: int | None) -> None:
     """Move the side table's watermark from ``previous`` to ``log_version`` without changing
     its rows (a commit with no files). A side table not at ``previous`` is stale (a crash came
     between two commits): it is left alone, so that the next run recomputes it."""
-    side = Table.open(paths.delete_only_keys)
     if not side.exists:
         return  # then it is recomputed on the next run, as after a crash
     if side.watermark(APP_ID) != previous:
@@ -119,7 +117,7 @@ def pending_retractions(
 
 
 def record_retracted_keys(
-    paths: TablePaths, keys: DataFrame, after_log_version: int, applied: int | None
+    side: Table, keys: DataFrame, after_log_version: int, applied: int | None
 ) -> None:
     """Add the keys an un-apply is about to take events from, before it commits the removal
     (a crash in between only costs a recomputation). Files whose keys the history table has
@@ -127,9 +125,7 @@ def record_retracted_keys(
     from pyspark.sql import functions as F
 
     rows = keys.distinct().withColumn(AFTER_LOG_VERSION, F.lit(after_log_version).cast("long"))
-    side = Table.open(paths.retracted_keys).ensure(
-        delta.arrow_schema_of(rows), "cdc_platform keys an un-apply recomputes"
-    )
+    side = side.ensure(delta.arrow_schema_of(rows), "cdc_platform keys an un-apply recomputes")
     with side.committing() as record:
         written = record.write(rows.coalesce(1))
         # The keys are in the clear (an erasure's too): the Delta log keeps no bound of theirs.
@@ -137,11 +133,10 @@ def record_retracted_keys(
         record.commit(delta.removes_for(_caught_up(side, applied)))
 
 
-def drop_caught_up_retractions(paths: TablePaths) -> int:
-    """Remove the retracted keys the history table has caught up with, in one commit (an
-    erasure's: they name its key in the clear); returns how many files went."""
-    side = Table.open(paths.retracted_keys)
-    done = _caught_up(side, Table.open(paths.history).watermark(APP_ID))
+def drop_caught_up_retractions(side: Table, history: Table) -> int:
+    """Remove the retracted keys (``side``) the history table has caught up with, in one
+    commit (an erasure's: they name its key in the clear); returns how many files went."""
+    done = _caught_up(side, history.watermark(APP_ID))
     if done:
         with side.committing() as drop:
             drop.commit(delta.removes_for(done))

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import pyarrow as pa
 
@@ -24,6 +24,7 @@ from cdc_platform.lib.columns import (
     SYNCED,
     HistoryColumns,
 )
+from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history import joins, table_key
 from cdc_platform.lib.history.merge.columns import APP_ID, FAULT_ENV, FILE
@@ -36,6 +37,23 @@ from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
+
+
+class Opener(Protocol):
+    """What a merge works on: the run's handle (``HistoryTable``): its session, its tables'
+    places and config, and where each attempt opens its tables as they are now (``fresh``),
+    the handle then handing the same snapshots to the stages after it."""
+
+    @property
+    def spark(self) -> SparkSession: ...
+
+    @property
+    def paths(self) -> TablePaths: ...
+
+    @property
+    def config(self) -> TableConfig: ...
+
+    def fresh(self, location: Location) -> Table: ...
 
 
 class HistoryColumnsError(Refusal):
@@ -115,17 +133,19 @@ class Snapshot:
     rebuild: bool
 
     @classmethod
-    def open(cls, paths: TablePaths, history_columns: HistoryColumns) -> Snapshot | None:
-        log = Table.open(paths.changelog)
+    def open(
+        cls, tables: Opener, paths: TablePaths, history_columns: HistoryColumns
+    ) -> Snapshot | None:
+        log = tables.fresh(paths.changelog)
         if not log.exists:
             return None
-        history = Table.open(paths.history)
+        history = tables.fresh(paths.history)
         rebuild = history.dt is not None and (
             not set(STATE_COLUMNS) <= set(history.arrow_schema.names)
             or not HistoryColumns.of_table(history.dt).same_as(history_columns)
         )
         applied = None if rebuild else history.watermark(APP_ID)
-        side, retracted = Table.open(paths.delete_only_keys), Table.open(paths.retracted_keys)
+        side, retracted = tables.fresh(paths.delete_only_keys), tables.fresh(paths.retracted_keys)
         return cls(log, history, side, retracted, applied, rebuild)
 
     @property
