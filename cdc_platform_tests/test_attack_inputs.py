@@ -27,12 +27,13 @@ from deltalake import DeltaTable, write_deltalake
 
 from cdc_platform.lib.config import ConfigError, TableConfig, parse_config
 from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.discovery import describe
 from cdc_platform.lib.landing.reading.file_reader import LandingReader
 from cdc_platform.lib.landing.reading.native import NativeGuard, native_report
 from cdc_platform.lib.landing.where.layout import files_in_hour, hour_folder
 from cdc_platform.lib.landing.where.zone import LocalZone
-from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
 from cdc_platform.lib.operations.resync import ResyncError, SnapshotReader, resync
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
@@ -171,12 +172,13 @@ def test_an_adoption_source_outside_the_adoption_roots_is_never_read(site) -> No
     )
     with pytest.raises(AdoptionError, match="adoption_roots"):
         adopt(
-            None,  # type: ignore[arg-type]  # refused before any Spark work
-            CSV_TABLE,
-            wh,
-            str(wh / "other_table"),
-            adoption_roots=[],
-            landing_root=landing,
+            HistoryTable(
+                None,  # type: ignore[arg-type]  # refused before any Spark work
+                CSV_TABLE,
+                wh,
+                landing,
+            ),
+            AdoptRequest(str(wh / "other_table"), ()),
         )
 
 
@@ -205,12 +207,8 @@ def test_the_config_keeps_the_roots_apart_from_the_platforms_own(tmp_path: Path)
 def _adopt(spark: Any, site: dict[str, Path], table: TableConfig, source: Path) -> Any:
     """Adopt ``source`` with the site's allowed folder as the only adoption root."""
     return adopt(
-        spark,
-        table,
-        site["warehouse"],
-        str(source),
-        adoption_roots=[site["allowed"]],
-        landing_root=site["landing"],
+        HistoryTable(spark, table, site["warehouse"], site["landing"]),
+        AdoptRequest(str(source), (site["allowed"],)),
     )
 
 
@@ -271,12 +269,13 @@ def test_an_adoption_source_or_root_with_glob_characters_is_refused(site) -> Non
             adoption_source(source, roots, forbidden)
         with pytest.raises(AdoptionError, match="glob characters"):
             adopt(
-                None,  # type: ignore[arg-type]  # refused before any Spark work
-                CSV_TABLE,
-                wh,
-                source,
-                adoption_roots=roots,
-                landing_root=landing,
+                HistoryTable(
+                    None,  # type: ignore[arg-type]  # refused before any Spark work
+                    CSV_TABLE,
+                    wh,
+                    landing,
+                ),
+                AdoptRequest(source, tuple(roots)),
             )
     with pytest.raises(SourceRootError, match=r"^adoption_roots entry .*glob characters \(\[ \]\)"):
         adoption_source("s3://exports/b/x", ["s3://exports/a[1]"], forbidden)

@@ -24,7 +24,8 @@ from deltalake import DeltaTable
 from cdc_platform import read
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import current_table, invariants
-from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
 from cdc_platform.lib.operations.revocation import unapply
 from cdc_platform.lib.operations.truncation import truncate
 from cdc_platform.lib.pipeline import materialize
@@ -313,13 +314,8 @@ def _make_source(spark, path: Path, properties: str, partitioned: bool = False) 
 
 def _adopted(spark, lake: dict[str, Path], source: Path) -> list[tuple]:
     adopt(
-        spark,
-        ADOPT,
-        lake["warehouse"],
-        source,
-        now=NOW,
-        adoption_roots=[lake["root"]],
-        landing_root=lake["landing"],
+        HistoryTable(spark, ADOPT, lake["warehouse"], lake["landing"]),
+        AdoptRequest(source, (lake["root"],), now=NOW),
     )
     rows = DeltaTable(str(TablePaths.of(lake["warehouse"], "customers").history)).to_pyarrow_table()
     return sorted(
@@ -387,12 +383,8 @@ def test_without_delta_spark_column_mapping_is_read_and_deletion_vectors_are_ref
     _make_source(spark, with_dv, "'delta.enableDeletionVectors' = 'true'")
     spark.sql(f"DELETE FROM delta.`{with_dv}` WHERE id = 4")
     with pytest.raises(AdoptionError, match=r"deletionVectors.*docs/engines.md"):
+        other = TableConfig(name="other", primary_key=("id",), start=H0)
         adopt(
-            spark,
-            TableConfig(name="other", primary_key=("id",), start=H0),
-            lake["warehouse"],
-            with_dv,
-            now=NOW,
-            adoption_roots=[lake["root"]],
-            landing_root=lake["landing"],
+            HistoryTable(spark, other, lake["warehouse"], lake["landing"]),
+            AdoptRequest(with_dv, (lake["root"],), now=NOW),
         )

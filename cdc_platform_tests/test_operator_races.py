@@ -19,7 +19,7 @@ from cdc_platform import read
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW
-from cdc_platform.lib.operations.adoption import AdoptionError, adopt
+from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
 from cdc_platform.lib.operations.resync import ResyncError, ResyncRequest, resync
 from cdc_platform.lib.operations.truncation import TruncateRequest, truncate
 from cdc_platform.lib.pipeline import materialize
@@ -78,13 +78,8 @@ def test_as_of_the_dawn_of_time_reads_adopted_soft_deleted_rows(spark, lake):
         source / "part-0.parquet",
     )
     adopt(
-        spark,
-        TABLE,
-        lake["warehouse"],
-        source,
-        now=S0,
-        adoption_roots=[lake["root"]],
-        landing_root=lake["landing"],
+        HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+        AdoptRequest(source, (lake["root"],), now=S0),
     )
     paths = TablePaths.of(lake["warehouse"], TABLE.name)
     dawn = "0001-01-01T00:00:00Z"
@@ -120,13 +115,8 @@ def test_a_resync_or_an_adoption_in_the_future_is_refused(spark, lake):
     )
     with pytest.raises(AdoptionError, match=r"_fivetran_synced is 9999-01-01.*in the future"):
         adopt(
-            spark,
-            TABLE,
-            warehouse,
-            source,
-            now=S0,
-            adoption_roots=[lake["root"]],
-            landing_root=lake["landing"],
+            HistoryTable(spark, TABLE, warehouse, lake["landing"]),
+            AdoptRequest(source, (lake["root"],), now=S0),
         )
     assert not delta.exists(paths.changelog)  # nothing was written
 
@@ -342,13 +332,8 @@ def test_globs_never_match_an_operations_events_and_re_admitting_them_is_refused
 
     def adopt_it(now: datetime) -> int:
         r = adopt(
-            spark,
-            TABLE,
-            warehouse,
-            source,
-            now=now,
-            adoption_roots=[lake["root"]],
-            landing_root=landing,
+            HistoryTable(spark, TABLE, warehouse, landing),
+            AdoptRequest(source, (lake["root"],), now=now),
         )
         return r.events_new
 
