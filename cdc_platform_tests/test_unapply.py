@@ -15,10 +15,13 @@ from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.columns import CHANGED, STATE_COLUMNS
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import changelog, invariants
+from cdc_platform.lib.history.table import Change, HistoryTable
 from cdc_platform.lib.ledgers import revoked_files
 from cdc_platform.lib.operations.revocation import (
     NoMatchingFileError,
-    _remove_events,
+    ReadmitRequest,
+    UnapplyRequest,
+    _remove_revoked,
     hour_of,
     readmit,
     unapply,
@@ -101,7 +104,8 @@ def test_unapply_equals_a_build_without_the_file_and_readmit_restores(spark, lak
     want = rows_of(other / "warehouse")
 
     r = unapply(
-        spark, TABLE, landing, warehouse, ["year=2024/*/*/hour=01/bad*"], "bad export", "r1"
+        HistoryTable(spark, TABLE, warehouse, landing),
+        UnapplyRequest(("year=2024/*/*/hour=01/bad*",), "bad export", "r1"),
     )
     assert r.files == (BAD,) and r.newly_revoked == (BAD,)
     assert (r.events_removed, r.keys_retracted) == (6, 5)
@@ -118,7 +122,9 @@ def test_unapply_equals_a_build_without_the_file_and_readmit_restores(spark, lak
 
     # A replay changes nothing: no commit anywhere.
     versions = (delta.version_or_none(paths.history), delta.version_or_none(paths.changelog))
-    again = unapply(spark, TABLE, landing, warehouse, [BAD], "bad export", "r2")
+    again = unapply(
+        HistoryTable(spark, TABLE, warehouse, landing), UnapplyRequest((BAD,), "bad export", "r2")
+    )
     assert (again.newly_revoked, again.events_removed) == ((), 0)
     assert (
         delta.version_or_none(paths.history),
@@ -131,7 +137,7 @@ def test_unapply_equals_a_build_without_the_file_and_readmit_restores(spark, lak
     assert out.revoked == (BAD,) and out.events_new == 0 and out.files_read == 0
     assert rows_of(warehouse) == want
 
-    back = readmit(spark, TABLE, landing, warehouse, [BAD])
+    back = readmit(HistoryTable(spark, TABLE, warehouse, landing), ReadmitRequest((BAD,)))
     assert back.files == (BAD,) and back.hours == (H1,)
     assert back.outcome is not None and back.outcome.events_new == 6
     assert rows_of(warehouse) == before
@@ -159,7 +165,9 @@ def test_a_crash_after_the_change_log_rewrite_is_finished_by_the_next_run(spark,
     materialize(spark, TABLE, landing, warehouse, [H0, H1, H2])
     paths = TablePaths.of(warehouse, TABLE.name)
     revoked_files.add(paths.revoked_files, [BAD], "test", "r0", H2)
-    removed, keys, rewritten = _remove_events(spark, paths, TABLE.key, {BAD})
+    t = HistoryTable(spark, TABLE, warehouse)
+    removal = _remove_revoked(Change(t, t.changelog, H2), {BAD}, fence=False)
+    removed, keys, rewritten = removal.events, removal.keys, removal.files_rewritten
     assert (removed, keys, rewritten) == (6, 5, 1)
     assert any(r[0] == 2 for r in normalize(history_rows(paths.history), ["id"]))  # stale
 
@@ -212,9 +220,13 @@ def test_revoking_a_file_not_applied_yet_fences_off_racing_appends(spark, lake):
     paths = TablePaths.of(warehouse, TABLE.name)
     log_before = delta.version_or_none(paths.changelog)
     assert log_before is not None
-    r = unapply(spark, TABLE, landing, warehouse, [BAD], "never apply", "r1")
+    r = unapply(
+        HistoryTable(spark, TABLE, warehouse, landing), UnapplyRequest((BAD,), "never apply", "r1")
+    )
     assert (r.events_removed, delta.version_or_none(paths.changelog)) == (0, log_before + 1)
-    unapply(spark, TABLE, landing, warehouse, [BAD], "never apply", "r2")
+    unapply(
+        HistoryTable(spark, TABLE, warehouse, landing), UnapplyRequest((BAD,), "never apply", "r2")
+    )
     assert delta.version_or_none(paths.changelog) == log_before + 1
     out = materialize(spark, TABLE, landing, warehouse, [H1])
     assert (out.revoked, out.events_new) == ((BAD,), 0)
@@ -250,10 +262,12 @@ def test_a_file_under_a_huge_year_folder_is_unapplied_and_readmitted(spark, lake
     (landing / huge).parent.mkdir(parents=True)
     (landing / huge).write_bytes(b"not read")
     paths = TablePaths.of(warehouse, TABLE.name)
-    r = unapply(spark, TABLE, landing, warehouse, [huge], "odd folder", "r1")
+    r = unapply(
+        HistoryTable(spark, TABLE, warehouse, landing), UnapplyRequest((huge,), "odd folder", "r1")
+    )
     assert (r.files, r.newly_revoked, r.hours) == ((huge,), (huge,), ())
     assert [f.file for f in revoked_files.revoked(paths.revoked_files)] == [huge]
-    back = readmit(spark, TABLE, landing, warehouse, [huge])
+    back = readmit(HistoryTable(spark, TABLE, warehouse, landing), ReadmitRequest((huge,)))
     assert (back.files, back.hours, back.outcome) == ((huge,), (), None)
     assert revoked_files.revoked(paths.revoked_files) == []
 
@@ -261,9 +275,15 @@ def test_a_file_under_a_huge_year_folder_is_unapplied_and_readmitted(spark, lake
 def test_names_that_match_nothing_are_refused(spark, lake):
     land(lake["landing"], deliveries())
     with pytest.raises(NoMatchingFileError, match=r"nope\.parquet.*matches no landing file"):
-        unapply(spark, TABLE, lake["landing"], lake["warehouse"], ["nope.parquet"], "x", "r")
+        unapply(
+            HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+            UnapplyRequest(("nope.parquet",), "x", "r"),
+        )
     with pytest.raises(ValueError, match="needs a reason"):
-        unapply(spark, TABLE, lake["landing"], lake["warehouse"], [BAD], "  ", "r")
+        unapply(
+            HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+            UnapplyRequest((BAD,), "  ", "r"),
+        )
     assert not TablePaths.of(lake["warehouse"], TABLE.name).revoked_files.path.exists()
 
 
@@ -369,7 +389,10 @@ def test_unapply_equals_a_fresh_build_without_the_files(spark, tmp_path_factory,
     shared = any((e["id"], e["cdc_change_seq"]) in gone for e in kept)
     visible = ["id", "name", "amount", "extra", *COLUMNS[2:]]
 
-    unapply(spark, table, landing, warehouse, names, "property", "r")
+    unapply(
+        HistoryTable(spark, table, warehouse, landing),
+        UnapplyRequest(tuple(names), "property", "r"),
+    )
     if not shared:
         assert rows(warehouse) == rows(fresh)
     materialize(spark, table, landing, warehouse, hours)
@@ -379,5 +402,5 @@ def test_unapply_equals_a_fresh_build_without_the_files(spark, tmp_path_factory,
     outcomes = invariants.run_checks(spark, paths, table.key)
     assert [o for o in outcomes if not o.passed] == []
 
-    readmit(spark, table, landing, warehouse, names)
+    readmit(HistoryTable(spark, table, warehouse, landing), ReadmitRequest(tuple(names)))
     assert rows(warehouse) == before
