@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from cdc_platform import read
 from cdc_platform.lib.columns import ROW_ID, col, cols, is_reserved
 from cdc_platform.lib.errors import PlatformError
+from cdc_platform.lib.history import reads
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.schema import spark_schema
 from cdc_platform.lib.storage.table import Table
@@ -70,7 +70,7 @@ def _refresh_once(
         raise FileNotFoundError(
             f"history table {paths.history} does not exist yet: materialize it first"
         )
-    live_rows = sum(f.num_records or 0 for f in history.files if read.may_hold(f, None))
+    live_rows = sum(f.num_records or 0 for f in history.files if reads.may_hold(f, None))
     # Key and data columns: every name outside the platform's `_fivetran_`/`_cdc_` spaces,
     # and a keyless table's key, `_fivetran_id`.
     user = pa.schema(
@@ -101,7 +101,7 @@ def _refresh_once(
         ]
     )
     # The version just opened, not "the latest" again: the commit records what it reflects.
-    live = read.current(paths.history, spark=spark, version=history.version)
+    live = reads.Reads.of(history).current(spark)
     types = spark_schema(schema)
     rows = live.select(
         *(

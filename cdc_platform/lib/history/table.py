@@ -33,6 +33,7 @@ from cdc_platform.lib.history.protected_columns import (
     check_hashing_salt,
     check_protected_columns,
 )
+from cdc_platform.lib.history.reads import Reads
 from cdc_platform.lib.history.removal import GONE, fenced, marked_by
 from cdc_platform.lib.history.table_key import check_key
 from cdc_platform.lib.landing.where.object_store import S3Landing
@@ -128,6 +129,12 @@ class HistoryTable:
     @property
     def changelog(self) -> Table:
         return self.table(self.paths.changelog)
+
+    @property
+    def read(self) -> Reads:
+        """Point-in-time reads of the history table as the handle opened it
+        (``read.as_of(ts)``, ``read.current()``, their Arrow and SQL forms)."""
+        return Reads.of(self.history)
 
     def refresh(self) -> HistoryTable:
         """Forget the opened snapshots: the next read sees the latest versions."""
