@@ -141,81 +141,102 @@ def mismatched_keys(
     else:
         keyed_events = events.join(table.select(*cols(pk)).distinct(), pk, "left_semi")
     steps = _steps(dedupe_events(keyed_events, pk), pk, data_columns)
-
-    t, kind, ver, step = "_cdc_tmp_t", "_cdc_tmp_kind", "_cdc_tmp_version", "_cdc_tmp_step"
-    # SQL text from here on (names quoted, working names plain): a few JVM calls for what
-    # Column objects made hundreds of.
-    image = ", ".join(f"{quote(c)} AS {quote(c)}" for c in data_columns) or "true AS _"
-    versions = table.selectExpr(
-        *[quote(k) for k in pk],
-        f"{quote(START)} AS {t}",
-        f"0 AS {kind}",
-        f"named_struct('start', {quote(START)}, 'end', {quote(END)}, "
-        f"'active', {quote(ACTIVE)}, 'img', struct({image})) AS {ver}",
-    )
-    timeline = versions.unionByName(
-        steps.selectExpr(
-            *[quote(k) for k in pk],
-            f"_cdc_tmp_ms AS {t}",
-            f"1 AS {kind}",
-            "named_struct('has_image', _cdc_tmp_has_image, 'ends_deleted', "
-            f"_cdc_tmp_ends_deleted, 'img', _cdc_tmp_img) AS {step}",
-        ),
-        allowMissingColumns=True,
-    )
-    over = window_sql(pk, [t, kind])
-    rest = "ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING"
-    deleted_at = f"CASE WHEN {step}.ends_deleted THEN {t} END"
-    timeline = timeline.selectExpr(
-        "*",
-        f"last({ver}, true) OVER ({over} {RUNNING}) AS _cdc_tmp_covering",
-        f"last({ver}, true) OVER ({over} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) "
-        "AS _cdc_tmp_previous",
-        f"first({deleted_at}, true) OVER "
-        f"({over} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS _cdc_tmp_next_delete",
-        f"first({ver}.`start`, true) OVER ({over} {rest}) AS _cdc_tmp_next_start",
-        f"last({deleted_at}, true) OVER ({over} {RUNNING}) AS _cdc_tmp_last_delete",
-        f"first(CASE WHEN {step}.has_image THEN {t} END, true) OVER ({over} {rest}) "
-        "AS _cdc_tmp_next_image",
-    )
-    cov, has_image, ends_deleted = "_cdc_tmp_covering", f"{step}.has_image", f"{step}.ends_deleted"
-    same = _same_image(f"{cov}.img", f"{step}.img", tracked, maps)
-    # A version may end in the millisecond it covers (its successor starts 1 ms later).
-    step_fails = f"""{kind} = 1 AND (
-        ({has_image} AND NOT {ends_deleted}
-            AND ({cov} IS NULL OR NOT coalesce({cov}.`end` >= {t}, false) OR NOT {same}))
-        OR ({has_image} AND {ends_deleted}
-            AND ({cov} IS NULL OR NOT coalesce({cov}.`end` = {t}, false) OR NOT {same}))
-        OR (NOT {has_image} AND coalesce({cov}.`end` > {t}, false)))"""
-    if untracked:
-        # The last step with an image before the next version: its untracked cells are the
-        # covering version's (every earlier one was overwritten in place).
-        same_untracked = _same_image(f"{cov}.img", f"{step}.img", untracked, maps)
-        step_fails = f"""({step_fails}) OR ({kind} = 1 AND {has_image}
-            AND (_cdc_tmp_next_image IS NULL
-                OR coalesce(_cdc_tmp_next_image >= _cdc_tmp_next_start, false))
-            AND ({cov} IS NULL OR NOT {same_untracked}))"""
-    one_ms_before = f"{t} - INTERVAL 1 MILLISECOND"
-    tmax = f"CAST('{TMAX_SQL}' AS TIMESTAMP)"
-    expected_end = f"""(CASE
-        WHEN _cdc_tmp_next_delete IS NOT NULL AND (_cdc_tmp_next_start IS NULL
-            OR _cdc_tmp_next_delete < _cdc_tmp_next_start) THEN _cdc_tmp_next_delete
-        WHEN _cdc_tmp_next_start IS NOT NULL THEN _cdc_tmp_next_start - INTERVAL 1 MILLISECOND
-        ELSE {tmax} END)"""
-    # Steps sort after the versions of their millisecond: the first step with an image after a
-    # version is at its start exactly when a non-delete event is there.
-    version_fails = f"""{kind} = 0 AND (
-        NOT coalesce(_cdc_tmp_next_image = {t}, false)
-        OR (_cdc_tmp_previous IS NOT NULL
-            AND coalesce(_cdc_tmp_previous.`end` = {one_ms_before}, false)
-            AND NOT coalesce(_cdc_tmp_last_delete = {one_ms_before}, false)
-            AND {_same_image("_cdc_tmp_previous.img", f"{ver}.img", tracked, maps)})
-        OR NOT ({ver}.`end` <=> {expected_end})
-        OR NOT ({ver}.active <=> ({expected_end} = {tmax})))"""
+    timeline = _timeline(pk, table, steps, data_columns)
+    step_fails = _step_fails(tracked, untracked, maps)
+    version_fails = _version_fails(tracked, maps)
     failing = timeline.filter(f"({step_fails}) OR ({version_fails})").select(*cols(pk))
     if CURRENT in table.columns:
         failing = failing.unionByName(_state_mismatches(neighbours, events, pk))
     return failing, ""
+
+
+# The timeline's working names: its instant, what a row is (0 a version, 1 a step) and each.
+_T, _KIND, _VER, _STEP = "_cdc_tmp_t", "_cdc_tmp_kind", "_cdc_tmp_version", "_cdc_tmp_step"
+_COV, _HAS_IMAGE, _ENDS_DELETED = "_cdc_tmp_covering", f"{_STEP}.has_image", f"{_STEP}.ends_deleted"
+_TMAX = f"CAST('{TMAX_SQL}' AS TIMESTAMP)"
+
+
+def _timeline(
+    pk: list[str], table: DataFrame, steps: DataFrame, data_columns: list[str]
+) -> DataFrame:
+    """One timeline per key: its versions (at their start) and its event milliseconds
+    (steps), with what each row needs to be judged, by window functions only. SQL text (names
+    quoted, working names plain): a few JVM calls for what Column objects made hundreds of."""
+    image = ", ".join(f"{quote(c)} AS {quote(c)}" for c in data_columns) or "true AS _"
+    versions = table.selectExpr(
+        *[quote(k) for k in pk],
+        f"{quote(START)} AS {_T}",
+        f"0 AS {_KIND}",
+        f"named_struct('start', {quote(START)}, 'end', {quote(END)}, "
+        f"'active', {quote(ACTIVE)}, 'img', struct({image})) AS {_VER}",
+    )
+    timeline = versions.unionByName(
+        steps.selectExpr(
+            *[quote(k) for k in pk],
+            f"_cdc_tmp_ms AS {_T}",
+            f"1 AS {_KIND}",
+            "named_struct('has_image', _cdc_tmp_has_image, 'ends_deleted', "
+            f"_cdc_tmp_ends_deleted, 'img', _cdc_tmp_img) AS {_STEP}",
+        ),
+        allowMissingColumns=True,
+    )
+    over = window_sql(pk, [_T, _KIND])
+    rest = "ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING"
+    deleted_at = f"CASE WHEN {_STEP}.ends_deleted THEN {_T} END"
+    return timeline.selectExpr(
+        "*",
+        f"last({_VER}, true) OVER ({over} {RUNNING}) AS {_COV}",
+        f"last({_VER}, true) OVER ({over} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) "
+        "AS _cdc_tmp_previous",
+        f"first({deleted_at}, true) OVER "
+        f"({over} ROWS BETWEEN CURRENT ROW AND UNBOUNDED FOLLOWING) AS _cdc_tmp_next_delete",
+        f"first({_VER}.`start`, true) OVER ({over} {rest}) AS _cdc_tmp_next_start",
+        f"last({deleted_at}, true) OVER ({over} {RUNNING}) AS _cdc_tmp_last_delete",
+        f"first(CASE WHEN {_STEP}.has_image THEN {_T} END, true) OVER ({over} {rest}) "
+        "AS _cdc_tmp_next_image",
+    )
+
+
+def _step_fails(tracked: list[str], untracked: list[str], maps: frozenset[str]) -> str:
+    """Rules 2 and 3 (and the untracked cells): a step the covering version does not hold."""
+    cov, has_image, ends_deleted = _COV, _HAS_IMAGE, _ENDS_DELETED
+    same = _same_image(f"{cov}.img", f"{_STEP}.img", tracked, maps)
+    # A version may end in the millisecond it covers (its successor starts 1 ms later).
+    fails = f"""{_KIND} = 1 AND (
+        ({has_image} AND NOT {ends_deleted}
+            AND ({cov} IS NULL OR NOT coalesce({cov}.`end` >= {_T}, false) OR NOT {same}))
+        OR ({has_image} AND {ends_deleted}
+            AND ({cov} IS NULL OR NOT coalesce({cov}.`end` = {_T}, false) OR NOT {same}))
+        OR (NOT {has_image} AND coalesce({cov}.`end` > {_T}, false)))"""
+    if not untracked:
+        return fails
+    # The last step with an image before the next version: its untracked cells are the
+    # covering version's (every earlier one was overwritten in place).
+    same_untracked = _same_image(f"{cov}.img", f"{_STEP}.img", untracked, maps)
+    return f"""({fails}) OR ({_KIND} = 1 AND {has_image}
+        AND (_cdc_tmp_next_image IS NULL
+            OR coalesce(_cdc_tmp_next_image >= _cdc_tmp_next_start, false))
+        AND ({cov} IS NULL OR NOT {same_untracked}))"""
+
+
+def _version_fails(tracked: list[str], maps: frozenset[str]) -> str:
+    """Rules 1, 4 and 5: a version no event starts, a no-op version, a wrong end or flag."""
+    one_ms_before = f"{_T} - INTERVAL 1 MILLISECOND"
+    expected_end = f"""(CASE
+        WHEN _cdc_tmp_next_delete IS NOT NULL AND (_cdc_tmp_next_start IS NULL
+            OR _cdc_tmp_next_delete < _cdc_tmp_next_start) THEN _cdc_tmp_next_delete
+        WHEN _cdc_tmp_next_start IS NOT NULL THEN _cdc_tmp_next_start - INTERVAL 1 MILLISECOND
+        ELSE {_TMAX} END)"""
+    # Steps sort after the versions of their millisecond: the first step with an image after a
+    # version is at its start exactly when a non-delete event is there.
+    return f"""{_KIND} = 0 AND (
+        NOT coalesce(_cdc_tmp_next_image = {_T}, false)
+        OR (_cdc_tmp_previous IS NOT NULL
+            AND coalesce(_cdc_tmp_previous.`end` = {one_ms_before}, false)
+            AND NOT coalesce(_cdc_tmp_last_delete = {one_ms_before}, false)
+            AND {_same_image("_cdc_tmp_previous.img", f"{_VER}.img", tracked, maps)})
+        OR NOT ({_VER}.`end` <=> {expected_end})
+        OR NOT ({_VER}.active <=> ({expected_end} = {_TMAX})))"""
 
 
 def _steps(events: DataFrame, pk: list[str], data_columns: list[str]) -> DataFrame:
