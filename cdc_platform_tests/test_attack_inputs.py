@@ -34,7 +34,12 @@ from cdc_platform.lib.landing.reading.native import NativeGuard, native_report
 from cdc_platform.lib.landing.where.layout import files_in_hour, hour_folder
 from cdc_platform.lib.landing.where.zone import LocalZone
 from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
-from cdc_platform.lib.operations.resync import ResyncError, SnapshotReader, resync
+from cdc_platform.lib.operations.resync import (
+    ResyncError,
+    ResyncRequest,
+    SnapshotReader,
+    resync,
+)
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.roots import (
@@ -106,12 +111,13 @@ def test_a_snapshot_outside_the_snapshot_roots_is_never_read(site) -> None:
 def test_resync_refuses_a_run_when_no_snapshot_root_is_configured(site) -> None:
     with pytest.raises(ResyncError, match="snapshot_roots"):
         resync(
-            None,  # type: ignore[arg-type]  # refused before any Spark work
-            CSV_TABLE,
-            site["landing"],
-            site["warehouse"],
-            str(site["private"]),
-            snapshot_roots=[],
+            HistoryTable(
+                None,  # type: ignore[arg-type]  # refused before any Spark work
+                CSV_TABLE,
+                site["warehouse"],
+                site["landing"],
+            ),
+            ResyncRequest(str(site["private"]), ()),
         )
 
 

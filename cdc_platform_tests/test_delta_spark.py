@@ -26,8 +26,8 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import current_table, invariants
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
-from cdc_platform.lib.operations.revocation import unapply
-from cdc_platform.lib.operations.truncation import truncate
+from cdc_platform.lib.operations.revocation import UnapplyRequest, unapply
+from cdc_platform.lib.operations.truncation import TruncateRequest, truncate
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.delta import UnsupportedTableFeatureError
 from cdc_platform.lib.storage.stores import Location
@@ -88,20 +88,17 @@ def built(spark, tmp_path_factory: pytest.TempPathFactory) -> Path:
     late = [ev("UPDATE", 150, at(H1, 30), k, status="late", amount=k * 10) for k in (3, 4, 5)]
     write_parquet_events(landing, "orders", H1, late, name="late.parquet")
     materialize(spark, TABLE, landing, warehouse, [H1], synced_at=synced(3))
-    truncate(spark, TABLE, warehouse, before=at(H0, 3), soft=True, now=synced(4))
+    truncate(
+        HistoryTable(spark, TABLE, warehouse),
+        TruncateRequest(before=at(H0, 3), soft=True, now=synced(4)),
+    )
     extra = write_parquet_events(
         landing, "orders", H2, [ev("UPDATE", 250, at(H2, 40), 2, status="x")]
     )
     materialize(spark, TABLE, landing, warehouse, [H2], synced_at=synced(5))
     unapply(
-        spark,
-        TABLE,
-        landing,
-        warehouse,
-        [str(extra.relative_to(landing))],
-        "test",
-        "run-1",
-        now=synced(6),
+        HistoryTable(spark, TABLE, warehouse, landing),
+        UnapplyRequest((str(extra.relative_to(landing)),), "test", "run-1", now=synced(6)),
     )
     current_table.refresh(spark, TablePaths.of(warehouse, "orders"), TABLE.key)
     return root

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.operations.resync import resync, resync_seqs
-from cdc_platform.lib.operations.truncation import truncate, truncate_seq
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.operations.resync import ResyncRequest, resync, resync_seqs
+from cdc_platform.lib.operations.truncation import TruncateRequest, truncate, truncate_seq
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
@@ -89,7 +90,8 @@ def test_operations_mixed_into_random_deliveries(spark, tmp_path_factory, data):
 
     if op == "truncate":
         t = datetime.now(UTC) + timedelta(seconds=1)  # after every run's _fivetran_synced
-        truncate(spark, TABLE, warehouse, t, soft=True, now=t)  # the truncate runs at t
+        # the truncate runs at t
+        truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(t, soft=True, now=t))
         logged += [ev("DELETE", truncate_seq(t), truncate_to_ms(t), k) for k in live_keys(applied)]
     elif op == "resync":
         at = BASE_TIME + timedelta(minutes=data.draw(st.integers(0, 240), label="resync at"))
@@ -102,7 +104,7 @@ def test_operations_mixed_into_random_deliveries(spark, tmp_path_factory, data):
             pa.table({"id": pa.array(ids, pa.int64()), "name": pa.array([image[k] for k in ids])}),
             folder / "snapshot.parquet",
         )
-        resync(spark, TABLE, landing, warehouse, folder, at, snapshot_roots=[root])
+        resync(HistoryTable(spark, TABLE, warehouse, landing), ResyncRequest(folder, (root,), at))
         insert_seq, delete_seq = resync_seqs(at)
         starts = first_starts(applied)
         replaced = {k for k in keys if k in starts and truncate_to_ms(at) < starts[k]}

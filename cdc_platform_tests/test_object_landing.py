@@ -31,6 +31,7 @@ from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, ConfigError, load_config
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.fleet.sensor_cursor import CursorState, evaluate
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.decoding.codecs import LandingFileError
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.discovery import (
@@ -48,7 +49,7 @@ from cdc_platform.lib.landing.where.zone import LandingUnavailableError
 from cdc_platform.lib.ledgers import applied_files, quarantine
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.operations import revocation
-from cdc_platform.lib.operations.resync import ResyncError, resync
+from cdc_platform.lib.operations.resync import ResyncError, ResyncRequest, resync
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import EnvRef, Location
@@ -388,13 +389,8 @@ def test_a_resync_snapshot_and_the_cdc_it_replaces_both_on_the_bucket(spark, zon
     zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/_SUCCESS", Body=b"")
     zone.client.put_object(Bucket=zone.bucket, Key="snapshots/orders/", Body=b"")  # a marker
     result = resync(
-        spark,
-        table,
-        zone.location,
-        warehouse,
-        f"{snapshots.uri}/orders",
-        at,
-        snapshot_roots=[snapshots],
+        HistoryTable(spark, table, warehouse, zone.location),
+        ResyncRequest(f"{snapshots.uri}/orders", (snapshots,), at),
     )
     assert (result.files, result.rows, result.keys_closed) == (1, 1, 1)
     rows = history_rows(TablePaths.of(warehouse, "orders").history)
@@ -408,7 +404,8 @@ def test_a_resync_snapshot_and_the_cdc_it_replaces_both_on_the_bucket(spark, zon
     for elsewhere in ("s3://other-bucket/snapshots/orders", f"{zone.root}/orders"):
         with pytest.raises(ResyncError):
             resync(
-                spark, table, zone.location, warehouse, elsewhere, at, snapshot_roots=[snapshots]
+                HistoryTable(spark, table, warehouse, zone.location),
+                ResyncRequest(elsewhere, (snapshots,), at),
             )
 
 
@@ -424,12 +421,17 @@ def test_unapply_and_readmit_a_bucket_file(spark, zone, tmp_path):
     history = TablePaths.of(warehouse, "orders").history
     before = history_rows(history)
     uri = f"{zone.root}/{_folder('orders', hour)}/b.parquet"
-    out = revocation.unapply(spark, table, zone, warehouse, [uri], "bad export", "run-1")
+    out = revocation.unapply(
+        HistoryTable(spark, table, warehouse, zone),
+        revocation.UnapplyRequest((uri,), "bad export", "run-1"),
+    )
     assert out.files == (f"{_folder('orders', hour)}/b.parquet",)
     assert [r["id"] for r in history_rows(history)] == [1]
     materialize(spark, table, zone, warehouse, [hour])  # the sensor's next run skips it
     assert [r["id"] for r in history_rows(history)] == [1]
-    back = revocation.readmit(spark, table, zone, warehouse, [uri])
+    back = revocation.readmit(
+        HistoryTable(spark, table, warehouse, zone), revocation.ReadmitRequest((uri,))
+    )
     assert back.hours == (hour,)
     assert history_rows(history) == before
 
@@ -607,13 +609,8 @@ def test_a_snapshot_key_that_cannot_be_named_refuses_the_whole_resync(spark, zon
     )
     with pytest.raises(ResyncError, match=r"x/\.\./part-1\.parquet: the object's key has"):
         resync(
-            spark,
-            table,
-            zone.location,
-            warehouse,
-            f"{snapshots.uri}/orders",
-            H0 + timedelta(hours=3),
-            snapshot_roots=[snapshots],
+            HistoryTable(spark, table, warehouse, zone.location),
+            ResyncRequest(f"{snapshots.uri}/orders", (snapshots,), H0 + timedelta(hours=3)),
         )
     rows = history_rows(TablePaths.of(warehouse, "orders").history)
     assert [(r["id"], r["_fivetran_active"]) for r in rows] == [(1, True), (2, True)]

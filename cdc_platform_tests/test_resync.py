@@ -17,7 +17,14 @@ from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.history import invariants
-from cdc_platform.lib.operations.resync import ResyncError, resync, resync_seqs, source_name
+from cdc_platform.lib.history.table import HistoryTable
+from cdc_platform.lib.operations.resync import (
+    ResyncError,
+    ResyncRequest,
+    resync,
+    resync_seqs,
+    source_name,
+)
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Where
@@ -94,7 +101,8 @@ def test_a_resync_with_no_change_keeps_every_version_and_closes_absent_keys(spar
     rows = {"id": ["a"], "counter": [30]}
     folder = snapshot(lake["root"], rows)
     r = resync(
-        spark, TABLE, lake["landing"], lake["warehouse"], folder, R, snapshot_roots=[lake["root"]]
+        HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+        ResyncRequest(folder, (lake["root"],), R),
     )
 
     assert (r.files, r.rows, r.keys_closed, r.keys_replaced) == (1, 1, 1, 0)
@@ -116,7 +124,8 @@ def test_a_resync_with_no_change_keeps_every_version_and_closes_absent_keys(spar
 
     seen = versions(paths)
     again = resync(
-        spark, TABLE, lake["landing"], lake["warehouse"], folder, R, snapshot_roots=[lake["root"]]
+        HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+        ResyncRequest(folder, (lake["root"],), R),
     )
     assert (again.events_new, again.keys_closed) == (0, 0) and versions(paths) == seen
 
@@ -138,13 +147,8 @@ def test_a_changed_row_starts_at_the_timestamp_the_snapshot_carries(spark, lake)
         "cdc_commit_timestamp": [datetime(2020, 1, 3, 2, tzinfo=UTC), None],
     }
     resync(
-        spark,
-        TABLE,
-        lake["landing"],
-        lake["warehouse"],
-        snapshot(lake["root"], rows),
-        R,
-        snapshot_roots=[lake["root"]],
+        HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+        ResyncRequest(snapshot(lake["root"], rows), (lake["root"],), R),
     )
     # The seeds' second table, cell by cell; b is unchanged (its row has no timestamp: at R).
     assert rows_of(paths) == [
@@ -160,13 +164,8 @@ def test_a_row_older_than_every_version_replaces_the_keys_history(spark, lake):
     paths = build(spark, lake["landing"], lake["warehouse"])
     rows = {"id": ["a", "b"], "counter": [10, 5], "cdc_commit_timestamp": [D1, None]}
     r = resync(
-        spark,
-        TABLE,
-        lake["landing"],
-        lake["warehouse"],
-        snapshot(lake["root"], rows),
-        R,
-        snapshot_roots=[lake["root"]],
+        HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+        ResyncRequest(snapshot(lake["root"], rows), (lake["root"],), R),
     )
     assert r.keys_replaced == 1
     # The seeds' last table: a's previous versions are gone.
@@ -205,13 +204,8 @@ def test_a_bad_snapshot_is_refused_whole(spark, lake, rows, message):
     folder = snapshot(lake["root"], rows)
     with pytest.raises(ResyncError, match=message):
         resync(
-            spark,
-            TABLE,
-            lake["landing"],
-            lake["warehouse"],
-            folder,
-            R,
-            snapshot_roots=[lake["root"]],
+            HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+            ResyncRequest(folder, (lake["root"],), R),
         )
     assert versions(paths) == seen
 
@@ -219,24 +213,14 @@ def test_a_bad_snapshot_is_refused_whole(spark, lake, rows, message):
 def test_a_missing_or_empty_snapshot_folder_is_refused(spark, lake):
     with pytest.raises(ResyncError, match="no such folder"):
         resync(
-            spark,
-            TABLE,
-            lake["landing"],
-            lake["warehouse"],
-            lake["root"] / "nope",
-            R,
-            snapshot_roots=[lake["root"]],
+            HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+            ResyncRequest(lake["root"] / "nope", (lake["root"],), R),
         )
     (lake["root"] / "empty").mkdir()
     with pytest.raises(ResyncError, match="no snapshot file"):
         resync(
-            spark,
-            TABLE,
-            lake["landing"],
-            lake["warehouse"],
-            lake["root"] / "empty",
-            R,
-            snapshot_roots=[lake["root"]],
+            HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+            ResyncRequest(lake["root"] / "empty", (lake["root"],), R),
         )
 
 
@@ -262,7 +246,8 @@ def test_key_columns_named_like_the_checks_working_names_resync(spark, lake, key
     paths = TablePaths.of(lake["warehouse"], table.name)
     folder = snapshot(lake["root"], {key: ["a"], "counter": [30]})
     r = resync(
-        spark, table, lake["landing"], lake["warehouse"], folder, R, snapshot_roots=[lake["root"]]
+        HistoryTable(spark, table, lake["warehouse"], lake["landing"]),
+        ResyncRequest(folder, (lake["root"],), R),
     )
     assert (r.rows, r.keys_closed, r.keys_replaced) == (1, 1, 0)
     assert normalize(history_rows(paths.history), [key, *COLUMNS[1:]]) == [
@@ -282,13 +267,8 @@ def test_key_columns_named_like_the_checks_working_names_resync(spark, lake, key
         r".*part-0.parquet row 3 \(4 rows\)$",
     ):
         resync(
-            spark,
-            table,
-            lake["landing"],
-            lake["warehouse"],
-            twice,
-            R,
-            snapshot_roots=[lake["root"]],
+            HistoryTable(spark, table, lake["warehouse"], lake["landing"]),
+            ResyncRequest(twice, (lake["root"],), R),
         )
     assert versions(paths) == seen
 
@@ -386,13 +366,8 @@ def test_a_snapshot_entry_that_is_not_a_data_file_refuses_the_whole_resync(
     make(folder, monkeypatch)
     with pytest.raises(ResyncError, match=message + r"; the snapshot is read whole"):
         resync(
-            spark,
-            TABLE,
-            lake["landing"],
-            lake["warehouse"],
-            folder,
-            R,
-            snapshot_roots=[lake["root"]],
+            HistoryTable(spark, TABLE, lake["warehouse"], lake["landing"]),
+            ResyncRequest(folder, (lake["root"],), R),
         )
     assert versions(paths) == seen
 

@@ -154,12 +154,10 @@ def test_over_spark_connect_job_counts_are_absent_not_zero(spark, lake, monkeypa
 
 
 def test_a_failed_run_leaves_no_stopwatch_behind(spark, lake, monkeypatch):
-    from cdc_platform.lib import pipeline
-
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(pipeline, "apply_pending", boom)
+    monkeypatch.setattr("cdc_platform.lib.history.table.apply_pending", boom)
     write_parquet_events(lake["landing"], "t", D1, [ev("INSERT", 1, D1, 1, v="x")])
     table = TableConfig(name="t", primary_key=("id",), start=D1)
     with pytest.raises(RuntimeError, match="boom"):

@@ -16,7 +16,8 @@ from cdc_platform.definitions import build_definitions
 from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants, table_key
-from cdc_platform.lib.history.merge import apply, apply_pending
+from cdc_platform.lib.history.merge import apply
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.table_key import PRIMARY_KEY_PROPERTY, PrimaryKeyChangedError
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
@@ -115,8 +116,11 @@ def test_the_merge_itself_refuses_another_key(spark, lake):
     materialize(spark, table, lake["landing"], lake["warehouse"], [H0])
     paths = TablePaths.of(lake["warehouse"], "t")
     before = versions(paths)
+    another = HistoryTable(
+        spark, dataclasses.replace(table, primary_key=("status",)), lake["warehouse"]
+    )
     with pytest.raises(PrimaryKeyChangedError, match="folded under"):
-        apply_pending(spark, paths, ["status"], H1)
+        another.merge_pending(H1)
     assert versions(paths) == before
 
 
