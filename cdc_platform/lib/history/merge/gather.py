@@ -141,39 +141,8 @@ def _slow_events(
     """
     from pyspark.sql import functions as F
 
-    pk, keys, cut, slow_values, slow_rows = a.pk, s.keys, s.cut, s.slow_values, s.slow_count
-    untracked = bool(a.history_columns.untracked(a.data_columns))
-
-    slow = (
-        keys.filter(col(SLOW))
-        .groupBy(*cols(pk))
-        .agg(F.min(col(MIN_MS)).alias(MIN_MS), F.max(col(FORCED)).alias(FORCED))
-    )
-    since: datetime | None = None
-    if cut is None:
-        checkpoints = slow.select(*cols(pk), F.lit(None).cast("timestamp").alias(CHECKPOINT))
-    else:
-        last_before = (
-            old.join(
-                joins.build_side(slow.select(*cols([*pk, MIN_MS])), slow_rows, old_rows),
-                pk,
-                "inner",
-            )
-            .groupBy(*cols(pk))
-            .agg(F.max(F.when(col(START) < col(MIN_MS), col(START))).alias(CHECKPOINT))
-        )
-        usable = ~col(FORCED)
-        if untracked:  # the stored image is the version's last step's, not its first's
-            usable = F.lit(False)
-        checkpoints = slow.join(
-            joins.build_side(last_before, slow_rows, slow_rows if old_rows else None), pk, "left"
-        ).select(*cols(pk), F.when(usable, col(CHECKPOINT)).alias(CHECKPOINT))
-        bounds = checkpoints.agg(
-            F.min(F.unix_micros(col(CHECKPOINT))).alias("since"),
-            F.max(col(CHECKPOINT).isNull().cast("int")).alias("from_first"),
-        ).collect()[0]
-        if not bounds["from_first"] and bounds["since"] > EARLIEST_CUT_US:
-            since = from_unix_micros(bounds["since"])
+    pk, slow_values, slow_rows = a.pk, s.slow_values, s.slow_count
+    checkpoints, since = _checkpoints(a, s, old, old_rows)
     # Key statistics skip files holding no slow key (compacted files are key-sorted), time
     # statistics those logged entirely before every checkpoint.
     log_read = [
@@ -214,6 +183,50 @@ def _slow_events(
     )
     events = logged.unionByName(replayed, allowMissingColumns=True)
     return events, log_read, checkpoints, from_checkpoint
+
+
+def _checkpoints(
+    a: Attempt, s: Split, old: DataFrame, old_rows: int | None
+) -> tuple[DataFrame, datetime | None]:
+    """Each slow key's ``CHECKPOINT`` (``_slow_events``), and the earliest of them when every
+    key has one (None: some key is refolded from its first event), which bounds the change-log
+    files read by time."""
+    from pyspark.sql import functions as F
+
+    pk, keys, cut, slow_rows = a.pk, s.keys, s.cut, s.slow_count
+    untracked = bool(a.history_columns.untracked(a.data_columns))
+
+    slow = (
+        keys.filter(col(SLOW))
+        .groupBy(*cols(pk))
+        .agg(F.min(col(MIN_MS)).alias(MIN_MS), F.max(col(FORCED)).alias(FORCED))
+    )
+    since: datetime | None = None
+    if cut is None:
+        checkpoints = slow.select(*cols(pk), F.lit(None).cast("timestamp").alias(CHECKPOINT))
+    else:
+        last_before = (
+            old.join(
+                joins.build_side(slow.select(*cols([*pk, MIN_MS])), slow_rows, old_rows),
+                pk,
+                "inner",
+            )
+            .groupBy(*cols(pk))
+            .agg(F.max(F.when(col(START) < col(MIN_MS), col(START))).alias(CHECKPOINT))
+        )
+        usable = ~col(FORCED)
+        if untracked:  # the stored image is the version's last step's, not its first's
+            usable = F.lit(False)
+        checkpoints = slow.join(
+            joins.build_side(last_before, slow_rows, slow_rows if old_rows else None), pk, "left"
+        ).select(*cols(pk), F.when(usable, col(CHECKPOINT)).alias(CHECKPOINT))
+        bounds = checkpoints.agg(
+            F.min(F.unix_micros(col(CHECKPOINT))).alias("since"),
+            F.max(col(CHECKPOINT).isNull().cast("int")).alias("from_first"),
+        ).collect()[0]
+        if not bounds["from_first"] and bounds["since"] > EARLIEST_CUT_US:
+            since = from_unix_micros(bounds["since"])
+    return checkpoints, since
 
 
 def _read_closed(a: Attempt, s: Split, files: Sequence[delta.DataFile]) -> DataFrame:
