@@ -124,8 +124,7 @@ class AdoptResult:
             "deleted_rows": self.deleted_rows,
             "events_new": self.events_new,
             "dropped_columns": list(self.dropped_columns),
-            "versions_opened": self.merge.versions_opened,
-            "delta_version": self.merge.history_version,
+            **self.merge.metadata(),
         }
 
     @property

@@ -138,7 +138,7 @@ class EraseResult:
             "changelog_files_rewritten": self.changelog_files_rewritten,
             "forgotten_rows_removed": self.forgotten_rows_removed,
             "quarantine_reasons_withheld": self.reasons_withheld,
-            "delta_version": self.merge.history_version,
+            **self.merge.metadata(),
         }
 
 

@@ -131,9 +131,7 @@ class ResyncResult:
             "keys_closed": self.keys_closed,
             "keys_replaced": self.keys_replaced,
             "events_new": self.events_new,
-            "versions_opened": self.merge.versions_opened,
-            "versions_closed": self.merge.versions_closed,
-            "delta_version": self.merge.history_version,
+            **self.merge.metadata(),
         }
 
     @property

@@ -106,11 +106,7 @@ class UnapplyResult:
             "events_removed": self.events_removed,
             "keys_retracted": self.keys_retracted,
             "changelog_files_rewritten": self.changelog_files_rewritten,
-            "keys_affected": self.merge.keys_affected,
-            "versions_closed": self.merge.versions_closed,
-            "files_removed": self.merge.files_removed,
-            "files_added": self.merge.files_added,
-            "delta_version": self.merge.history_version,
+            **self.merge.metadata(),
         }
 
 

@@ -94,10 +94,7 @@ class TruncateResult:
             f"keys_{'closed' if self.soft else 'removed'}": self.keys,
             "events_logged": self.events_logged,
             "events_removed": self.events_removed,
-            "versions_closed": self.merge.versions_closed,
-            "files_removed": self.merge.files_removed,
-            "files_added": self.merge.files_added,
-            "delta_version": self.merge.history_version,
+            **self.merge.metadata(),
         }
 
     @property

@@ -78,6 +78,17 @@ class MergeResult:
     changelog_version: int | None = None
     attempts: int = 0
 
+    def metadata(self) -> dict[str, int | None]:
+        """What an operator job reports of the merge that followed its change."""
+        return {
+            "keys_affected": self.keys_affected,
+            "versions_opened": self.versions_opened,
+            "versions_closed": self.versions_closed,
+            "files_removed": self.files_removed,
+            "files_added": self.files_added,
+            "delta_version": self.history_version,
+        }
+
 
 def fault_point(name: str) -> None:
     """Crash the process here when ``CDC_PLATFORM_FAULT`` names this point (crash-safety tests)."""

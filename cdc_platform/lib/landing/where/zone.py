@@ -24,19 +24,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO
 
+from cdc_platform.lib.errors import PlatformError, Refusal
 from cdc_platform.lib.landing.where import layout, safe_open
 from cdc_platform.lib.landing.where.layout import LandingFile
 from cdc_platform.lib.landing.where.safe_open import CHANGED, FileId
 from cdc_platform.lib.storage.stores import Location
 
 
-class LandingUnavailableError(RuntimeError):
+class LandingUnavailableError(PlatformError, RuntimeError):
     """The landing store could not be reached (an outage, a throttle, denied credentials): the
     run fails, and the landing sensor asks for the hour again. Never a reason to set a file
     aside."""
 
 
-class IncompleteSnapshotError(ValueError):
+class IncompleteSnapshotError(Refusal):
     """A snapshot entry that is neither a data file nor a marker (a symlink, a folder that
     cannot be listed, a special file, a key that cannot be named safely). A re-sync closes
     every key its snapshot lacks, so a snapshot is read whole or not at all (HISTORY_MODE.md,
