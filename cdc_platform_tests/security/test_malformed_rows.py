@@ -1,11 +1,10 @@
-"""Hostile and exotic input, through the real pipeline: every file the pipeline cannot process
-is set aside with a reason naming the row and column, the rest of the hour is applied, and
-nothing that reaches the change log can make a later run fail."""
+"""Malformed rows and cells, through the real pipeline: every file the pipeline cannot
+process (types it cannot compare, out-of-range values, bad schemas, extreme timestamps) is set
+aside with a reason naming the row and column, the rest of the hour is
+applied, and nothing that reaches the change log can make a later run fail."""
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -19,46 +18,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cryptography.hazmat.primitives import padding
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from deltalake import DeltaTable
 
-from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.history import invariants
-from cdc_platform.lib.landing.decoding.keyring import Keyring
-from cdc_platform.lib.landing.where.layout import IN_SUBFOLDER, SYMLINK, hour_folder
-from cdc_platform.lib.ledgers import quarantine
-from cdc_platform.lib.pipeline import LandingRootMissingError, materialize
+from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import history_rows, write_parquet_events
-
-H0 = datetime(2024, 1, 1, tzinfo=UTC)
-H1 = H0 + timedelta(hours=1)
-MS = timedelta(milliseconds=1)
-TMAX_TS = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
-TABLE = TableConfig(name="t", primary_key=("id",), start=H0)
-CDC = [
-    pa.field("cdc_operation_type", pa.string()),
-    pa.field("cdc_change_seq", pa.int64()),
-    pa.field("cdc_commit_timestamp", pa.timestamp("us", tz="UTC")),
-]
-
-
-def run(spark, lake, hours, table: TableConfig = TABLE, keyring: Keyring | None = None):
-    return materialize(spark, table, lake["landing"], lake["warehouse"], hours, keyring)
-
-
-def paths(lake, name: str = "t") -> TablePaths:
-    return TablePaths.of(lake["warehouse"], name)
-
-
-def reasons(lake, name: str = "t") -> dict[str, str]:
-    """The current quarantine as {file name: reason}."""
-    return {
-        q.file.rsplit("/", 1)[1]: q.reason for q in quarantine.current(paths(lake, name).quarantine)
-    }
+from cdc_platform_tests.security.pipeline_runs import (
+    H0,
+    H1,
+    MS,
+    TMAX_TS,
+    paths,
+    reasons,
+    run,
+)
 
 
 def write_table(lake, hour: datetime, name: str, tbl: pa.Table, table: str = "t") -> Path:
@@ -74,9 +48,6 @@ def cdc_arrays(ops: Sequence[str], seqs: Sequence[int], stamps: Sequence[datetim
         pa.array(seqs, pa.int64()),
         pa.array(stamps, pa.timestamp("us", tz="UTC")),
     ]
-
-
-# -- item 2: one ISO-8601 parser, the right row blamed -----------------------------------------
 
 
 def test_string_commit_timestamps_mixed_zoned_naive_and_nanoseconds(spark, lake):
@@ -124,73 +95,15 @@ def test_string_commit_timestamps_mixed_zoned_naive_and_nanoseconds(spark, lake)
     ]
 
 
-# -- items 9 and 10: hostile column names --------------------------------------------------------
-
-
-# Named like working columns of the fold and the checks, now or before.
-WORKING_NAMES = ["_rn", "_seq", "_ms", "_opened", "_closed", "_del", "_img", "ms", "img", "count"]
-WORKING_NAMES += ["has_image", "ends_deleted", "a.b", "a`b2"]
-
-
-@pytest.mark.parametrize("key", ["order.id", "a`b", "count", "ms"])
-def test_hostile_column_names_survive_end_to_end(spark, lake, key):
-    """Key and data columns named like working columns, with dots and backticks: merged, and
-    checked (whole table and the last run's keys) without a clash."""
-    table = TableConfig(name="t", primary_key=(key,), start=H0)
-    names = [n for n in WORKING_NAMES if n != key]
-
-    def row(op: str, seq: int, ts: datetime, k: int, v: int) -> dict[str, Any]:
-        return ev(op, seq, ts, k, key_column=key, **{n: v * 10 + i for i, n in enumerate(names)})
-
-    first = [row("INSERT", 1, H0, 1, 1), row("INSERT", 2, H0, 2, 1)]
-    write_parquet_events(lake["landing"], "t", H0, first)
-    assert run(spark, lake, [H0], table).quarantined == ()
-    # Key 1: a real change and a no-op; key 2: a change in the same hour as its delete.
-    later = [
-        row("UPDATE", 3, H0 + MS, 1, 2),
-        row("UPDATE", 4, H0 + 2 * MS, 1, 2),  # no-op: no new version
-        row("UPDATE", 5, H0 + MS, 2, 3),
-        ev("DELETE", 6, H0 + 3 * MS, 2, key_column=key),
-    ]
-    write_parquet_events(lake["landing"], "t", H1, later)
-    assert run(spark, lake, [H1], table).quarantined == ()
-    rows = history_rows(paths(lake).history)
-    got = sorted(
-        (
-            r[key],
-            r["_fivetran_start"],
-            r["_fivetran_end"],
-            r["_fivetran_active"],
-            *[r[n] for n in names],
-        )
-        for r in rows
-    )
-    vals = lambda v: tuple(v * 10 + i for i in range(len(names)))  # noqa: E731
-    assert got == [
-        (1, H0, H0, False, *vals(1)),
-        (1, H0 + MS, TMAX_TS, True, *vals(2)),
-        (2, H0, H0, False, *vals(1)),
-        (2, H0 + MS, H0 + 3 * MS, False, *vals(3)),
-    ]
-    # Nothing in the change log blocks a later run.
-    write_parquet_events(
-        lake["landing"], "t", H1 + timedelta(hours=1), [row("INSERT", 7, H1, 3, 4)]
-    )
-    since = DeltaTable(str(paths(lake).history)).version()
-    later_run = run(spark, lake, [H1 + timedelta(hours=1)], table)
-    assert later_run.merge.keys_affected == 1
-    scope = invariants.touched_keys(spark, paths(lake), [key], since)
-    assert scope is not None and scope.values == [3]
-    for checked in (None, scope):
-        outcomes = invariants.run_checks(spark, paths(lake), [key], checked)
-        assert [o.name for o in outcomes if not o.passed] == []
-
-
-# -- item 9: every Arrow type Parquet can carry ------------------------------------------------
-
 BERLIN = "Europe/Berlin"
+
+
 T1 = datetime(2024, 1, 1, 5, 0, 1, tzinfo=UTC)
+
+
 T2 = datetime(2024, 1, 1, 5, 0, 2, 500000, tzinfo=UTC)
+
+
 # name: (Arrow type, first value, second value, the two as the table stores them; None: see
 # _expected)
 SUPPORTED: dict[str, tuple[pa.DataType, Any, Any, tuple[Any, Any] | None]] = {
@@ -248,6 +161,8 @@ SUPPORTED: dict[str, tuple[pa.DataType, Any, Any, tuple[Any, Any] | None]] = {
     "duration_s": (pa.duration("s"), timedelta(seconds=1), timedelta(hours=2), (10**6, 72 * 10**8)),
     "duration_ns": (pa.duration("ns"), 5001, -1500, (5, -2)),
 }
+
+
 REJECTED: dict[str, tuple[pa.DataType, Any, str]] = {
     "struct_map": (
         pa.struct([("m", pa.map_(pa.string(), pa.int32()))]),
@@ -363,9 +278,6 @@ def test_a_duration_is_no_change_seq(spark, lake):
     }
 
 
-# -- item 10: no value is ever lost to a cast --------------------------------------------------
-
-
 def test_out_of_range_uint64_sets_the_file_aside_naming_row_and_column(spark, lake):
     write_parquet_events(lake["landing"], "t", H0, [ev("INSERT", 1, H0, 1, v=1)], name="ok.parquet")
     big_seq = pa.Table.from_arrays(
@@ -411,9 +323,6 @@ def test_out_of_range_uint64_sets_the_file_aside_naming_row_and_column(spark, la
         ),
     }
     assert [(r["id"], r["v"]) for r in history_rows(paths(lake).history)] == [(1, 1)]
-
-
-# -- item 11: set aside, not a failed partition ------------------------------------------------
 
 
 def test_bad_schemas_and_extreme_timestamps_are_set_aside_the_rest_applied(spark, lake):
@@ -485,49 +394,6 @@ def test_bad_schemas_and_extreme_timestamps_are_set_aside_the_rest_applied(spark
     )
 
 
-# -- items 14 and 16: the landing zone's layout --------------------------------------------------
-
-
-def test_symlinks_and_sub_folders_are_set_aside_never_followed(spark, lake):
-    secret = lake["root"] / "secret.parquet"
-    secret.write_text("SECRET first line of a file the service can read\n")
-    secret_dir = lake["root"] / "elsewhere"
-    secret_dir.mkdir()
-    write_parquet_events(secret_dir, "t", H0, [ev("INSERT", 50, H0, 50, v=50)], name="x.parquet")
-    good = write_parquet_events(lake["landing"], "t", H0, [ev("INSERT", 1, H0, 1, v=1)])
-    folder = good.parent
-    (folder / "link.parquet").symlink_to(secret)
-    (folder / "linked_dir").symlink_to(secret_dir)
-    sub = folder / "sub"
-    sub.mkdir()
-    write_parquet_events(sub, "t", H0, [ev("INSERT", 2, H0, 2, v=2)], name="nested.parquet")
-    # An hour folder that is itself a link, to another table's data.
-    hour1 = hour_folder(lake["landing"], "t", H1)
-    hour1.parent.mkdir(parents=True, exist_ok=True)
-    hour1.symlink_to(hour_folder(secret_dir, "t", H0))
-
-    result = run(spark, lake, [H0, H1])
-    entries = {q.file: q.reason for q in quarantine.current(paths(lake).quarantine)}
-    hour0 = "t/year=2024/month=01/day=01/hour=00"
-    assert entries == {
-        f"{hour0}/link.parquet": SYMLINK,
-        f"{hour0}/linked_dir": SYMLINK,
-        f"{hour0}/sub/t/year=2024/month=01/day=01/hour=00/nested.parquet": IN_SUBFOLDER,
-        "t/year=2024/month=01/day=01/hour=01": SYMLINK,
-    }
-    assert "SECRET" not in repr(result)
-    assert [r["id"] for r in history_rows(paths(lake).history)] == [1]
-
-
-def test_missing_landing_root_fails_with_a_clear_message(spark, lake, tmp_path):
-    missing = tmp_path / "no-such-landing"
-    with pytest.raises(LandingRootMissingError, match=r"landing_root .*no-such-landing does not"):
-        materialize(spark, TABLE, missing, lake["warehouse"], [H0])
-    assert not paths(lake).changelog.path.exists()
-    # A table folder missing inside an existing landing root is just zero files.
-    assert run(spark, lake, [H0]).files_read == 0
-
-
 def test_replay_without_new_events_leaves_no_empty_change_log_folder(spark, lake):
     write_parquet_events(lake["landing"], "t", H0, [ev("INSERT", 1, H0, 1, v=1)])
     run(spark, lake, [H0])
@@ -537,66 +403,6 @@ def test_replay_without_new_events_leaves_no_empty_change_log_folder(spark, lake
     assert again.events_new == 0
     assert sorted(os.listdir(data)) == before
     assert all(os.listdir(data / d) for d in before)
-
-
-# -- item 15: no plaintext of an encrypted file in a reason -----------------------------------------
-
-KEY = bytes(range(32))
-
-
-def _encrypt(plain: bytes) -> bytes:
-    iv = os.urandom(16)
-    padder = padding.PKCS7(128).padder()
-    enc = Cipher(algorithms.AES(KEY), modes.CBC(iv)).encryptor()
-    return iv + enc.update(padder.update(plain) + padder.finalize()) + enc.finalize()
-
-
-@pytest.mark.parametrize("file_format", ["csv", "parquet"])
-def test_encrypted_reasons_name_row_and_column_never_the_value(spark, lake, file_format):
-    table = TableConfig(
-        name="enc",
-        primary_key=("id",),
-        start=H0,
-        format=file_format,
-        encryption="aes-256-cbc",
-        columns={"id": "long", "amount": "long"} if file_format == "csv" else {},
-    )
-    secret = "not-a-number-SECRETPLAINTEXT"
-    if file_format == "csv":
-        plain = (
-            "id,amount,cdc_operation_type,cdc_change_seq,cdc_commit_timestamp\n"
-            "1,5,INSERT,1,2024-01-01T00:00:00Z\n"
-            f"2,{secret},INSERT,2,2024-01-01T00:00:00Z\n"
-        ).encode()
-    else:
-        buf = io.BytesIO()
-        pq.write_table(
-            pa.table(
-                {
-                    "id": [1, 2],
-                    "cdc_operation_type": ["INSERT", secret],
-                    "cdc_change_seq": [1, 2],
-                    "cdc_commit_timestamp": ["2024-01-01T00:00:00Z", f"{secret}Z"],
-                }
-            ),
-            buf,
-        )
-        plain = buf.getvalue()
-    folder = hour_folder(lake["landing"], "enc", H0)
-    folder.mkdir(parents=True)
-    (folder / "part-1.bin").write_bytes(_encrypt(plain))
-    keyring = Keyring.from_mapping({"tables": {"enc": base64.b64encode(KEY).decode()}})
-
-    result = run(spark, lake, [H0], table, keyring)
-    (q,) = result.quarantined
-    stored = reasons(lake, "enc")["part-1.bin"]
-    assert stored == q.reason and q.row == 2
-    column = "amount" if file_format == "csv" else "cdc_commit_timestamp"
-    assert q.reason.startswith(f"row 2, column '{column}': the value ")
-    assert "SECRET" not in q.reason and "SECRET" not in repr(result)
-
-
-# -- item 6: the change log's pending files catch only a cleaned-up log ----------------------------
 
 
 def test_pending_files_recompute_only_when_the_applied_version_was_cleaned_up(
@@ -639,32 +445,3 @@ def test_pending_files_recompute_only_when_the_applied_version_was_cleaned_up(
     dt.cleanup_metadata()
     pending, version = pending_files(1)  # version 1 is gone: every file
     assert (len(pending), version) == (4, 3)
-
-
-# -- item 9: primary key names -------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("pk", "message"),
-    [
-        (["id", "ID"], "lists a column twice (names are case-insensitive in Delta)"),
-        (["_CDC_id"], "system column(s) ['_CDC_id'] cannot be part of the key"),
-        (["Cdc_change_seq"], "system column(s) ['Cdc_change_seq'] cannot be part of the key"),
-        (["a\nb"], "contain control characters"),
-        (["order.id", "a`b", "a b"], None),  # any other name works: Spark names are quoted
-    ],
-)
-def test_primary_key_names_are_validated(tmp_path, pk, message):
-    from cdc_platform.lib.config import ConfigError, parse_config
-
-    raw = {
-        "landing_root": "l",
-        "warehouse_root": "w",
-        "tables": [{"name": "t", "primary_key": pk, "start": "2024-01-01-00:00"}],
-    }
-    if message is None:
-        assert parse_config(raw, tmp_path).tables[0].primary_key == tuple(pk)
-        return
-    with pytest.raises(ConfigError) as err:
-        parse_config(raw, tmp_path)
-    assert message in str(err.value)
