@@ -2,7 +2,7 @@
 (``docs/cdc_platform.schema.json``), generated from the code.
 
 ``python -m cdc_platform.config_reference --write`` writes both; ``--check`` exits 1 when a
-committed one differs (``cdc_platform_tests/test_docs.py`` fails the same way). Nothing here is
+committed one differs (``cdc_platform_tests/integration/test_docs.py`` fails the same way). Nothing here is
 typed twice where the code already says it:
 
 * the platform config's keys, types, defaults and descriptions are the fields of

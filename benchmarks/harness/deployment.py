@@ -35,7 +35,7 @@ DEPLOY = REPO_ROOT / "deploy"
 UNITS = DEPLOY / "systemd"
 
 
-# What the units name, and what it is on this host (as cdc_platform_tests/test_deploy.py runs them).
+# What the units name, and what it is on this host (as cdc_platform_tests/integration/test_deploy.py runs them).
 INSTALL_DIR = "/opt/cdc-platform"
 GRPC_HOST = "127.0.0.1"
 POLL_S = 0.5

@@ -51,7 +51,12 @@ from cdc_platform.lib.history import invariants
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import dagster_resources, history_rows, write_parquet_events
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.test_webserver import free_port, graphql, http_get, wait_for_location
+from cdc_platform_tests.integration.test_webserver import (
+    free_port,
+    graphql,
+    http_get,
+    wait_for_location,
+)
 
 DEPLOY = REPO_ROOT / "deploy"
 UNIT_DIR = DEPLOY / "systemd"

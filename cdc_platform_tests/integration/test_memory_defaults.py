@@ -20,7 +20,7 @@ from cdc_platform.lib.spark.session import (
     spark_conf,
 )
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.test_merge_adversarial import H0, HOUR, MS, _Lake
+from cdc_platform_tests.integration.test_merge_adversarial import H0, HOUR, MS, _Lake
 
 # -- the driver's memory ---------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import yaml
 from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse_config
 from cdc_platform.lib.spark.session import JavaMissingError, check_java
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(tmp_path: Path, body: str) -> Path:

@@ -334,7 +334,7 @@ def test_runs_as_a_module(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert "customers" in out.stdout and "orders" in out.stdout
     assert (tmp_path / "customers" / "year=2024" / "month=01" / "day=01" / "hour=02").is_dir()

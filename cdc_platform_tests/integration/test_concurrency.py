@@ -27,8 +27,8 @@ import yaml
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from cdc_platform.defs.launcher import process_alive
 from cdc_platform.defs.jobs.skeleton import pool_name
+from cdc_platform.defs.launcher import process_alive
 from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT, PlatformConfig, TableConfig
 from cdc_platform.lib.history import invariants, merge

@@ -34,7 +34,7 @@ from cdc_platform_tests.helpers import (
     write_parquet_events,
 )
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.test_pii import failure_of
+from cdc_platform_tests.integration.test_pii import failure_of
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = H0 + timedelta(hours=1)

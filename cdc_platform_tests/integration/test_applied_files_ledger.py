@@ -15,8 +15,8 @@ from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.ledgers.ledger import Ledger
 from cdc_platform.lib.storage.stores import Where
 from cdc_platform_tests.helpers import POOLS, one_table_config, run_operator_job
-from cdc_platform_tests.test_object_store import bucket, platform  # noqa: F401  (fixtures)
-from cdc_platform_tests.test_pii import failure_of
+from cdc_platform_tests.integration.test_object_store import bucket, platform  # noqa: F401  (fixtures)
+from cdc_platform_tests.integration.test_pii import failure_of
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 HOURS = 120  # five days of hourly runs: one ledger file each

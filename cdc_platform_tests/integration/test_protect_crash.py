@@ -20,8 +20,8 @@ from cdc_platform.lib.operations.protection import AFTER_REWRITE_FAULT, REWRITTE
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
-from cdc_platform_tests.test_maintenance import crashed_write
-from cdc_platform_tests.test_pii import (
+from cdc_platform_tests.integration.test_maintenance import crashed_write
+from cdc_platform_tests.integration.test_pii import (
     H0,
     config_file,
     failure_of,
@@ -30,7 +30,7 @@ from cdc_platform_tests.test_pii import (
     protect_job,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EMAILS = ("alice@example.com", "bob@example.com")
 
 

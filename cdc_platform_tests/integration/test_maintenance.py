@@ -153,7 +153,7 @@ def test_a_short_retention_is_an_explicit_choice_that_purges_an_erased_key(
         write_parquet_events,
     )
     from cdc_platform_tests.helpers import event as ev
-    from cdc_platform_tests.test_pii import failure_of
+    from cdc_platform_tests.integration.test_pii import failure_of
 
     platform = one_table_config(tmp_path, "primary_key: [id]\n    current_table: true")
     h0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -207,7 +207,7 @@ def test_a_short_retention_is_an_explicit_choice_that_purges_an_erased_key(
 
 def test_a_negative_retention_is_refused_whatever_is_allowed(spark, tmp_path: Path) -> None:
     from cdc_platform_tests.helpers import one_table_config, run_operator_job
-    from cdc_platform_tests.test_pii import failure_of
+    from cdc_platform_tests.integration.test_pii import failure_of
 
     platform = one_table_config(tmp_path, "primary_key: [id]")
     result = run_operator_job(

@@ -406,7 +406,7 @@ def test_spark_on_s3_through_the_dagster_asset(platform, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]

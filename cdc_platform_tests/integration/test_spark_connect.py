@@ -40,7 +40,7 @@ H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = H0 + timedelta(hours=1)
 TABLE = TableConfig(name="orders", primary_key=("id",), start=H0)
 SYNCED = [datetime(2024, 1, 2, h, tzinfo=UTC) for h in range(4)]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONNECT_CLIENT_MODULES = ("grpc", "grpc_status", "google.rpc", "zstandard", "pandas")
 # A secret setting the server starts with (an S3 key it never uses here): it must reach the
 # server through its properties file, never a command line.
@@ -176,7 +176,7 @@ def _client(*args: str) -> subprocess.CompletedProcess[str]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-m", "cdc_platform_tests.test_spark_connect", *args]
+    cmd = [sys.executable, "-m", "cdc_platform_tests.integration.test_spark_connect", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 

@@ -34,7 +34,7 @@ from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.zone import ListBudget
 from cdc_platform.lib.ledgers import applied_files
 from cdc_platform.lib.storage.stores import Location
-from cdc_platform_tests.test_object_landing import (
+from cdc_platform_tests.integration.test_object_landing import (
     KEY_ID,
     KEY_ID_ENV,
     SECRET,

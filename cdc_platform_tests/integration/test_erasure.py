@@ -21,7 +21,7 @@ from cdc_platform_tests.helpers import (
     run_operator_job,
     write_parquet_events,
 )
-from cdc_platform_tests.test_pii import every_value_in, failure_of
+from cdc_platform_tests.integration.test_pii import every_value_in, failure_of
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1 = H0 + timedelta(hours=1)

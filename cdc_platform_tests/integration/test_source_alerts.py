@@ -31,7 +31,7 @@ from cdc_platform.defs.alerts.sources import (
 from cdc_platform.defs.alerts.webhook import AlertWebhookResource
 from cdc_platform.defs.tags import BACKLOG_AGE, BACKLOG_HOURS, BACKLOG_OLDEST, BACKLOG_SINCE
 from cdc_platform.lib.config import TableConfig
-from cdc_platform_tests.test_alerts import tick
+from cdc_platform_tests.integration.test_alerts import tick
 from cdc_platform_tests.webhook import Webhook
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
