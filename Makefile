@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DAGSTER_HOME := $(CURDIR)/.dagster_home
 
-.PHONY: demo demo-s3 ui test test-cluster test-connect lint bench java jars docs clean spark-connect spark-connect-stop
+.PHONY: demo demo-s3 ui test test-unit test-cluster test-connect lint bench java jars docs clean spark-connect spark-connect-stop
 
 demo: java $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.demo.run
@@ -29,15 +29,20 @@ test: java $(VENV)/.installed jars
 	$(BIN)/pyright
 	$(BIN)/pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
+# The fast layer (cdc_platform_tests/unit/): no Dagster run, no subprocess, no server, at most the
+# session's Spark on a few rows; a couple of minutes on two cores, in one process.
+test-unit: java $(VENV)/.installed jars
+	$(BIN)/pytest -p no:xdist -q cdc_platform_tests/unit
+
 # A real Spark standalone cluster (a master and two workers from the pyspark package).
 test-cluster: java $(VENV)/.installed jars
-	$(BIN)/pytest --run-cluster cdc_platform_tests/test_cluster.py
+	$(BIN)/pytest --run-cluster cdc_platform_tests/integration/test_cluster.py
 
 # The pipeline over a real Spark Connect server (started and stopped by the test's fixture).
 test-connect: java $(VENV)/.installed jars
-	$(BIN)/pytest --run-connect cdc_platform_tests/test_spark_connect.py
+	$(BIN)/pytest --run-connect cdc_platform_tests/integration/test_spark_connect.py
 
-# docs/configuration.md, generated from the code's own config models (test_docs.py checks it).
+# docs/configuration.md, generated from the code's own config models (integration/test_docs.py checks it).
 docs: $(VENV)/.installed
 	$(BIN)/python -m cdc_platform.config_reference --write
 
