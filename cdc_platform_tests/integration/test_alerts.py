@@ -450,7 +450,7 @@ def closed_port_url() -> str:
 def test_unreachable_webhook_never_loses_check_results(
     spark, lake, webhook: Webhook, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 7, item 1: with the webhook down and one file set aside, all 9 results are recorded;
+    """With the webhook down and one file set aside, all 9 results are recorded;
     the alert sensor logs the failed delivery (redacted), retries, and posts once it is up."""
     table = TableConfig(name="alerted", primary_key=("id",), start=START)
     platform = PlatformConfig(lake["landing"], lake["warehouse"], (table,))

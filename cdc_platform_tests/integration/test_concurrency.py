@@ -286,7 +286,7 @@ def test_shipped_instance_monitors_runs() -> None:
 
 
 def test_kill_9_of_a_run_frees_its_slot_and_the_next_run_completes(spark, tmp_path: Path) -> None:
-    """Issue 7, item 12: kill -9 of a run's process group while it holds the table's pool slot;
+    """Kill -9 of a run's process group while it holds the table's pool slot;
     run monitoring marks the run failed, the slot is freed, and the next run completes."""
     started = time.monotonic()
     table = TableConfig(name=KILLED, primary_key=("id",), start=H0)

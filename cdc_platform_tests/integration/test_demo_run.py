@@ -110,7 +110,7 @@ def test_demo_prints_no_dagster_beta_warning(
 
 @pytest.mark.slow
 def test_demo_three_times_in_a_row(tmp_path: Path) -> None:
-    """As the issue's 'done when': three runs from fresh folders each exit 0, no warning."""
+    """`make demo` is repeatable: three runs from fresh folders each exit 0, with no warning."""
     for i in range(3):
         root = tmp_path / f"run{i}"
         root.mkdir()

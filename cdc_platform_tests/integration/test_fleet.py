@@ -98,7 +98,7 @@ def selected(request: dg.RunRequest) -> list[str]:
 def test_one_run_applies_an_hour_for_several_tables_and_a_failing_table_fails_alone(
     spark, lake
 ) -> None:
-    """Issue 32, item 6: one tick sees every table; the hour that landed in three tables
+    """One tick sees every table; the hour that landed in three tables
     becomes one run of two tables and one of one (``tables_per_run: 2``). A table whose
     warehouse cannot be written fails its own step: the other table of its run is committed
     and checked, and the failed table's hour is asked for again, alone, after its backoff."""

@@ -1,4 +1,4 @@
-"""The code location at 200 tables (issue 23, item 6): the jobs do not grow with the table count.
+"""The code location at 200 tables: the jobs do not grow with the table count.
 
 Maintenance and the merge plan are one job each, like the operator jobs: the table is named in
 the run config, refused with a short message when it is not one of the config's, and the job

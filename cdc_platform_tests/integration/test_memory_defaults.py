@@ -1,4 +1,4 @@
-"""A bulk hour works on the shipped defaults (issue 22, target 9): the local driver's memory is
+"""A bulk hour works on the shipped defaults: the local driver's memory is
 sized from the machine unless the deployment says, and no join side that grows with keys is
 broadcast on Spark's estimate (``lib.history.joins``), with the merge's results unchanged either way."""
 

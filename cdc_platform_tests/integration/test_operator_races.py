@@ -1,6 +1,6 @@
-"""Operator jobs against the runs beside them, and against their own inputs (issue 20, items
-7 to 14): each race is driven deterministically (a real event logged between an operator's
-decision and its commit, through a seam of the real code path), on real Spark and Delta.
+"""Operator jobs against the runs beside them, and against their own inputs: each race is
+driven deterministically (a real event logged between an operator's decision and its commit,
+through a seam of the real code path), on real Spark and Delta.
 
 The contract's "Nothing lost" (docs/HISTORY_MODE.md, section 5) is what each test holds: only
 a user removes events, and only the events the user's decision named.

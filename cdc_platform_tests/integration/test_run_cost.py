@@ -1,4 +1,4 @@
-"""Each run shows its cost (issue 22 target 8): seconds and Spark jobs per stage, bytes read, and
+"""Each run shows its cost: seconds and Spark jobs per stage, bytes read, and
 the bytes each Delta commit of the run rewrote, in the materialization's Dagster metadata."""
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def test_range_tag_names_are_dagsters() -> None:
 def test_first_tick_starts_from_what_is_already_applied(
     spark, lake, instance: dg.DagsterInstance
 ) -> None:
-    """Issue 7, item 17: after every hour was materialized (as `make demo` does), the sensor's
+    """After every hour was materialized (as `make demo` does), the sensor's
     first tick requests nothing; then a new file triggers exactly its hour."""
     landing, warehouse = lake["landing"], lake["warehouse"]
     table = TableConfig(name="orders", primary_key=("id",), start=START)

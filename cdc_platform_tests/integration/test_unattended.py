@@ -1,4 +1,4 @@
-"""Unattended operation through a real Dagster daemon (issue 32): an hour that landed while the
+"""Unattended operation through a real Dagster daemon: an hour that landed while the
 warehouse was down reaches the table once storage is back, with no human action; a source that
 went quiet is stale in Dagster's freshness and alerted once."""
 

@@ -1,6 +1,6 @@
 """What a landing sensor tick, a new-tables tick and a code-location load list on a bucket.
 
-Issue 48, item 6: a reset cursor listed two folders an hour to seed (1,441 requests for 720
+Before the shared listing, a reset cursor listed two folders an hour to seed (1,441 requests for 720
 hours), and a folder of junk keys (one per hour, in sub-folders) two an hour at every
 ``cdc_new_tables`` tick and every load with ``discover:``. Now seeding, the sweep and discovery
 share the table's one prefix listing, and each tick lists within a budget, going on next tick

@@ -42,7 +42,7 @@ def test_hostile_landing_names_never_inject_yaml_into_the_snippet(site) -> None:
 
 @pytest.mark.parametrize("name", ["bad[1.parquet", "x{a,b}.parquet"])
 def test_a_landing_file_named_like_a_glob_pattern_is_read_by_its_name(spark, site, name) -> None:
-    """Spark reads ``[`` and ``{a,b}`` in a path as a pattern (issue 31): the unclosed bracket
+    """Spark reads ``[`` and ``{a,b}`` in a path as a pattern: the unclosed bracket
     failed every run of the hour, and ``x{a,b}.parquet`` would read ``xa.parquet`` in its
     place. Both are read natively by their own names, each file's rows once."""
     from cdc_platform_tests.helpers import history_rows, normalize
