@@ -52,9 +52,14 @@ def apply_pending(tables: Opener, synced_at: datetime, list_keys: bool = False) 
         f"history commit for {paths.history}",
     )
     version = result.history_version
-    history = tables.fresh(paths.history)
-    if version is not None and record_settings(history, primary_key, history_columns, version):
-        version += 1  # the table as this run leaves it: the settings' commit came right after
+    # The snapshot the merge read says whether the settings are recorded (a data commit
+    # changes no property): only a table missing them is read again to record them.
+    if version is not None and _to_record(
+        tables.table(paths.history), primary_key, history_columns
+    ):
+        history = tables.fresh(paths.history)
+        if record_settings(history, primary_key, history_columns, version):
+            version += 1  # the table as this run leaves it: the settings' commit came after
     return replace(result, attempts=attempts, history_version=version)
 
 
@@ -76,13 +81,7 @@ def record_settings(
 
     dt = history.dt
     assert dt is not None  # it has just committed ``data_version``
-    recorded = {
-        # A key it records is the same key: the merge checked it.
-        PRIMARY_KEY_PROPERTY: table_key.recorded_key(history) is not None,
-        HISTORY_COLUMNS_PROPERTY: HistoryColumns.of_table(dt).same_as(history_columns),
-    }
-    settings = history_properties(primary_key, history_columns)
-    wanted = {k: v for k, v in settings.items() if not recorded[k]}
+    wanted = _to_record(history, primary_key, history_columns)
     if not wanted or dt.version() != data_version:
         return False
     try:
@@ -90,6 +89,21 @@ def record_settings(
     except CommitFailedError:
         return False
     return True
+
+
+def _to_record(
+    history: Table, primary_key: Sequence[str], history_columns: HistoryColumns
+) -> dict[str, str]:
+    """The settings ``history`` does not record yet (none: both are)."""
+    if history.dt is None:
+        return history_properties(primary_key, history_columns)
+    recorded = {
+        # A key it records is the same key: the merge checked it.
+        PRIMARY_KEY_PROPERTY: table_key.recorded_key(history) is not None,
+        HISTORY_COLUMNS_PROPERTY: HistoryColumns.of_table(history.dt).same_as(history_columns),
+    }
+    settings = history_properties(primary_key, history_columns)
+    return {k: v for k, v in settings.items() if not recorded[k]}
 
 
 def _apply_once(

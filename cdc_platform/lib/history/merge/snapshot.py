@@ -55,6 +55,8 @@ class Opener(Protocol):
 
     def fresh(self, location: Location) -> Table: ...
 
+    def table(self, location: Location) -> Table: ...
+
 
 class HistoryColumnsError(Refusal):
     """The table's selective-history setting names a column the table does not have."""

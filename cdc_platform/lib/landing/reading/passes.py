@@ -168,48 +168,10 @@ def unify_schema(
         typed = [f for f in report.schema if f.name not in skip and not pa.types.is_null(f.type)]
         clash = None
         for f in report.schema:
-            have = fields.get(f.name, seeds.get(f.name))
-            same_but_case = by_lower.get(f.name.lower())
             if f.name in skip:
                 continue
-            if is_reserved(f.name):
-                clash = f"column '{f.name}' uses a reserved system prefix (_fivetran_, _cdc_)"
-            elif same_but_case is not None and same_but_case != f.name:
-                clash = (
-                    f"column '{f.name}' differs only in case from the table's column"
-                    f" '{same_but_case}' (Delta column names are case-insensitive)"
-                )
-            elif (
-                have is not None
-                and not pa.types.is_null(have)
-                and not pa.types.is_null(f.type)
-                and widest(have, f.type) is None
-            ):
-                clash = (
-                    f"column '{f.name}' has type {f.type} in this file but {have} in the table, "
-                    f"and neither widens to the other ({WIDENINGS})"
-                )
-            elif (
-                have is not None
-                and may_widen is not None
-                and not pa.types.is_null(have)
-                and not pa.types.is_null(f.type)
-                and widest(have, f.type) != have
-                and not may_widen(f.name)
-            ):
-                clash = (
-                    f"column '{f.name}' has type {f.type} in this file but {have} in the table: "
-                )
-                clash += (
-                    _keyless_widening
-                    if keyless
-                    else (
-                        f"it would widen the column to {widest(have, f.type)} for good, which the "
-                        "table's widen_types does not allow (never a primary-key column by "
-                        "default). To accept it, set `widen_types: all` (a key column) or `data` "
-                        "on the table in the config, then materialize this file's hour again"
-                    )
-                )
+            have = fields.get(f.name, seeds.get(f.name))
+            clash = _clash(f, have, by_lower.get(f.name.lower()), may_widen, keyless)
             if clash:
                 break
         if clash:
@@ -222,6 +184,46 @@ def unify_schema(
             )
             by_lower.setdefault(f.name.lower(), f.name)
     return [pa.field(name, t) for name, t in fields.items()], rejected
+
+
+def _clash(
+    f: pa.Field,
+    have: pa.DataType | None,
+    same_but_case: str | None,
+    may_widen: Callable[[str], bool] | None,
+    keyless: bool,
+) -> str | None:
+    """Why a file's column ``f`` sets the file aside (``unify_schema``), None if it does not:
+    a reserved name, a name that differs only in case, a type that neither widens nor is
+    widened to the table's ``have``, or a widening the table does not allow."""
+    if is_reserved(f.name):
+        return f"column '{f.name}' uses a reserved system prefix (_fivetran_, _cdc_)"
+    if same_but_case is not None and same_but_case != f.name:
+        return (
+            f"column '{f.name}' differs only in case from the table's column"
+            f" '{same_but_case}' (Delta column names are case-insensitive)"
+        )
+    if have is None or pa.types.is_null(have) or pa.types.is_null(f.type):
+        return None
+    wider = widest(have, f.type)
+    if wider is None:
+        return (
+            f"column '{f.name}' has type {f.type} in this file but {have} in the table, "
+            f"and neither widens to the other ({WIDENINGS})"
+        )
+    if may_widen is None or wider == have or may_widen(f.name):
+        return None
+    clash = f"column '{f.name}' has type {f.type} in this file but {have} in the table: "
+    return clash + (
+        _keyless_widening
+        if keyless
+        else (
+            f"it would widen the column to {wider} for good, which the "
+            "table's widen_types does not allow (never a primary-key column by "
+            "default). To accept it, set `widen_types: all` (a key column) or `data` "
+            "on the table in the config, then materialize this file's hour again"
+        )
+    )
 
 
 def _narrowest_new_types(
