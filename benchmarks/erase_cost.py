@@ -32,7 +32,7 @@ from benchmarks.harness.table import TABLE, hour_at
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.ledgers import erased_keys
-from cdc_platform.lib.operations.erasure import EraseRequest, erase
+from cdc_platform.lib.operations.erase import EraseRequest, erase
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 

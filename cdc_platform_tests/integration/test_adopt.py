@@ -19,7 +19,7 @@ from cdc_platform.lib.columns import TMAX, TMIN
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import invariants, table_key
 from cdc_platform.lib.history.table import HistoryTable
-from cdc_platform.lib.operations.adoption import (
+from cdc_platform.lib.operations.adopt import (
     AdoptionError,
     AdoptRequest,
     SourceFormat,

@@ -25,9 +25,9 @@ from cdc_platform import read
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import current_table, invariants
 from cdc_platform.lib.history.table import HistoryTable
-from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
-from cdc_platform.lib.operations.revocation import UnapplyRequest, unapply
-from cdc_platform.lib.operations.truncation import TruncateRequest, truncate
+from cdc_platform.lib.operations.adopt import AdoptionError, AdoptRequest, adopt
+from cdc_platform.lib.operations.truncate import TruncateRequest, truncate
+from cdc_platform.lib.operations.unapply import UnapplyRequest, unapply
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.delta import UnsupportedTableFeatureError
 from cdc_platform.lib.storage.stores import Location
@@ -368,7 +368,7 @@ def test_without_delta_spark_column_mapping_is_read_and_deletion_vectors_are_ref
     """A session without Delta's library (the platform's own) reads column-mapped files by
     their physical names, and refuses deletion vectors rather than bring deleted rows back."""
     monkeypatch.setattr(
-        "cdc_platform.lib.operations.adoption._has_delta_library", lambda _spark: False
+        "cdc_platform.lib.operations.adopt._has_delta_library", lambda _spark: False
     )
     mapped = lake["root"] / "mapped"
     _make_source(spark, mapped, "'delta.columnMapping.mode' = 'name'", partitioned=True)

@@ -11,7 +11,7 @@ from deltalake import DeltaTable
 
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.lib.ledgers import quarantine
-from cdc_platform.lib.operations.erasure import WITHHELD
+from cdc_platform.lib.operations.erase import WITHHELD
 from cdc_platform.lib.operations.maintenance import vacuum
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev

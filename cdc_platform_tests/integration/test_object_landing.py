@@ -48,7 +48,7 @@ from cdc_platform.lib.landing.where.safe_open import CHANGED, OUTSIDE
 from cdc_platform.lib.landing.where.zone import LandingUnavailableError
 from cdc_platform.lib.ledgers import applied_files, quarantine
 from cdc_platform.lib.ledgers.ledger import Ledger
-from cdc_platform.lib.operations import revocation
+from cdc_platform.lib.operations import unapply as revocation
 from cdc_platform.lib.operations.resync import ResyncError, ResyncRequest, resync
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta

@@ -345,10 +345,10 @@ def test_compaction_commits_on_s3_change_no_row_and_move_the_watermarks(platform
     # The delete-only keys' watermark moves with the change log's compacted version...
     side = delta.ensure_table(paths.delete_only_keys, pa.schema([pa.field("id", pa.int64())]))
     delta.commit(side, [], [], delta.table_arrow_schema(side), app_transaction=(merge.APP_ID, 3))
-    merge.stamp_delete_only_keys(paths, 5, previous=3)
+    merge.stamp_delete_only_keys(Table.open(paths.delete_only_keys), 5, previous=3)
     assert delta.open_table(paths.delete_only_keys).transaction_version(merge.APP_ID) == 5
     # ...unless it was stale (a crash between two commits): then it is left for the next run.
-    merge.stamp_delete_only_keys(paths, 7, previous=3)
+    merge.stamp_delete_only_keys(Table.open(paths.delete_only_keys), 7, previous=3)
     assert delta.open_table(paths.delete_only_keys).transaction_version(merge.APP_ID) == 5
 
 

@@ -19,9 +19,9 @@ from cdc_platform import read
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW
-from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
+from cdc_platform.lib.operations.adopt import AdoptionError, AdoptRequest, adopt
 from cdc_platform.lib.operations.resync import ResyncError, ResyncRequest, resync
-from cdc_platform.lib.operations.truncation import TruncateRequest, truncate
+from cdc_platform.lib.operations.truncate import TruncateRequest, truncate
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -180,7 +180,7 @@ def test_events_a_lost_hard_truncate_attempt_forgot_come_back_when_re_admitted(
     Its events must not stay forgotten: un-applying their file and re-admitting it gives the
     same change log back (they were filtered out as forgotten, lost)."""
     from cdc_platform.lib.history import changelog
-    from cdc_platform.lib.operations.revocation import (
+    from cdc_platform.lib.operations.unapply import (
         ReadmitRequest,
         UnapplyRequest,
         readmit,
@@ -293,9 +293,10 @@ def test_globs_never_match_an_operations_events_and_re_admitting_them_is_refused
     re-admit logs again. Now only an exact name matches them; re-admitting one is refused with
     what to run instead, and running that operation again logs its events again."""
     from cdc_platform.lib.ledgers import revoked_files
-    from cdc_platform.lib.operations import adoption, truncation
+    from cdc_platform.lib.operations import adopt as adoption
     from cdc_platform.lib.operations import resync as resync_module
-    from cdc_platform.lib.operations.revocation import (
+    from cdc_platform.lib.operations import truncate as truncation
+    from cdc_platform.lib.operations.unapply import (
         ADOPT_PREFIX,
         RESYNC_PREFIX,
         TRUNCATE_PREFIX,

@@ -16,7 +16,7 @@ from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.lib.history.merge import FAULT_ENV
 from cdc_platform.lib.history.protected_columns import PROTECTING_PROPERTY
 from cdc_platform.lib.operations.maintenance import vacuum
-from cdc_platform.lib.operations.protection import AFTER_REWRITE_FAULT, REWRITTEN_TO
+from cdc_platform.lib.operations.protect import AFTER_REWRITE_FAULT, REWRITTEN_TO
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events

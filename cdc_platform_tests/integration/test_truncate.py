@@ -14,13 +14,13 @@ from cdc_platform.definitions import build_definitions
 from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import changelog, invariants
 from cdc_platform.lib.history.table import HistoryTable
-from cdc_platform.lib.operations.revocation import UnapplyRequest, unapply
-from cdc_platform.lib.operations.truncation import (
+from cdc_platform.lib.operations.truncate import (
     TruncateRequest,
     source_name,
     truncate,
     truncate_seq,
 )
+from cdc_platform.lib.operations.unapply import UnapplyRequest, unapply
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.stores import Location, Where
@@ -342,7 +342,7 @@ def test_a_hard_truncate_never_removes_an_event_logged_while_it_ran(
 ):
     """Another run logs (and merges) a new key while the truncate decides: the truncate's
     strict commit loses, it starts again, and the new key, written after T, stays."""
-    from cdc_platform.lib.operations import truncation
+    from cdc_platform.lib.operations import truncate as truncation
 
     landing, warehouse = lake["landing"], lake["warehouse"]
     paths = build(built, landing, warehouse)

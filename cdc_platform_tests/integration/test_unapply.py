@@ -17,7 +17,7 @@ from cdc_platform.lib.config import TableConfig, load_config
 from cdc_platform.lib.history import changelog, invariants
 from cdc_platform.lib.history.table import Change, HistoryTable
 from cdc_platform.lib.ledgers import revoked_files
-from cdc_platform.lib.operations.revocation import (
+from cdc_platform.lib.operations.unapply import (
     NoMatchingFileError,
     ReadmitRequest,
     UnapplyRequest,

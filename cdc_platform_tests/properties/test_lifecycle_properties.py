@@ -23,7 +23,7 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.operations.resync import ResyncRequest, resync, resync_seqs
-from cdc_platform.lib.operations.truncation import TruncateRequest, truncate, truncate_seq
+from cdc_platform.lib.operations.truncate import TruncateRequest, truncate, truncate_seq
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev

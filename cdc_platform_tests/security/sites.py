@@ -9,7 +9,7 @@ from typing import Any
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history.table import HistoryTable
-from cdc_platform.lib.operations.adoption import AdoptRequest, adopt
+from cdc_platform.lib.operations.adopt import AdoptRequest, adopt
 
 H5 = datetime(2024, 1, 1, 5, tzinfo=UTC)
 

@@ -15,7 +15,7 @@ import pytest
 from deltalake import write_deltalake
 
 from cdc_platform.lib.config import TableConfig
-from cdc_platform.lib.operations.adoption import AdoptionError
+from cdc_platform.lib.operations.adopt import AdoptionError
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.security.sites import H5, SECRET, _adopt

@@ -22,7 +22,7 @@ from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.rows.pii import SaltChangedError, hash_column
 from cdc_platform.lib.ledgers import erased_keys, quarantine
 from cdc_platform.lib.ledgers.ledger import Ledger
-from cdc_platform.lib.operations.erasure import WITHHELD
+from cdc_platform.lib.operations.erase import WITHHELD
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import (
     CDC_FIELDS,

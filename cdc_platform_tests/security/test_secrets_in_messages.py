@@ -20,7 +20,7 @@ from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.reading.file_reader import LandingReader
 from cdc_platform.lib.landing.where.layout import hour_folder
-from cdc_platform.lib.operations.adoption import AdoptionError
+from cdc_platform.lib.operations.adopt import AdoptionError
 from cdc_platform.lib.operations.resync import (
     SnapshotReader,
 )

@@ -12,7 +12,7 @@ import pytest
 
 from cdc_platform.lib.config import ConfigError, parse_config
 from cdc_platform.lib.history.table import HistoryTable
-from cdc_platform.lib.operations.adoption import AdoptionError, AdoptRequest, adopt
+from cdc_platform.lib.operations.adopt import AdoptionError, AdoptRequest, adopt
 from cdc_platform.lib.operations.resync import (
     ResyncError,
     ResyncRequest,

@@ -24,15 +24,15 @@ from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.table_key import PROTECT_JOB, REKEY_JOB
 from cdc_platform.lib.operations import (
-    adoption,
-    erasure,
+    adopt,
+    erase,
     maintenance,
     plan,
-    protection,
+    protect,
     rekey,
     resync,
-    revocation,
-    truncation,
+    truncate,
+    unapply,
 )
 from cdc_platform.lib.operations.operation import Request, Result, to_ms
 
@@ -88,34 +88,34 @@ OPERATOR_JOBS: tuple[OperatorJob, ...] = (
         checked=False,
     ),
     OperatorJob(
-        revocation.UNAPPLY,
+        unapply.UNAPPLY,
         "unapply",
         rq.UnapplyConfig,
-        revocation.unapply,
+        unapply.unapply,
         "Un-apply landing files: remove their events, recompute the keys they touched, never "
         "apply them again unless re-admitted.",
     ),
     OperatorJob(
-        revocation.READMIT,
+        unapply.READMIT,
         "readmit",
         rq.ReadmitConfig,
-        revocation.readmit,
+        unapply.readmit,
         "Re-admit un-applied landing files and apply them again.",
         keyring="if_needed",
     ),
     OperatorJob(
-        truncation.TRUNCATE,
+        truncate.TRUNCATE,
         "truncate",
         rq.TruncateConfig,
-        truncation.truncate,
+        truncate.truncate,
         "Truncate a table before a time: soft closes live versions (history kept), hard "
         "removes the rows and their events.",
     ),
     OperatorJob(
-        adoption.ADOPT,
+        adopt.ADOPT,
         "adopt",
         rq.AdoptConfig,
-        adoption.adopt,
+        adopt.adopt,
         "Adopt an existing table (live or soft-delete mode) into history mode: live rows start "
         "at its latest _fivetran_synced, soft-deleted rows at 0001-01-01.",
         keyring="if_needed",
@@ -142,17 +142,17 @@ OPERATOR_JOBS: tuple[OperatorJob, ...] = (
         PROTECT_JOB,
         "protect",
         rq.ProtectConfig,
-        protection.protect,
+        protect.protect,
         "Rewrite a table (change log, history, current table) for the hash_columns and "
         "block_columns its config now names.",
         keyring="if_needed",
         rebuilding=True,
     ),
     OperatorJob(
-        erasure.ERASE,
+        erase.ERASE,
         "erase",
         rq.EraseConfig,
-        erasure.erase,
+        erase.erase,
         "Erase keys for a data subject's request: their rows and events leave the change log, "
         "the history, the current table, the quarantine and the ledgers, and are never logged "
         "again.",

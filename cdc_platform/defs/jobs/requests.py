@@ -15,19 +15,19 @@ from cdc_platform.defs.jobs.skeleton import TableRunConfig
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.landing.where.layout import hours_between, partition_key_to_hour
-from cdc_platform.lib.operations.adoption import AdoptRequest
-from cdc_platform.lib.operations.erasure import EraseRequest
+from cdc_platform.lib.operations.adopt import AdoptRequest
+from cdc_platform.lib.operations.erase import EraseRequest
 from cdc_platform.lib.operations.maintenance import (
     DEFAULT_RETENTION_HOURS,
     MaintainRequest,
     retention_refusal,
 )
 from cdc_platform.lib.operations.plan import PlanRequest
-from cdc_platform.lib.operations.protection import ProtectRequest
+from cdc_platform.lib.operations.protect import ProtectRequest
 from cdc_platform.lib.operations.rekey import RekeyRequest
 from cdc_platform.lib.operations.resync import ResyncRequest
-from cdc_platform.lib.operations.revocation import ReadmitRequest, UnapplyRequest
-from cdc_platform.lib.operations.truncation import TruncateRequest
+from cdc_platform.lib.operations.truncate import TruncateRequest
+from cdc_platform.lib.operations.unapply import ReadmitRequest, UnapplyRequest
 
 
 def parse_time(text: str | None, name: str) -> datetime | None:

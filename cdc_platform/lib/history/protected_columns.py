@@ -4,7 +4,7 @@ values beside cleartext (docs/history-table.md, "Hashed and blocked columns").
 
 Changing them means rewriting every copy of the column (the change log, the history, the
 current table): a run whose config names other lists is refused, naming both, and the job
-``protect_columns`` (``lib.operations.protection``) rewrites the table.
+``protect_columns`` (``lib.operations.protect``) rewrites the table.
 A change log from before the property holds every column in the clear: only a config that
 hashes and blocks nothing matches it.
 

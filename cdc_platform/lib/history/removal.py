@@ -12,7 +12,7 @@ from cdc_platform.lib.storage.table import Table
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-# The column ``remove_events``' callers set on each change-log event: true if it goes.
+# The column a removal (``Change.remove``) sets on each change-log event: true if it goes.
 GONE = internal("gone")
 
 
@@ -26,7 +26,7 @@ def fenced(log: Table, fence: bool, metadata_key: str) -> tuple[int, int, int]:
 
 def marked_by(keys: DataFrame, primary_key: Sequence[str]) -> Callable[[DataFrame], DataFrame]:
     """A ``mark`` flagging every event of ``keys`` (the key columns and ``GONE``, decided
-    beforehand: a flag from the event alone, as ``remove_events`` needs)."""
+    beforehand: a flag from the event alone, as ``Change.remove`` needs)."""
     from pyspark.sql import functions as F
 
     pk = list(primary_key)

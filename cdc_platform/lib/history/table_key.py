@@ -25,7 +25,7 @@ MAX_KEY_CHARS = 10_000
 # The last rekey_table run: {"from_version": <history version before it>, "pending": <bool>}.
 REKEY_PROPERTY = "cdc_platform.rekey"
 # The operator jobs that rebuild a table's history from its change log: changing its key
-# (``lib.operations.rekey``), and its hashed and blocked columns (``lib.operations.protection``).
+# (``lib.operations.rekey``), and its hashed and blocked columns (``lib.operations.protect``).
 REKEY_JOB = "rekey_table"
 PROTECT_JOB = "protect_columns"
 REBUILD_JOBS = (REKEY_JOB, PROTECT_JOB)

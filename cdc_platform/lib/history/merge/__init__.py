@@ -24,7 +24,7 @@ events touch, not what the table holds:
 * **Keys with no version.** A key whose every event is a delete has no row in the table, yet
   its deletes matter if an older insert lands later. Such keys, with their last event time,
   are kept in a small side table (``delete_only_keys``) so that a new key can be told from one.
-* **Retracted keys.** Un-applying a landing file (``lib.operations.revocation``) takes its events out of
+* **Retracted keys.** Un-applying a landing file (``lib.operations.unapply``) takes its events out of
   the change log, so a key may lose events without gaining any. Such keys are listed in a side
   table (``retracted_keys``) with the change-log version the removal followed; until the
   history table has caught up past it, they are recomputed (slow path), even with no event left.

@@ -7,7 +7,7 @@ to crash after (running the job again finishes it):
 1. the keys are recorded in the erased-keys ledger, by salted hash only
    (``ledgers.erased_keys``): from then on no append logs an event of theirs, whatever file,
    re-read hour, re-sync or adoption delivers it;
-2. their events leave the change log, as an un-apply's do (``revocation.remove_events``, fenced
+2. their events leave the change log, as an un-apply's do (``HistoryTable.change``'s ``remove``, fenced
    on the version it decided on), and the merge recomputes the keys: their history rows and
    delete-only records go;
 3. the side tables that named them in the clear are cleaned: the retracted keys the merge has
