@@ -297,7 +297,7 @@ def test_maintenance_holds_the_tables_pool_slot_and_tags_the_run(tmp_path, monke
             calls.append((str(paths.history), [s.run_id for s in held]))
             return ["a", "b"]
 
-        monkeypatch.setattr(maintenance, "compact", lambda spark, paths, key: [])
+        monkeypatch.setattr(maintenance, "compact", lambda table: [])
         monkeypatch.setattr(maintenance, "vacuum", vacuum)
         storage.initialize_concurrency_limit_to_default(pool)
         assert storage.claim_concurrency_slot(pool, "sensor-run", "t001", 0).is_claimed
