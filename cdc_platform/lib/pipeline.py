@@ -36,7 +36,7 @@ from cdc_platform.lib.landing.where.layout import hour_to_partition_key
 from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.safe_open import CHANGED
 from cdc_platform.lib.landing.where.zone import Landing, LandingZone
-from cdc_platform.lib.ledgers import applied_files, erased_keys, quarantine, revoked_files
+from cdc_platform.lib.ledgers import applied_files, erased_keys, quarantine
 from cdc_platform.lib.operations.operation import to_ms
 from cdc_platform.lib.spark.run_cost import CostReport, RunCost, lap
 from cdc_platform.lib.spark.session import ADAPTIVE, conf_restored
@@ -127,7 +127,7 @@ def materialize_hours(
             f" check the config (or mount the landing volume); table {table.name!r} was not"
             " materialized"
         )
-    run = _Run(spark, table, landing, t.warehouse_root, hours, t.keyring, synced_at, t)
+    run = _Run(t, landing, hours, synced_at)
     with RunCost(spark, committed_tables(t.paths)) as cost, conf_restored(spark, ADAPTIVE):
         outcome, listing = _apply_hours(run)
     if run_id is not None:
@@ -157,14 +157,22 @@ def plan_whole_if_small(spark: SparkSession, landing_bytes: int) -> None:
 class _Run:
     """One materialization's inputs, said once: every stage below takes it."""
 
-    spark: SparkSession
-    table: TableConfig
+    handle: HistoryTable  # the table, its session and keyring, its Delta tables opened once
     landing: LandingZone
-    warehouse_root: Where
     hours: Sequence[datetime]
-    keyring: Keyring | None
     synced_at: datetime | None
-    handle: HistoryTable  # the table's Delta tables, opened once for every stage
+
+    @property
+    def spark(self) -> SparkSession:
+        return self.handle.spark
+
+    @property
+    def table(self) -> TableConfig:
+        return self.handle.config
+
+    @property
+    def keyring(self) -> Keyring | None:
+        return self.handle.keyring
 
     @property
     def paths(self) -> TablePaths:
@@ -173,10 +181,6 @@ class _Run:
     @property
     def partitions(self) -> list[str]:
         return [hour_to_partition_key(h) for h in self.hours]
-
-    def revoked(self) -> set[str]:
-        """The landing files un-applied so far (asked again before each commit)."""
-        return revoked_files.revoked_names(self.paths.revoked_files)
 
 
 def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, Listing]:
@@ -192,10 +196,10 @@ def _apply_hours(run: _Run) -> tuple[MaterializationOutcome, Listing]:
     started = time.monotonic()
     synced_at = to_ms(run.synced_at or datetime.now(UTC))
     reader = LandingReader(run.table, run.landing, run.keyring)
-    erased = erased_keys.loader(run.paths.erased_keys, run.keyring)
+    erased = run.handle.erased()
     if erased() is not None:  # refused here without the salt, before any read
         reader.hide_values = True  # a reason could quote a cell of an erased key's row
-    batch = LandingBatch.of_hours(run.spark, reader, run.landing, run.hours, run.revoked())
+    batch = LandingBatch.of_hours(run.spark, reader, run.landing, run.hours, run.handle.revoked())
     listing = batch.listing
     plan_whole_if_small(run.spark, sum(listing.size_of.values()))
 
@@ -279,7 +283,7 @@ def _record_applied(
         if applied_files.identity(run.landing, f)[0] not in changed
     ]
     applied_files.record(
-        applied_files.ledger_path(run.warehouse_root, run.table.name),
+        applied_files.of_table(run.paths),
         run.landing,
         run.partitions,
         kept,
@@ -314,7 +318,7 @@ def _log_events(
             run.paths.changelog,
             changelog.Batch(events, run.table.key, seq_range, rows, synced_at),
             changelog.Guards(
-                revoked=run.revoked,
+                revoked=run.handle.revoked,
                 forgotten=run.paths.forgotten_events,
                 erased=erased,
                 before_commit=before_commit,

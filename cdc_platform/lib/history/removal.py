@@ -16,12 +16,11 @@ if TYPE_CHECKING:
 GONE = internal("gone")
 
 
-def fenced(log: Table, fence: bool, metadata_key: str) -> tuple[int, int, int]:
+def fenced(log: Table, fence: bool, metadata_key: str) -> None:
     """Nothing to remove: commit an empty version if asked to fence off racing appends."""
     if fence:
         with log.committing() as empty:
             empty.commit(metadata={metadata_key: 0}, strict=True)
-    return 0, 0, 0
 
 
 def marked_by(keys: DataFrame, primary_key: Sequence[str]) -> Callable[[DataFrame], DataFrame]:

@@ -49,7 +49,7 @@ from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.reading.passes import event_schema
 from cdc_platform.lib.landing.rows.timestamps import CLOCK_SKEW, ahead_of
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
-from cdc_platform.lib.operations.operation import Request, hour_of, to_ms
+from cdc_platform.lib.operations.operation import Request, hour_start, to_ms
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.roots import SourceRootError, adoption_source
 from cdc_platform.lib.storage.schema import (
@@ -129,7 +129,7 @@ class AdoptResult:
 
     @property
     def hours(self) -> tuple[datetime, ...]:
-        return (hour_of(self.adopted_at),)
+        return (hour_start(self.adopted_at),)
 
 
 def source_name(source: Location) -> str:

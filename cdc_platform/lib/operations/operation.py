@@ -19,7 +19,7 @@ def to_ms(ts: datetime) -> datetime:
     return ts.replace(microsecond=(ts.microsecond // 1000) * 1000)
 
 
-def hour_of(ts: datetime) -> datetime:
+def hour_start(ts: datetime) -> datetime:
     """The hour partition a time falls in."""
     return ts.replace(minute=0, second=0, microsecond=0)
 

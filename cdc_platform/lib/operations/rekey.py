@@ -72,7 +72,7 @@ from cdc_platform.lib.history.table_key import (
 from cdc_platform.lib.history.versions import build_versions
 from cdc_platform.lib.landing.rows.row_id import row_ids
 from cdc_platform.lib.ledgers import erased_keys
-from cdc_platform.lib.operations.operation import Request, hour_of
+from cdc_platform.lib.operations.operation import Request, hour_start
 from cdc_platform.lib.spark.session import persisted
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.table import Table
@@ -158,7 +158,7 @@ class RekeyResult:
     @property
     def hours(self) -> tuple[datetime, ...]:
         """The hour of the table's last event: the rebuild concerns its whole history."""
-        return (hour_of(self.last_event_at),) if self.last_event_at else ()
+        return (hour_start(self.last_event_at),) if self.last_event_at else ()
 
 
 def rekey(t: HistoryTable, request: RekeyRequest) -> RekeyResult:

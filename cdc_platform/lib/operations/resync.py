@@ -67,7 +67,7 @@ from cdc_platform.lib.landing.where.root import zone_at
 from cdc_platform.lib.landing.where.safe_open import FileId
 from cdc_platform.lib.landing.where.zone import IncompleteSnapshotError, LandingZone, LocalZone
 from cdc_platform.lib.ledgers import erased_keys, revoked_files
-from cdc_platform.lib.operations.operation import Request, hour_of, to_ms
+from cdc_platform.lib.operations.operation import Request, hour_start, to_ms
 from cdc_platform.lib.storage.roots import SourceRootError, snapshot_folder
 from cdc_platform.lib.storage.schema import spark_schema
 from cdc_platform.lib.storage.stores import Location, Where
@@ -136,7 +136,7 @@ class ResyncResult:
 
     @property
     def hours(self) -> tuple[datetime, ...]:
-        return (hour_of(self.at),)
+        return (hour_start(self.at),)
 
 
 @dataclass(frozen=True)

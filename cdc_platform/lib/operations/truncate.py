@@ -45,7 +45,7 @@ from cdc_platform.lib.errors import Refusal
 from cdc_platform.lib.history.merge import MergeResult, is_closed_file
 from cdc_platform.lib.history.table import Change, HistoryTable
 from cdc_platform.lib.ledgers import revoked_files
-from cdc_platform.lib.operations.operation import Request, hour_of, to_ms
+from cdc_platform.lib.operations.operation import Request, hour_start, to_ms
 from cdc_platform.lib.storage.table import Table
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class TruncateResult:
 
     @property
     def hours(self) -> tuple[datetime, ...]:
-        return (hour_of(self.before),)
+        return (hour_start(self.before),)
 
 
 def source_name(before: datetime) -> str:
