@@ -100,7 +100,7 @@ def built(spark, tmp_path_factory: pytest.TempPathFactory) -> Path:
         HistoryTable(spark, TABLE, warehouse, landing),
         UnapplyRequest((str(extra.relative_to(landing)),), "test", "run-1", now=synced(6)),
     )
-    current_table.refresh(spark, TablePaths.of(warehouse, "orders"), TABLE.key)
+    current_table.refresh(HistoryTable(spark, TABLE, warehouse))
     return root
 
 
@@ -237,7 +237,7 @@ def test_the_platform_goes_on_after_delta_spark_optimizes_and_vacuums(spark, bui
         ours = read.as_of_arrow(paths.history, ts).to_table()
         theirs = read.as_of_arrow(control_paths.history, ts).to_table()
         assert _sorted_rows(ours) == _sorted_rows(theirs)
-    current_table.refresh(spark, paths, TABLE.key)
+    current_table.refresh(HistoryTable(spark, TABLE, warehouse))
     assert_same_reads(spark, paths.history)
     assert_same_reads(spark, paths.current)
 

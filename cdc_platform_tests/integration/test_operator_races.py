@@ -397,7 +397,7 @@ def test_a_current_table_never_overwrites_a_discovered_table_of_its_name(spark, 
     paths = TablePaths.of(warehouse, "orders")
     seen = delta.version_or_none(paths.current)
     with pytest.raises(current_table.CurrentTableClashError, match="not overwritten"):
-        current_table.refresh(spark, paths, ("id",))
+        current_table.refresh(HistoryTable(spark, discovered[0], warehouse))
     assert delta.version_or_none(paths.current) == seen
 
 

@@ -18,6 +18,7 @@ from deltalake import DeltaTable
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.lib.config import PlatformConfig, load_config
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.decoding.keyring import Keyring, KeyringError
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -234,7 +235,7 @@ def test_protect_columns_rewrites_a_table_and_vacuum_removes_the_cleartext(
         ],
     )
     assert materialize_asset(clear, H0).success
-    current_table.refresh(spark, paths, clear.table("t").key)  # as the t_current asset does
+    current_table.refresh(HistoryTable.of(spark, clear, "t"))  # as the t_current asset does
     assert EMAIL in every_value_in(Path(clear.warehouse_root.uri))
 
     protected = config_file(

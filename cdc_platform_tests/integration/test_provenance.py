@@ -8,8 +8,8 @@ import pytest
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history.provenance import EVENTS, NoHistoryError, version_sources
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.pipeline import materialize
-from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import event as ev
 from cdc_platform_tests.helpers import write_parquet_events
 
@@ -52,7 +52,7 @@ def test_each_version_traces_to_its_opening_events(spark, lake):
     a = "p/year=2024/month=01/day=01/hour=00/a.parquet"
     b = "p/year=2024/month=01/day=01/hour=01/b.parquet"
     old = "p/year=2024/month=01/day=01/hour=00/late.parquet"
-    rows = version_sources(spark, TablePaths.of(warehouse, "p"), ["id"]).collect()
+    rows = version_sources(HistoryTable(spark, TABLE, warehouse)).collect()
     got = {
         (r["id"], utc(r["_fivetran_start"])): [
             (
@@ -78,10 +78,10 @@ def test_each_version_traces_to_its_opening_events(spark, lake):
 
     # Narrowed to some keys, the lookup reads only those.
     keys = spark.createDataFrame([(3,)], "id long")
-    narrowed = version_sources(spark, TablePaths.of(warehouse, "p"), ["id"], keys).collect()
+    narrowed = version_sources(HistoryTable(spark, TABLE, warehouse), keys).collect()
     assert [(r["id"], len(r[EVENTS]), r["_fivetran_active"]) for r in narrowed] == [(3, 2, False)]
 
 
 def test_a_table_never_materialized_says_so(spark, lake):
     with pytest.raises(NoHistoryError, match="materialize it first"):
-        version_sources(spark, TablePaths.of(lake["warehouse"], "nothing"), ["id"])
+        version_sources(HistoryTable(spark, TABLE, lake["warehouse"]))

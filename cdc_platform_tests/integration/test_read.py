@@ -29,6 +29,7 @@ from cdc_platform.defs.tables.current import CURRENT_TABLES_SENSOR
 from cdc_platform.lib.columns import ACTIVE, END, START, STATE_COLUMNS, TMAX
 from cdc_platform.lib.config import PlatformConfig, TableConfig, load_config
 from cdc_platform.lib.history import current_table
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.operations import maintenance
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
@@ -394,10 +395,10 @@ def test_an_empty_live_set_empties_the_current_table(spark, tmp_path):
     paths = TablePaths.of(platform.warehouse_root, "t")
     write_parquet_events(platform.landing_path, "t", H1, HOUR1[:1])
     materialize(spark, table, platform.landing_path, platform.warehouse_root, [H1])
-    assert current_table.refresh(spark, paths, table.key).rows == 1
+    assert current_table.refresh(HistoryTable.of(spark, platform, table)).rows == 1
     write_parquet_events(platform.landing_path, "t", H2, [ev("DELETE", 2, s(9), "a", v=None)])
     materialize(spark, table, platform.landing_path, platform.warehouse_root, [H2])
-    result = current_table.refresh(spark, paths, table.key)
+    result = current_table.refresh(HistoryTable.of(spark, platform, table))
     assert (result.rows, result.files_added, result.files_removed) == (0, 0, 1)
     assert delta.read_arrow(paths.current).num_rows == 0
     assert delta.read_arrow(paths.current).schema.names == ["id", "v"]

@@ -14,6 +14,7 @@ from deltalake import DeltaTable
 
 from cdc_platform.lib.config import PlatformConfig
 from cdc_platform.lib.history import current_table, table_key
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.table_key import REKEY_PROPERTY, Rekey
 from cdc_platform.lib.storage.table import Table
 from cdc_platform.lib.storage.warehouse import TablePaths
@@ -198,14 +199,14 @@ def test_keyed_to_keyless_and_back(spark, tmp_path):
     write_parquet_events(keyless.landing_path, "t", H1, [events[1] | {"cdc_change_seq": 9}])
     assert checks_passed(materialize_with_checks(keyless, "t", H1))
     assert len(table_rows(paths.history)[1]) == len(original[1])
-    current_table.refresh(spark, paths, keyless.table("t").key)  # as the t_current asset does
+    current_table.refresh(HistoryTable.of(spark, keyless, "t"))  # as the t_current asset does
     assert "_fivetran_id" in Table.open(paths.current).arrow_schema.names
 
     back = rekey_job(by_id)
     assert back.success, failure_of(back)
     assert "_fivetran_id" not in Table.open(paths.changelog).arrow_schema.names
     assert checks_passed(materialize_with_checks(by_id, "t", H1))
-    current_table.refresh(spark, paths, by_id.table("t").key)  # keyed again: no id column
+    current_table.refresh(HistoryTable.of(spark, by_id, "t"))  # keyed again: no id column
     assert "_fivetran_id" not in Table.open(paths.current).arrow_schema.names
 
 

@@ -18,6 +18,7 @@ from cdc_platform.lib.config import ConfigError, TableConfig, load_config, parse
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.history.merge import HistoryColumnsError, record_settings
 from cdc_platform.lib.history.provenance import EVENTS, version_sources
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.history.versions import TMAX, HistoryColumns
 from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.pipeline import materialize
@@ -296,10 +297,9 @@ def test_provenance_of_a_selective_version_lists_every_event_it_covers(spark, la
     )
     write_parquet_events(landing, "s", H0, EVENTS_H0)
     materialize(spark, table, landing, warehouse, [H0])
-    paths = TablePaths.of(warehouse, "s")
     sources = {
         (r["id"], r["_fivetran_start"]): [e["cdc_change_seq"] for e in r[EVENTS]]
-        for r in version_sources(spark, paths, ["id"]).collect()
+        for r in version_sources(HistoryTable(spark, table, warehouse)).collect()
     }
     # Key 1's first version took updated_at from seqs 2 and 3; key 2's version ends with its
     # delete.

@@ -15,6 +15,7 @@ import pytest
 from cdc_platform.lib.columns import TS_TYPE
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import current_table, invariants
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.schema import widest
@@ -95,7 +96,7 @@ def test_a_wider_file_widens_every_table_and_keeps_every_value(spark, lake):
     ]
     write_parquet_events(landing, TABLE.name, H0, hour0, schema=OLD)
     materialize(spark, TABLE, landing, warehouse, [H0])
-    current_table.refresh(spark, paths, TABLE.key)
+    current_table.refresh(HistoryTable(spark, TABLE, warehouse))
 
     # Key 1: the same values in the wider types (no new version). Key 2: a real change.
     hour1 = [
@@ -135,7 +136,7 @@ def test_a_wider_file_widens_every_table_and_keeps_every_value(spark, lake):
         (1, Decimal("1.500"), midnight(d1), "7", at(H1, 1), TMAX, True),
         (3, Decimal("3.000"), midnight(d2), "3", at(H0, 0), at(H0, 3), False),
     }
-    current_table.refresh(spark, paths, TABLE.key)  # built in the old types: widened
+    current_table.refresh(HistoryTable(spark, TABLE, warehouse))  # built in the old types: widened
     schema = delta.table_arrow_schema(delta.open_table(paths.current))
     assert {n: schema.field(n).type for n in wide} == wide
     current = delta.read_arrow(paths.current).to_pylist()

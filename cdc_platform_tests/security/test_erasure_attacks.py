@@ -18,6 +18,7 @@ from deltalake import DeltaTable
 
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
 from cdc_platform.lib.history import current_table
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.decoding.keyring import Keyring
 from cdc_platform.lib.landing.rows.pii import SaltChangedError, hash_column
 from cdc_platform.lib.ledgers import erased_keys, quarantine
@@ -216,7 +217,7 @@ def test_an_erasure_leaves_the_key_in_no_delta_log_no_stale_current_table_and_no
         assert materialize_with_checks(platform, "t", hour).success
     (reason,) = [q.reason for q in quarantine.current(paths.quarantine)]
     assert str(big) in reason and str(TARGET) not in reason
-    current_table.refresh(spark, paths, ["id"])  # as the t_current asset does
+    current_table.refresh(HistoryTable.of(spark, platform, "t"))  # as the t_current asset does
     assert NAME in live(paths.current)
 
     warehouse = Path(platform.warehouse_root.uri)

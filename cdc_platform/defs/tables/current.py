@@ -11,6 +11,7 @@ from cdc_platform.defs.jobs.skeleton import pool_name
 from cdc_platform.defs.resources import SparkResource
 from cdc_platform.lib.config import PlatformConfig, TableConfig
 from cdc_platform.lib.history import current_table
+from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.storage.warehouse import TablePaths, current_table_name
 
 CURRENT_TABLES_SENSOR = "cdc_current_tables"
@@ -61,7 +62,9 @@ def build_current_table_asset(platform: PlatformConfig, table: TableConfig) -> d
     def current_rows(
         context: dg.AssetExecutionContext, spark: SparkResource
     ) -> dg.MaterializeResult:
-        result = current_table.refresh(spark.session(platform.warehouse_root), paths, table.key)
+        result = current_table.refresh(
+            HistoryTable.of(spark.session(platform.warehouse_root), platform, table)
+        )
         context.log.info(
             f"{table.name}: current table has {result.rows} row(s) "
             f"(history version {result.history_version})"

@@ -12,7 +12,6 @@ travel until the table's VACUUM (``lib/operations/maintenance.py``) deletes them
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -23,11 +22,9 @@ from cdc_platform.lib.errors import PlatformError
 from cdc_platform.lib.history import reads
 from cdc_platform.lib.storage import delta
 from cdc_platform.lib.storage.schema import spark_schema
-from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from cdc_platform.lib.history.merge.snapshot import Opener
 
 HISTORY_VERSION = "cdc_platform.history_version"
 
@@ -49,23 +46,20 @@ class CurrentTableClashError(PlatformError, RuntimeError):
     """The current table's folder holds another table (a name the platform derives collides)."""
 
 
-def refresh(
-    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str]
-) -> CurrentTableResult:
-    """Replace the current table with the history table's active rows; retry if another
-    writer commits to it first (each attempt reads the history table anew)."""
+def refresh(t: Opener) -> CurrentTableResult:
+    """Replace the current table of ``t`` (the table's handle) with the history table's active
+    rows; retry if another writer commits to it first (each attempt reads both anew)."""
     result, attempts = delta.with_commit_retries(
-        lambda: _refresh_once(spark, paths, primary_key), f"current table {paths.current}"
+        lambda: _refresh_once(t), f"current table {t.paths.current}"
     )
     return replace(result, attempts=attempts)
 
 
-def _refresh_once(
-    spark: SparkSession, paths: TablePaths, primary_key: Sequence[str]
-) -> CurrentTableResult:
+def _refresh_once(t: Opener) -> CurrentTableResult:
     from pyspark.sql import functions as F
 
-    history = Table.open(paths.history)
+    spark, paths, primary_key = t.spark, t.paths, t.config.key
+    history = t.fresh(paths.history)
     if history.version is None:
         raise FileNotFoundError(
             f"history table {paths.history} does not exist yet: materialize it first"
@@ -76,7 +70,7 @@ def _refresh_once(
     user = pa.schema(
         [f for f in history.arrow_schema if not is_reserved(f.name) or f.name == ROW_ID]
     )
-    current = Table.open(paths.current)
+    current = t.fresh(paths.current)
     if not current.exists:
         current = current.ensure(user, DESCRIPTION)
     dt = current.dt

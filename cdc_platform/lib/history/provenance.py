@@ -20,7 +20,6 @@ Nothing is stored for this: the change log is the record, so provenance never di
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from cdc_platform.lib.columns import (
@@ -39,11 +38,11 @@ from cdc_platform.lib.columns import (
     internal,
 )
 from cdc_platform.lib.errors import Refusal
-from cdc_platform.lib.storage.table import Table
-from cdc_platform.lib.storage.warehouse import TablePaths
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame
+
+    from cdc_platform.lib.history.merge.snapshot import Opener
 
 EVENTS = "_cdc_events"  # the column of the lookup's result that holds a version's events
 
@@ -52,12 +51,7 @@ class NoHistoryError(Refusal, LookupError):
     """The table has no history (or no change log) yet: there is nothing to trace."""
 
 
-def version_sources(
-    spark: SparkSession,
-    paths: TablePaths,
-    primary_key: Sequence[str],
-    keys: DataFrame | None = None,
-) -> DataFrame:
+def version_sources(t: Opener, keys: DataFrame | None = None) -> DataFrame:
     """Every version (primary key, ``_fivetran_start``, ``_fivetran_end``,
     ``_fivetran_active``) with ``_cdc_events``: its opening events (on a selective table, every
     event it covers) in seq order, each a struct
@@ -69,10 +63,10 @@ def version_sources(
     """
     from pyspark.sql import functions as F
 
-    pk = list(primary_key)
-    history, log = Table.open(paths.history), Table.open(paths.changelog)
+    spark, pk = t.spark, list(t.config.key)
+    history, log = t.table(t.paths.history), t.table(t.paths.changelog)
     if not history.exists or not log.exists:
-        raise NoHistoryError(f"no history table at {paths.history} yet: materialize it first")
+        raise NoHistoryError(f"no history table at {t.paths.history} yet: materialize it first")
     versions = history.read(spark).select(*cols([*pk, START, END, ACTIVE]))
     events = log.read(spark)
     if keys is not None:

@@ -208,24 +208,23 @@ def load(path: Where, keyring: Keyring | None) -> ErasedKeys | None:
             f"{path}: keys of this table were erased, and the keyring (CDC_KEYRING) has no "
             "hash_salt to recognise them: nothing is read without it"
         )
-    if not check_ledger_salt(path, salt):  # a ledger from before the fingerprint: pinned now
-        _record_fingerprint(path, salt)
+    _pin_salt(path, salt)  # a ledger from before the fingerprint: pinned now
     return ErasedKeys.of({_schema(t): h for t, h in by_types.items()}, salt)
 
 
-def check_ledger_salt(path: Where, salt: bytes) -> bool:
+def check_ledger_salt(path: Where, salt: bytes) -> Table:
     """Refuse ``salt`` if the ledger's hashes were made with another (``pii.check_salt``);
-    whether the ledger records a fingerprint at all."""
-    recorded = Table.open(path).json_property(SALT_PROPERTY) if delta.exists(path) else None
+    the ledger as opened for it (one without a log when there is none yet)."""
+    ledger = Table.open(path)
     check_salt(
-        recorded,
+        ledger.json_property(SALT_PROPERTY),
         salt,
         str(path),
         "the table's erased keys",
         "they would match no key, and a late file, a re-read hour, a re-sync or an adoption "
         "would log them again",
     )
-    return recorded is not None
+    return ledger
 
 
 def _schema(text: str) -> pa.Schema:
@@ -249,8 +248,7 @@ def add(
     """Record the key hashes (of keys in ``key_types``, made with ``salt``) not recorded yet,
     in one commit; returns how many were new. The salt's fingerprint is recorded first: with
     the ledger, or on a ledger from before it (refused if another salt's is recorded)."""
-    check_ledger_salt(path, salt)
-    _record_fingerprint(path, salt)
+    _pin_salt(path, salt)
     types = base64.b64encode(key_types.serialize().to_pybytes()).decode("ascii")
     ledger = Ledger(path, SCHEMA)
     known = set(ledger.read(["key_hash"]).column(0).to_pylist()) if ledger.exists() else set()
@@ -264,12 +262,14 @@ def add(
     return len(new)
 
 
-def _record_fingerprint(path: Where, salt: bytes) -> None:
-    """The ledger created (empty) with the salt's fingerprint, or given it if it has none."""
-    value = json.dumps(salt_fingerprint(salt))
-    if not delta.exists(path):
-        delta.ensure_table(path, SCHEMA, "cdc_platform erased keys", None, {SALT_PROPERTY: value})
+def _pin_salt(path: Where, salt: bytes) -> None:
+    """Refuse ``salt`` if another's fingerprint is recorded; otherwise record its fingerprint
+    where none is: the ledger created empty with it, or a ledger from before it given it."""
+    ledger = check_ledger_salt(path, salt)
+    if ledger.json_property(SALT_PROPERTY) is not None:
         return
-    table = Table.open(path)
-    if table.json_property(SALT_PROPERTY) is None:
-        table.set_properties({SALT_PROPERTY: value})
+    value = json.dumps(salt_fingerprint(salt))
+    if not ledger.exists:
+        delta.ensure_table(path, SCHEMA, "cdc_platform erased keys", None, {SALT_PROPERTY: value})
+    else:
+        ledger.set_properties({SALT_PROPERTY: value})

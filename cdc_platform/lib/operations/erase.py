@@ -205,7 +205,7 @@ def _scrub_current(t: HistoryTable, typed: pa.Table, salt: bytes) -> None:
     was turned off (still readable) loses the keys' rows."""
     current = t.table(t.paths.current)
     if t.config.current_table and current.exists:
-        current_table.refresh(t.spark, t.paths, t.key)
+        current_table.refresh(t)
     elif current.exists and not _is_a_history_table(t.paths, t.name):
         _scrub_rows(t.spark, current, t.key, _erasing(typed, t.key, salt))
 

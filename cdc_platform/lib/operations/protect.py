@@ -136,7 +136,7 @@ def protect(t: HistoryTable, request: ProtectRequest) -> ProtectResult:
 def _refresh_current(t: HistoryTable) -> None:
     """The current table from the history as it now is (it holds the old cells until then)."""
     if t.config.current_table and t.table(t.paths.current).exists:
-        current_table.refresh(t.spark, t.paths, t.key)
+        current_table.refresh(t)
 
 
 def _refuse(
