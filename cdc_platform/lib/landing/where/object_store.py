@@ -174,12 +174,7 @@ class S3Landing(LandingZone):
         token: str | None = None
         last = self.key_of(end) if end else ""
         while True:
-            args: dict[str, Any] = {"Prefix": self.key_of(prefix), "MaxKeys": PAGE_KEYS}
-            if token:
-                args["ContinuationToken"] = token
-            elif start_after:
-                args["StartAfter"] = self.key_of(start_after)
-            page = self._call("list_objects_v2", **args)
+            page = self._page(prefix, token, start_after)
             for obj in page.get("Contents", ()):
                 if last and obj["Key"] >= last:
                     return
@@ -187,6 +182,16 @@ class S3Landing(LandingZone):
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
+
+    def _page(self, prefix: str, token: str | None, after: str) -> dict[str, Any]:
+        """One page of the listing of ``prefix`` (relative): the one ``token`` continues to,
+        else the first after the key ``after`` (relative; empty: from the start)."""
+        args: dict[str, Any] = {"Prefix": self.key_of(prefix), "MaxKeys": PAGE_KEYS}
+        if token:
+            args["ContinuationToken"] = token
+        elif after:
+            args["StartAfter"] = self.key_of(after)
+        return self._call("list_objects_v2", **args)
 
     def _relative_key(self, key: str) -> str:
         return key[len(self.prefix) + 1 :] if self.prefix else key
@@ -233,21 +238,6 @@ class S3Landing(LandingZone):
         by_hour = self._by_hour(self._list(table + "/", start_after=min(spellings), end=end))
         wanted = set(hours)
         return {h: files for h, files in by_hour.items() if h in wanted}
-
-    def sweep_part(
-        self,
-        table: str,
-        before: datetime,
-        mark_ns: int,
-        after: str = "",
-        budget: ListBudget | None = None,
-    ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]], str | None]:
-        """One listing of the table's hour folders (a page per 1000 objects) gives both."""
-        part = self.hour_files(table, after, budget)
-        by_hour = part.files
-        newest = {h: max(f.mtime_ns for f in fs) for h, fs in by_hour.items() if h < before}
-        touched = {h: by_hour[h] for h, n in newest.items() if n > mark_ns}
-        return newest, touched, part.resume_after
 
     def hour_files(
         self, table: str, after: str = "", budget: ListBudget | None = None
@@ -299,12 +289,7 @@ class S3Landing(LandingZone):
         objects: list[dict[str, Any]] = []
         token: str | None = None
         while budget is None or budget.take():
-            args: dict[str, Any] = {"Prefix": self.key_of(prefix), "MaxKeys": PAGE_KEYS}
-            if token:
-                args["ContinuationToken"] = token
-            elif after:
-                args["StartAfter"] = self.key_of(after)
-            page = self._call("list_objects_v2", **args)
+            page = self._page(prefix, token, after)
             objects += page.get("Contents", ())
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:

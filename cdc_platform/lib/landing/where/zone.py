@@ -155,7 +155,6 @@ class LandingZone(ABC):
         newest, touched, _ = self.sweep_part(table, before, mark_ns)
         return newest, touched
 
-    @abstractmethod
     def sweep_part(
         self,
         table: str,
@@ -166,7 +165,13 @@ class LandingZone(ABC):
     ) -> tuple[dict[datetime, int], dict[datetime, list[LandingFile]], str | None]:
         """``sweep`` from the key ``after`` on, until ``budget`` is spent, and the key to go on
         after (None: the sweep is complete); a folder cut by the budget waits for the next call
-        (``hour_files``)."""
+        (``hour_files``). Here both come from that one listing of the table's hour folders (on
+        a bucket, a page per 1000 objects)."""
+        part = self.hour_files(table, after, budget)
+        by_hour = part.files
+        newest = {h: max(f.mtime_ns for f in fs) for h, fs in by_hour.items() if h < before}
+        touched = {h: by_hour[h] for h, n in newest.items() if n > mark_ns}
+        return newest, touched, part.resume_after
 
     @abstractmethod
     def table_names(self) -> list[str]:
