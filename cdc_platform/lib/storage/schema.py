@@ -6,6 +6,7 @@ they live here rather than in any one of those."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -48,14 +49,9 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
         return pa.float64()
     if pa.types.is_decimal(t):
         return pa.decimal128(t.precision, t.scale) if t.precision <= 38 else t
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+    if is_text(t):
         return pa.string()
-    if (
-        pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_binary_view(t)
-    ):
+    if is_bytes(t):
         return pa.binary()
     if pa.types.is_timestamp(t):
         return TS_TYPE
@@ -65,12 +61,19 @@ def normalize_type(t: pa.DataType) -> pa.DataType:
         return pa.string()
     if pa.types.is_duration(t):
         return pa.int64()
+    return map_children(t, normalize_type)
+
+
+def map_children(t: pa.DataType, convert: Callable[[pa.DataType], pa.DataType]) -> pa.DataType:
+    """``t`` with ``convert`` applied to the types it is made of (a list's element, every
+    list kind becoming a list; a struct's fields; a map's key and item), or ``t`` itself when
+    it is made of none: how a rule for leaf types reaches into nested ones."""
     if is_list(t):
-        return pa.list_(normalize_type(t.value_type))
+        return pa.list_(convert(t.value_type))
     if pa.types.is_struct(t):
-        return pa.struct([pa.field(f.name, normalize_type(f.type)) for f in t])
+        return pa.struct([pa.field(f.name, convert(f.type)) for f in t])
     if pa.types.is_map(t):
-        return pa.map_(normalize_type(t.key_type), normalize_type(t.item_type))
+        return pa.map_(convert(t.key_type), convert(t.item_type))
     return t
 
 
@@ -113,25 +116,32 @@ def unsupported_type(t: pa.DataType, nested: bool = False) -> str | None:
             if why:
                 return why
         return None
+    # The leaf types ``normalize_type`` maps: the numbers, booleans, dates and timestamps
+    # (what widens to a string), text, bytes, times, durations and null.
     simple = (
-        pa.types.is_null(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_string_view(t)
-        or pa.types.is_binary(t)
+        _widens_to_string(t)
+        or is_text(t)
+        or is_bytes(t)
+        or pa.types.is_time(t)
+        or pa.types.is_duration(t)
+        or pa.types.is_null(t)
+    )
+    return None if simple else f"type {t} is not supported"
+
+
+def is_text(t: pa.DataType) -> bool:
+    """Every Arrow string type (``normalize_type`` makes each a plain string)."""
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def is_bytes(t: pa.DataType) -> bool:
+    """Every Arrow binary type (``normalize_type`` makes each a plain binary)."""
+    return (
+        pa.types.is_binary(t)
         or pa.types.is_large_binary(t)
         or pa.types.is_fixed_size_binary(t)
         or pa.types.is_binary_view(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_date(t)
-        or pa.types.is_time(t)
-        or pa.types.is_duration(t)
     )
-    return None if simple else f"type {t} is not supported"
 
 
 def is_list(t: pa.DataType) -> bool:

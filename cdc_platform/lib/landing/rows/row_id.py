@@ -19,6 +19,8 @@ from functools import partial
 
 import pyarrow as pa
 
+from cdc_platform.lib.storage.schema import map_children
+
 __all__ = ["python_values", "row_ids", "value_encoder"]
 
 _NAN = struct.pack(">Q", 0x7FF8000000000000)
@@ -68,13 +70,7 @@ def _as_integers(t: pa.DataType) -> pa.DataType:
         return pa.int64()
     if pa.types.is_date32(t):
         return pa.int32()
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return pa.list_(_as_integers(t.value_type))
-    if pa.types.is_struct(t):
-        return pa.struct([pa.field(f.name, _as_integers(f.type)) for f in t])
-    if pa.types.is_map(t):
-        return pa.map_(_as_integers(t.key_type), _as_integers(t.item_type))
-    return t
+    return map_children(t, _as_integers)
 
 
 def _name(name: str) -> bytes:
