@@ -47,7 +47,7 @@ from cdc_platform.lib.config.fields import (
 from cdc_platform.lib.landing.decoding.codecs import DEFAULT_MAX_BYTES
 from cdc_platform.lib.landing.decoding.formats import FORMATS
 from cdc_platform.lib.storage.roots import checked_root, overlaps
-from cdc_platform.lib.storage.stores import OBJECT_STORE_SCHEMES, Location
+from cdc_platform.lib.storage.stores import OBJECT_STORE_SCHEMES, Location, OptionValue
 from cdc_platform.lib.storage.warehouse import current_table_name
 
 DEFAULT_GROUP = "cdc_history"
@@ -480,8 +480,7 @@ class PlatformConfig:
                 "warehouse_root carries other storage options: give them once",
                 "warehouse_storage_options",
             )
-        root = Location(self.warehouse_root.uri, options)
-        object.__setattr__(self, "warehouse_root", root)  # still in validation
+        self._attach(options, "warehouse_root")
 
     def _attach_landing_options(self) -> None:
         """The landing options travel with its root, as the warehouse's do."""
@@ -493,8 +492,12 @@ class PlatformConfig:
                 "storage options are for an s3:// landing_root, not a local folder",
                 "landing_storage_options",
             )
-        root = Location(self.landing_root.uri, options)
-        object.__setattr__(self, "landing_root", root)  # still in validation
+        self._attach(options, "landing_root")
+
+    def _attach(self, options: dict[str, OptionValue], key: str) -> None:
+        """The root at ``key`` as a Location carrying ``options`` (set in place: the model is
+        still in validation)."""
+        object.__setattr__(self, key, Location(getattr(self, key).uri, options))
 
     def _check_table_names(self) -> None:
         names = [t.name.lower() for t in self.tables]
