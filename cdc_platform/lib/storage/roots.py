@@ -126,6 +126,25 @@ def _no_roots(key: str, what: str) -> SourceRootError:
     )
 
 
+def _given(
+    source: Where, key: str, roots: Sequence[Where], forbidden: Sequence[Where], what: str
+) -> tuple[str, Location, list[Location], list[Location]]:
+    """What a snapshot and an adoption source check first, in this order: some root is
+    configured under ``key``, the text given is a location without glob characters, and the
+    roots are sound. Returns (the text, its location, the allowed roots, the forbidden ones)."""
+    if not roots:
+        raise _no_roots(key, what)
+    text = source.uri if isinstance(source, Location) else os.fspath(source)
+    try:
+        location = Location.of(text)
+    except ValueError as exc:
+        raise SourceRootError(f"{what}: {exc}") from None
+    _refuse_glob(text, location, what)
+    allowed = [checked_root(r, f"{key} entry", source=True) for r in roots]
+    denied = [checked_root(f, "root") for f in forbidden]
+    return text, location, allowed, denied
+
+
 def snapshot_folder(
     snapshot: Where, roots: Sequence[Where], forbidden: Sequence[Where] = ()
 ) -> Path | Location:
@@ -134,16 +153,7 @@ def snapshot_folder(
     glob character; a local one absolute and real (no symlink in it), an ``s3://`` prefix
     without ``.``/``..`` segments (returned as a Location). Raises SourceRootError saying why."""
     what = "snapshot"
-    if not roots:
-        raise _no_roots(SNAPSHOT_ROOTS, what)
-    text = os.fspath(snapshot) if not isinstance(snapshot, Location) else snapshot.uri
-    try:
-        location = Location.of(text)
-    except ValueError as exc:
-        raise SourceRootError(f"{what}: {exc}") from None
-    _refuse_glob(text, location, what)
-    allowed = [checked_root(r, f"{SNAPSHOT_ROOTS} entry", source=True) for r in roots]
-    denied = [checked_root(f, "root") for f in forbidden]
+    text, location, allowed, denied = _given(snapshot, SNAPSHOT_ROOTS, roots, forbidden, what)
     if not location.is_local:
         if location.scheme != "s3":
             raise SourceRootError(f"{what} {text}: a snapshot is a folder or an s3:// prefix")
@@ -168,16 +178,7 @@ def adoption_source(
     and with no symlink inside it; a URI without ``.``/``..`` segments; neither with a glob
     character."""
     what = "adoption source"
-    if not roots:
-        raise _no_roots(ADOPTION_ROOTS, what)
-    text = source.uri if isinstance(source, Location) else os.fspath(source)
-    try:
-        location = Location.of(text)
-    except ValueError as exc:
-        raise SourceRootError(f"{what}: {exc}") from None
-    _refuse_glob(text, location, what)
-    allowed = [checked_root(r, f"{ADOPTION_ROOTS} entry", source=True) for r in roots]
-    denied = [checked_root(f, "root") for f in forbidden]
+    text, location, allowed, denied = _given(source, ADOPTION_ROOTS, roots, forbidden, what)
     if location.is_local:
         if "://" not in text and not os.path.isabs(text):
             raise SourceRootError(f"{what} {text!r}: give an absolute path or a URI")
