@@ -298,21 +298,13 @@ def _guard_class() -> type:
         def __init__(self, check: Any) -> None:
             self.check = check
 
-        def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+        def _intercept(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+            """Every kind of call alike (grpc passes a request or, streaming, an iterator)."""
             self.check()
             return continuation(client_call_details, request)
 
-        def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
-            self.check()
-            return continuation(client_call_details, request)
-
-        def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
-            self.check()
-            return continuation(client_call_details, request_iterator)
-
-        def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
-            self.check()
-            return continuation(client_call_details, request_iterator)
+        intercept_unary_unary = intercept_unary_stream = _intercept  # type: ignore[assignment]
+        intercept_stream_unary = intercept_stream_stream = _intercept  # type: ignore[assignment]
 
     return Guard
 
