@@ -17,7 +17,9 @@ the systemd units' command lines) over a config of N tables named like a real la
   Then: the time until the last table's history commit holding it (the drain), p50/p95/max per
   table, runs launched, Spark jobs, peak RSS of every process (this one, the daemon, the code
   server and its runs, the Connect server's JVM). **Headroom** = 60 minutes / drain. Target:
-  >= 4 at 200 tables (the last table visible within 15 minutes).
+  >= 4 at 200 tables (the last table visible within 15 minutes). With ``--profile DIR`` the
+  run workers are sampled with py-spy and the Connect server keeps its event log there: where
+  a table's time went, per bucket and by call (``harness.profile``).
 - **ui** (``--ui 500``): ``dagster-webserver`` over N tables; the Assets, Automation and Runs
   pages are loaded in headless Chromium (``apt-get install chromium``) over its DevTools
   protocol: a page's time runs from the navigation to the answer of the last GraphQL query
@@ -48,7 +50,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -62,6 +64,7 @@ import yaml
 from dagster._core.definitions.run_request import InstigatorType
 from websockets.sync.client import connect
 
+from benchmarks.harness import profile
 from benchmarks.harness.deployment import (
     BenchError,
     Layout,
@@ -92,6 +95,9 @@ from cdc_platform.lib.storage.warehouse import TablePaths
 TARGET_IDLE_CORE_SHARE = 0.10  # of one core, daemon + code server, at 500 tables
 TARGET_HEADROOM = 4.0  # 60 minutes / the burst's drain, at 200 tables
 TARGET_PAGE_S = 3.0
+RUN_WORKER = (
+    "spawn_main"  # a run worker: the code server spawns one process a run (its main thread)
+)
 UI_PAGES = {"Assets": "/assets", "Automation": "/automation", "Runs": "/runs"}
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -477,6 +483,10 @@ def burst(args: argparse.Namespace, mode: Mode, tables: int) -> BurstFigures:
         "code server and the daemon")  # fmt: skip
     try:
         spark_ui = {"spark.ui.enabled": "true", "spark.ui.port": str(ui_port)}  # to count jobs
+        events = args.profile / name if args.profile else None
+        if events is not None:
+            events.mkdir(parents=True, exist_ok=True)
+            spark_ui |= {"spark.eventLog.enabled": "true", "spark.eventLog.dir": events.as_uri()}
         start_services(stack, layout, start_connect(stack, spark_ui))
         assert stack.connect is not None
         port, state = stack.connect
@@ -489,8 +499,15 @@ def burst(args: argparse.Namespace, mode: Mode, tables: int) -> BurstFigures:
         with dg.DagsterInstance.from_config(str(layout.home)) as instance:
             wait_all_ticked(stack, instance, tables, started)
             jobs_before = spark_jobs(ui_port)
-            with RssPeak(roots).sampling() as rss:
+            code_server = stack.services[0].proc.pid  # it launches the runs (their workers)
+            sampled = (
+                profile.Sampler(code_server, events / "runs.txt", subprocesses=True)
+                if events is not None
+                else nullcontext()
+            )
+            with RssPeak(roots).sampling() as rss, sampled:
                 landed = land_all(layout, names, hour, args.events, args.seed)
+                since_ms = int(landed * 1000)
                 log(f"  landed {tables} hours at {datetime.fromtimestamp(landed, UTC):%H:%M:%S}")
                 seen: dict[str, float] = {}
                 scanned, progress = [0.0], [0]
@@ -513,8 +530,21 @@ def burst(args: argparse.Namespace, mode: Mode, tables: int) -> BurstFigures:
             jobs_after = spark_jobs(ui_port)
     finally:
         stack.stop()
+    if events is not None:
+        print_profile(events, since_ms, tables, max(seen.values(), default=0.0))
     jobs = None if jobs_before is None or jobs_after is None else jobs_after - jobs_before
     return BurstFigures(mode, tables, args.events, list(seen.values()), runs, jobs, rss.peak)
+
+
+def print_profile(events: Path, since_ms: int, tables: int, drain: float) -> None:
+    """Where the burst's run workers spent their time (``harness.profile``), per table: their
+    main threads sampled, the Connect server's jobs from its event log."""
+    stacks = profile.read_stacks(events / "runs.txt")
+    jobs = profile.spark_jobs(profile.event_log_files(events), lambda _stage: "runs", since_ms)
+    seconds = profile.split(stacks, RUN_WORKER)
+    title = f"the burst's runs ({tables} tables; drain {drain:.0f} s)"
+    profile.print_split(title, seconds, jobs.get("runs"), tables, unit="table")
+    profile.print_calls(title, profile.jvm_calls(stacks, RUN_WORKER), tables, unit="table")
 
 
 def print_burst(f: BurstFigures) -> None:
@@ -682,6 +712,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burst-timeout", type=float, default=3 * 3600.0, help="seconds")
     parser.add_argument("--ui", type=int, default=500, help="tables for the UI pages (0: skip)")
     parser.add_argument("--seed", type=int, default=32)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="sample the burst's run workers (py-spy) and keep the Connect server's event log "
+        "here; prints where the time went, per table",
+    )
     args = parser.parse_args(argv)
     args.idle_sizes = [int(n) for n in args.idle.split(",") if n.strip() and int(n) > 0]
     args.threads = [int(n) for n in args.sensor_threads.split(",") if n.strip()] or [0]

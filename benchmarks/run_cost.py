@@ -18,8 +18,11 @@ at most 12 Spark jobs).
 
 ``--profile DIR`` turns on Spark's event log for the session (``spark.eventLog.enabled``): every
 job carries its stage's job group (``cdc_platform-run-<id>/<stage>``), so the profile shows
-which stage ran which job. The log's path and the command that opens it in Spark's history
-server are printed at the end.
+which stage ran which job. It also samples this process with py-spy over the measured hours
+(``harness.profile``) and prints where their wall time went: each stage's seconds beside its
+jobs', the driver's samples by bucket (the JVM, delta-rs, Arrow, the platform's Python) and
+its longest waits on Spark by call. The log's path and the command that opens it in Spark's
+history server are printed at the end.
 
 Run it alone (2 shared cores: seconds are indicative, job counts exact)::
 
@@ -31,14 +34,17 @@ Run it alone (2 shared cores: seconds are indicative, job counts exact)::
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.harness import profile
 from benchmarks.harness.generate import (
     EventGenerator,
     build_cached_table,
@@ -46,7 +52,7 @@ from benchmarks.harness.generate import (
     write_hour,
 )
 from benchmarks.harness.measure import local_session
-from benchmarks.harness.report import log
+from benchmarks.harness.report import log, print_table
 from benchmarks.harness.table import DATA_COLUMNS, HOUR_US, START_US, TABLE, TMAX_US, hour_at
 from cdc_platform.lib.history import invariants
 from cdc_platform.lib.landing.where.layout import hour_folder
@@ -226,6 +232,65 @@ def print_report(
     )
 
 
+REFERENCE_STAGES = frozenset({"read_hour", "live_rows", "fold_write"})
+CHECK_STAGES = frozenset({"scope", "checks"})
+
+
+def window_of(stage: str) -> str | None:
+    """Which measured window a job group's stage belongs to (None: a job outside a run)."""
+    return (
+        None
+        if not stage
+        else "reference"
+        if stage in REFERENCE_STAGES
+        else "checks"
+        if stage in CHECK_STAGES
+        else "materialize"
+    )
+
+
+def print_stage_jobs(
+    jobs: dict[str, profile.Jobs], ours: Sequence[CostReport], checks: Sequence[CostReport]
+) -> None:
+    """Each stage's wall seconds beside its Spark jobs' (from the event log): what a stage
+    spends outside a job is planning, analysis and round trips to the JVM."""
+    runs = len(ours)
+    rows = []
+    for report in (ours, checks):
+        for name in dict.fromkeys(st.name for r in report for st in r.stages):
+            wall = sum(st.seconds for r in report for st in r.stages if st.name == name) / runs
+            ran = jobs.get(name, profile.Jobs(0, 0.0))
+            in_jobs = ran.seconds / runs
+            rows.append([name, f"{wall:.3f}", f"{ran.count / runs:g}", f"{in_jobs:.3f}",
+                         f"{wall - in_jobs:.3f}"])  # fmt: skip
+    log(f"\neach stage's wall time and its Spark jobs' (event log), seconds per run ({runs} runs)")
+    print_table(["stage", "wall s", "jobs", "in jobs s", "outside a job s"], rows)
+
+
+def print_profile(
+    driver: Path,
+    event_logs: Sequence[Path],
+    since_ms: int,
+    ours: Sequence[CostReport],
+    checks: Sequence[CostReport],
+    refs: Sequence[CostReport],
+) -> None:
+    """The measured runs' wall time split by where it went (``harness.profile``)."""
+    stacks = profile.read_stacks(driver)
+    files = [f for p in event_logs for f in profile.event_log_files(p)]
+    jobs = profile.spark_jobs(files, window_of, since_ms)
+    print_stage_jobs(profile.spark_jobs(files, lambda st: st or None, since_ms), ours, checks)
+    for title, frame, window, runs in (
+        ("materialize() of a small hour", "small_hour", "materialize", ours),
+        ("its checks", "hourly_checks", "checks", checks),
+        ("the plain-Spark reference", "reference_hour", "reference", refs),
+    ):
+        wall = median([r.seconds for r in runs])
+        seconds = profile.split(stacks, frame)
+        profile.print_split(title, seconds, jobs.get(window), len(runs), wall)
+        profile.print_calls(title, profile.jvm_calls(stacks, frame), len(runs))
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
     p.add_argument("--versions", type=int, default=100_000, help="events of the built table")
@@ -278,8 +343,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     refs: list[CostReport] = []
     checks: list[CostReport] = []
     opens: list[tuple[int, int]] = []
+    spied = ExitStack()  # the driver's samples (--profile): the measured runs only
+    since_ms = 0
     for attempt in range(args.repeats + 1):
         index = hours + attempt
+        if attempt == 1 and args.profile:
+            spied.enter_context(profile.Sampler(os.getpid(), args.profile / "driver.txt"))
+            since_ms = int(time.time() * 1000)
         before = delta.open_table(history).version()
         with DeltaOpens() as counted:
             outcome = small_hour(index)
@@ -295,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ours.append(outcome.cost)
             refs.append(ref)
             checks.append(checked)
+    spied.close()
     print_report(args.hour_events, ours, checks, refs, opens)
     import pyspark
 
@@ -303,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     shutil.rmtree(run, ignore_errors=True)
     if args.profile:
         logs = sorted(args.profile.glob(f"*{app}*"))  # a folder when the log rolls
+        print_profile(args.profile / "driver.txt", logs, since_ms, ours, checks, refs)
         log(
             f"\nevent log: {', '.join(map(str, logs)) or args.profile} (jobs tagged by job group "
             f"cdc_platform-run-<id>/<stage>). Open it with Spark's history server:\n"
