@@ -15,9 +15,12 @@ the systemd units' command lines) over a config of N tables named like a real la
 - **burst** (``--burst 200``): a Spark Connect server too (its UI on, to count Spark jobs); once
   every sensor has ticked, one ``--events``-event hour lands in each table in the same second.
   Then: the time until the last table's history commit holding it (the drain), p50/p95/max per
-  table, runs launched, Spark jobs, peak RSS of every process (this one, the daemon, the code
-  server and its runs, the Connect server's JVM). **Headroom** = 60 minutes / drain. Target:
-  >= 4 at 200 tables (the last table visible within 15 minutes). With ``--profile DIR`` the
+  table, the time until the last run ended (its checks too), runs launched, Spark jobs, peak
+  RSS of every process (this one, the daemon, the code server and its runs, the Connect
+  server's JVM). **Headroom** = 60 minutes / the drain with checks. Target: >= 10 at 200
+  tables. After the stack stops, the reference: one fresh process (JVM start included) folds
+  the same hours with one Spark SQL query each, one table after another (``--no-reference``
+  skips it). Target: the history drain within 2.5x of it. With ``--profile DIR`` the
   run workers are sampled with py-spy and the Connect server keeps its event log there: where
   a table's time went, per bucket and by call (``harness.profile``).
 - **ui** (``--ui 500``): ``dagster-webserver`` over N tables; the Assets, Automation and Runs
@@ -93,7 +96,8 @@ from cdc_platform.lib.landing.where.layout import hour_folder, hour_to_partition
 from cdc_platform.lib.storage.warehouse import TablePaths
 
 TARGET_IDLE_CORE_SHARE = 0.10  # of one core, daemon + code server, at 500 tables
-TARGET_HEADROOM = 4.0  # 60 minutes / the burst's drain, at 200 tables
+TARGET_HEADROOM = 10.0  # 60 minutes / the burst's drain with its checks, at 200 tables
+TARGET_REFERENCE_RATIO = 2.5  # the history drain against a plain Spark loop over the same hours
 TARGET_PAGE_S = 3.0
 RUN_WORKER = (
     "spawn_main"  # a run worker: the code server spawns one process a run (its main thread)
@@ -444,6 +448,9 @@ class BurstFigures:
     runs: int
     spark_jobs: int | None
     peak_rss: int
+    checked: float  # landing -> the last run's end (history and checks)
+    failed_runs: int
+    reference: float | None  # the plain Spark loop over the same hours, seconds
 
     @property
     def drain(self) -> float:
@@ -526,14 +533,76 @@ def burst(args: argparse.Namespace, mode: Mode, tables: int) -> BurstFigures:
                     return len(seen) == len(histories)
 
                 wait_for(stack, "every table's history commit", drained, args.burst_timeout)
+                # Then the runs' ends: each table's checks run in its run, after its commit.
+                ended = runs_ended(instance, landed)
+                wait_for(stack, "every run's end", lambda: ended() is not None, args.burst_timeout)
+                checked, failed = ended() or (0.0, 0)
             runs = instance.get_runs_count()
             jobs_after = spark_jobs(ui_port)
     finally:
         stack.stop()
     if events is not None:
-        print_profile(events, since_ms, tables, max(seen.values(), default=0.0))
+        print_profile(events, since_ms, tables, checked)
     jobs = None if jobs_before is None or jobs_after is None else jobs_after - jobs_before
-    return BurstFigures(mode, tables, args.events, list(seen.values()), runs, jobs, rss.peak)
+    reference = plain_spark_loop(layout, names, hour) if args.reference else None
+    return BurstFigures(
+        mode, tables, args.events, list(seen.values()), runs, jobs, rss.peak, checked, failed,
+        reference,
+    )  # fmt: skip
+
+
+def runs_ended(
+    instance: dg.DagsterInstance, landed: float
+) -> Callable[[], tuple[float, int] | None]:
+    """Once every run created since ``landed`` has ended: (landing -> the last run's end, in
+    seconds; how many did not succeed), else None. Asked after every history commit is
+    visible, so every run of the burst exists by then."""
+    after = datetime.fromtimestamp(landed, UTC)
+
+    def ended() -> tuple[float, int] | None:
+        records = instance.get_run_records(filters=dg.RunsFilter(created_after=after))
+        if not records or any(r.end_time is None for r in records):
+            return None
+        failed = sum(r.dagster_run.status != dg.DagsterRunStatus.SUCCESS for r in records)
+        return max(r.end_time or 0.0 for r in records) - landed, failed
+
+    return ended
+
+
+PLAIN_LOOP = """
+import sys, time
+from pathlib import Path
+from pyspark.sql import functions as F
+from benchmarks.harness.measure import local_session
+from benchmarks.harness.reference import spark_fold_sql
+
+landing, hour, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+spark = local_session("fleet_reference")
+for table in sys.argv[4:]:
+    folder = landing / table / hour
+    spark.read.parquet(str(folder)).select(
+        "*",
+        F.col("_metadata.file_path").alias("source_file"),
+        F.col("_metadata.row_index").alias("source_row"),
+    ).createOrReplaceTempView("landing")
+    spark.sql(spark_fold_sql()).write.mode("overwrite").parquet(str(out / table))
+spark.stop()
+"""
+
+
+def plain_spark_loop(layout: Layout, names: Sequence[str], hour: datetime) -> float:
+    """The reference for a burst (same sitting, after it): one fresh process, JVM start
+    included, folding each table's landed hour with one Spark SQL query and writing it as
+    Parquet, one table after another. Seconds."""
+    folder = hour_folder(layout.landing, names[0], hour).relative_to(layout.landing / names[0])
+    with tempfile.TemporaryDirectory(prefix="fleet-reference-") as out:
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-c", PLAIN_LOOP, str(layout.landing), str(folder), out, *names],
+            check=True,
+            cwd=REPO_ROOT,
+        )
+        return time.perf_counter() - t0
 
 
 def print_profile(events: Path, since_ms: int, tables: int, drain: float) -> None:
@@ -556,11 +625,21 @@ def print_burst(f: BurstFigures) -> None:
         f"Spark jobs {f.spark_jobs if f.spark_jobs is not None else 'n/a'}; "
         f"peak RSS of every process {f.peak_rss / 2**30:.2f} GiB"
     )
+    headroom = 3600 / f.checked if f.checked else 0.0
     log(
-        f"  headroom = 60 min / drain = {f.headroom:.1f} (target >= {TARGET_HEADROOM:g} at 200 "
-        f"tables: {met(f.headroom >= TARGET_HEADROOM)}); "
-        f"{f.drain / f.tables:.1f} s a table"
+        f"  history and checks: the last run ended {f.checked:.0f} s after the landing "
+        f"({f.failed_runs} run(s) did not succeed); headroom = 60 min / that = {headroom:.1f} "
+        f"(target >= {TARGET_HEADROOM:g} at 200 tables: {met(headroom >= TARGET_HEADROOM)}); "
+        f"history alone: {f.drain / f.tables:.1f} s a table, headroom {f.headroom:.1f}"
     )
+    if f.reference:
+        ratio = f.drain / f.reference
+        log(
+            f"  plain Spark loop over the same {f.tables} hours, one fresh process: "
+            f"{f.reference:.0f} s; the history drain is {ratio:.1f}x it, with checks "
+            f"{f.checked / f.reference:.1f}x (target <= {TARGET_REFERENCE_RATIO:g}x: "
+            f"{met(ratio <= TARGET_REFERENCE_RATIO)})"
+        )
 
 
 # --------------------------------------------------------------------------- ui
@@ -712,6 +791,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burst-timeout", type=float, default=3 * 3600.0, help="seconds")
     parser.add_argument("--ui", type=int, default=500, help="tables for the UI pages (0: skip)")
     parser.add_argument("--seed", type=int, default=32)
+    parser.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="skip the plain Spark loop over each burst's hours",
+    )
     parser.add_argument(
         "--profile",
         type=Path,
