@@ -75,13 +75,19 @@ class Sampler:
             cmd.append("--subprocesses")
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(1.0)  # attached before the window opens
+        if self._proc.poll() is not None:  # say so now, not after the runs it was to sample
+            err = self._proc.communicate()[1].decode(errors="replace")[-500:]
+            raise SystemExit(
+                f"py-spy could not sample process {self.pid} (it needs ptrace: root, "
+                f"CAP_SYS_PTRACE or kernel.yama.ptrace_scope=0): {err}"
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._proc is not None
         self._proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         _, err = self._proc.communicate(timeout=120)
-        if not self.out.exists():
+        if not self.out.exists() and exc[0] is None:  # never mask the block's own error
             raise SystemExit(f"py-spy wrote no profile: {err.decode(errors='replace')[-500:]}")
 
 
@@ -169,7 +175,10 @@ def spark_jobs(
     ended: dict[int, int] = {}
     for path in event_logs:
         for line in _event_lines(path):
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:  # the last line of a log whose writer was killed
+                continue
             kind = event.get("Event")
             if kind == "SparkListenerJobStart" and event["Submission Time"] >= since_ms:
                 group = (event.get("Properties") or {}).get(JOB_GROUP) or ""
@@ -178,28 +187,47 @@ def spark_jobs(
                     started[event["Job ID"]] = (window, event["Submission Time"])
             elif kind == "SparkListenerJobEnd":
                 ended[event["Job ID"]] = event["Completion Time"]
-    out: dict[str, Jobs] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
     for job, (window, at) in started.items():
-        previous = out.get(window, Jobs(0, 0.0))
-        seconds = (ended.get(job, at) - at) / 1000
-        out[window] = Jobs(previous.count + 1, previous.seconds + seconds)
-    return out
+        spans.setdefault(window, []).append((at, ended.get(job, at)))
+    return {w: Jobs(len(js), _covered(js) / 1000) for w, js in spans.items()}
+
+
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """The milliseconds at least one of ``spans`` covers: jobs that overlap (concurrent runs
+    on one Connect server) count once, so the seconds are those a job was running."""
+    total, reach = 0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
 
 
 def event_log_files(folder: Path) -> list[Path]:
-    """Spark's event log files under ``folder`` (Spark 4 rolls them, zstd-compressed, into an
-    ``eventlog_v2_<app>`` folder beside its status files)."""
-    return sorted(p for p in folder.rglob("events_*") if p.is_file())
+    """Spark's event log files under ``folder``: Spark 4 rolls them, zstd-compressed, into an
+    ``eventlog_v2_<app>`` folder beside its status files; a log not rolled is one file."""
+    rolled = [p for p in folder.rglob("events_*") if p.is_file()]
+    single = [p for p in folder.glob("*") if p.is_file() and p.name.startswith(("local-", "app-"))]
+    return sorted(rolled + single)  # a log not rolled (spark.eventLog.rolling.enabled=false)
 
 
 def _event_lines(path: Path) -> list[str]:
+    """The log's lines; of a log cut short (its writer killed), those before the cut."""
     data = path.read_bytes()
     if path.suffix == ".zstd":
         import zstandard
 
         reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True)
-        data = reader.read()
-    return [line for line in data.decode().splitlines() if line.strip()]
+        chunks = []
+        try:
+            while chunk := reader.read(1 << 20):
+                chunks.append(chunk)
+        except zstandard.ZstdError:
+            pass
+        data = b"".join(chunks)
+    return [line for line in data.decode(errors="replace").splitlines() if line.strip()]
 
 
 def print_split(
