@@ -64,7 +64,7 @@ def version_sources(t: Opener, keys: DataFrame | None = None) -> DataFrame:
     from pyspark.sql import functions as F
 
     spark, pk = t.spark, list(t.config.key)
-    history, log = t.table(t.paths.history), t.table(t.paths.changelog)
+    history, log = t.fresh(t.paths.history), t.fresh(t.paths.changelog)  # both as they are now
     if not history.exists or not log.exists:
         raise NoHistoryError(f"no history table at {t.paths.history} yet: materialize it first")
     versions = history.read(spark).select(*cols([*pk, START, END, ACTIVE]))
