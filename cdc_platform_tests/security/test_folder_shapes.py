@@ -5,8 +5,11 @@ aside with a reason and the rest of the hour is applied."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+
+import pytest
 
 from cdc_platform.lib.fleet import sensor_cursor
 from cdc_platform.lib.landing import discovery
@@ -31,7 +34,7 @@ from cdc_platform_tests.security.hostile_files import (
 )
 
 
-def odd_tree(landing: Path, table: str = "t") -> Path:
+def _odd_tree(landing: Path, table: str) -> Path:
     """One real hour plus every shape that used to raise out of the walk."""
     write_parquet_events(landing, table, H5, [ev("INSERT", 1, TS, 1, v="a")], name="ok.parquet")
     base = landing / table
@@ -59,7 +62,36 @@ def odd_tree(landing: Path, table: str = "t") -> Path:
     return hour
 
 
-def test_odd_folder_shapes_never_raise_out_of_the_walk_or_the_sensor(lake) -> None:
+def _remove_tree(top: Path) -> None:
+    """Remove a tree without recursion: Python 3.11's shutil.rmtree recurses once per level, so
+    pytest's own clean-up of an old session folder dies of RecursionError on the deep tree."""
+    stack = [top]
+    while stack:
+        below = [e.path for e in os.scandir(stack[-1]) if e.is_dir(follow_symlinks=False)]
+        if below:
+            stack.extend(Path(p) for p in below)
+            continue
+        for entry in os.scandir(stack[-1]):
+            os.unlink(entry.path)
+        os.rmdir(stack.pop())
+
+
+@pytest.fixture
+def odd_tree() -> Iterator[Callable[..., Path]]:
+    """Builds the odd tree under a landing zone and removes its deep part after the test."""
+    made: list[Path] = []
+
+    def make(landing: Path, table: str = "t") -> Path:
+        hour = _odd_tree(landing, table)
+        made.append(hour / "nest")
+        return hour
+
+    yield make
+    for nest in made:
+        _remove_tree(nest)
+
+
+def test_odd_folder_shapes_never_raise_out_of_the_walk_or_the_sensor(lake, odd_tree) -> None:
     odd_tree(lake["landing"])
     hours = [h for h, _ in all_hour_folders(lake["landing"], "t")]
     assert H5 in hours and all(h.year < 10000 for h in hours)
@@ -76,7 +108,7 @@ def test_odd_folder_shapes_never_raise_out_of_the_walk_or_the_sensor(lake) -> No
     assert state.last_sweep_started is not None
 
 
-def test_odd_folder_shapes_are_set_aside_and_the_hour_applied(spark, lake) -> None:
+def test_odd_folder_shapes_are_set_aside_and_the_hour_applied(spark, lake, odd_tree) -> None:
     odd_tree(lake["landing"])
     out = materialize(spark, TABLE, lake["landing"], lake["warehouse"], [H5])
     assert out.events_read == 1 and logged_keys(lake) == [1]
@@ -85,14 +117,14 @@ def test_odd_folder_shapes_are_set_aside_and_the_hour_applied(spark, lake) -> No
     assert got["f.parquet"] == IN_SUBFOLDER
 
 
-def test_a_new_table_folder_with_odd_shapes_is_discovered_without_raising(lake) -> None:
+def test_a_new_table_folder_with_odd_shapes_is_discovered_without_raising(lake, odd_tree) -> None:
     odd_tree(lake["landing"], table="fresh")
     assert discovery.unlisted_tables(lake["landing"], []) == ["fresh"]
     found = discovery.describe(lake["landing"], "fresh")
     assert found.first_hour == H5 and "id" in dict(found.columns)
 
 
-def test_odd_folder_shapes_through_the_asset_and_its_ledger(spark, tmp_path) -> None:
+def test_odd_folder_shapes_through_the_asset_and_its_ledger(spark, tmp_path, odd_tree) -> None:
     """The asset records every listed file in the applied-files ledger: a name that is not
     UTF-8 is recorded escaped (a Delta string holds UTF-8 only), and the run succeeds."""
 
