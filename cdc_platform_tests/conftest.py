@@ -93,6 +93,9 @@ def spark() -> Iterator:
             "spark.default.parallelism": "1",
             "spark.sql.adaptive.enabled": "false",
             "spark.driver.memory": "2g",
+            # delta-spark rebuilds a table's snapshot (each read, DESCRIBE, OPTIMIZE) over 50
+            # partitions by default: 50 tasks for a log of a few commits. One is 4x faster here.
+            "spark.databricks.delta.snapshotPartitions": "1",
             **delta_conf("local[2]"),
         },
         app_name="cdc_platform_tests",
