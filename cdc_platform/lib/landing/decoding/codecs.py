@@ -340,8 +340,10 @@ def _candidate_keys(
     single_block = size == 2 * BLOCK
     checked_format = compression == "zstd" or looks_like is not None
 
-    strong: list[bytes] = []  # valid padding and a plausible start
-    weak: list[bytes] = []  # valid padding, start not recognised (only when nothing is checked)
+    # A key needs valid padding and a plausible start, with or without a format to check it
+    # by: a wrong key passes the padding check alone about 1 time in 256, and its plaintext is
+    # noise (a landing file holds Parquet or CSV text, ``_plausible``).
+    fitting: list[bytes] = []
     bad_padding_only = False  # some key decrypts the start correctly but not the padding
     for key in keys:
         key = bytes(key)
@@ -352,13 +354,11 @@ def _candidate_keys(
             first = first[: BLOCK - first[-1]]
         plausible = _plausible(first, compression, looks_like)
         if pad_ok and plausible:
-            strong.append(key)
-        elif pad_ok and not checked_format:
-            weak.append(key)
+            fitting.append(key)
         elif plausible and checked_format:
             bad_padding_only = True
-    if strong or weak:
-        return strong + weak
+    if fitting:
+        return fitting
     if bad_padding_only:
         raise LandingFileError(
             "bad padding: the key decrypts the start of the file but its last block has no "
