@@ -45,30 +45,29 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# The longest test files (serial seconds of the 2026-12-02 fresh-clone run; test_delta_spark.py
-# measured again alone after its snapshot setting), collected first: pytest-xdist's loadfile
-# scheduler hands files out in collection order (with --no-loadscope-reorder, as `make test`
-# runs it; by default it puts the files with the most tests first), and a long file handed out
-# last leaves one worker running alone at the end.
+# The longest test files (serial seconds of one fresh-clone run, 2026-12-02), collected first:
+# pytest-xdist's loadfile scheduler hands files out in collection order (with
+# --no-loadscope-reorder, as `make test` runs it; by default it puts the files with the most
+# tests first), and a long file handed out last leaves one worker running alone at the end.
 LONGEST_FIRST = (
-    "test_dagster_assets.py",  # 374 s
-    "test_object_landing.py",  # 344 s
-    "test_rekey.py",  # 289 s
-    "test_adopt.py",  # 287 s
-    "test_cluster.py",  # 283 s
-    "test_properties.py",  # 267 s
-    "test_cost_model.py",  # 242 s
-    "test_spark_connect.py",  # 242 s
-    "test_merge_adversarial.py",  # 240 s
-    "test_unapply.py",  # 237 s
-    "test_decoded_size_bombs.py",  # 234 s
-    "test_erasure_attacks.py",  # 232 s
-    "test_truncate.py",  # 227 s
-    "test_resync.py",  # 222 s
-    "test_delta_spark.py",  # 210 s
-    "test_edge_cases.py",  # 216 s
-    "test_invariant_checks.py",  # 207 s
-    "test_unattended.py",  # 202 s
+    "test_dagster_assets.py",  # 406 s
+    "test_object_landing.py",  # 363 s
+    "test_rekey.py",  # 303 s
+    "test_properties.py",  # 227 s
+    "test_delta_spark.py",  # 207 s
+    "test_cluster.py",  # 192 s
+    "test_erasure_attacks.py",  # 186 s
+    "test_decoded_size_bombs.py",  # 178 s
+    "test_cost_model.py",  # 177 s
+    "test_demo_run.py",  # 177 s
+    "test_unattended.py",  # 160 s
+    "test_erasure.py",  # 155 s
+    "test_operator_races.py",  # 151 s
+    "test_merge_adversarial.py",  # 150 s
+    "test_truncate.py",  # 146 s
+    "test_encoded_files.py",  # 146 s
+    "test_deploy.py",  # 145 s
+    "test_unapply.py",  # 144 s
 )
 
 
