@@ -18,6 +18,7 @@ import pytest
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.demo.s3 import local_s3_server
 from cdc_platform.lib.spark.session import build_spark_session, delta_conf
+from cdc_platform_tests import jvm_startup
 from cdc_platform_tests.helpers import HASH_SALT
 from cdc_platform_tests.webhook import Webhook, serve_webhook
 
@@ -37,6 +38,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every JVM the suite starts maps its classes from one archive (jvm_startup.py), set once by
+    # the controlling process before the workers start (they inherit it). A JAVA_TOOL_OPTIONS
+    # already set, even empty, is the developer's and stays.
+    if not hasattr(config, "workerinput") and "JAVA_TOOL_OPTIONS" not in os.environ:
+        os.environ["JAVA_TOOL_OPTIONS"] = jvm_startup.java_options(jvm_startup.ensure_archive())
     config.addinivalue_line(
         "markers", "cluster: on a real Spark standalone cluster, opt in with --run-cluster"
     )
