@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -21,6 +22,9 @@ from cdc_platform.lib.spark.session import build_spark_session, delta_conf
 from cdc_platform_tests import jvm_startup
 from cdc_platform_tests.helpers import HASH_SALT
 from cdc_platform_tests.webhook import Webhook, serve_webhook
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -97,7 +101,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def spark() -> Iterator:
     os.environ.setdefault("TZ", "UTC")
-    session = build_spark_session(
+    with jvm_startup.full_jit():
+        session = _test_session()
+    yield session
+    session.stop()
+
+
+def _test_session() -> SparkSession:
+    return build_spark_session(
         "local[2]",
         {
             # Test data is tiny: one shuffle partition and no adaptive re-planning (which
@@ -113,8 +124,6 @@ def spark() -> Iterator:
         },
         app_name="cdc_platform_tests",
     )
-    yield session
-    session.stop()
 
 
 @pytest.fixture()

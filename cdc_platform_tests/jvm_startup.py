@@ -12,8 +12,8 @@ through ``JAVA_TOOL_OPTIONS`` (conftest.py); the platform's sessions are unchang
 The archive is built once per JDK, pyspark and jar set (its name carries their hash), under
 ``.jars/jvm/``, by a warm-up of the platform's own session (the classpath of the CLI's runs). A
 JVM whose classpath differs (a session with Delta's or S3's jars, a cluster, a Connect server)
-finds the archive does not match and starts as it would without it, silently
-(``-Xlog:cds=off``). A failed build leaves no archive, and the suite runs without one.
+finds the archive does not match and starts without it, silently (``-Xlog:cds*=off``), still
+with C1 alone. A failed build leaves no archive, says why, and the suite runs without one.
 
 ``python -m cdc_platform_tests.jvm_startup ARCHIVE`` is the warm-up itself."""
 
@@ -21,55 +21,80 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ARCHIVE_DIR = REPO_ROOT / ".jars" / "jvm"
-QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
+QUIET = "-Xlog:cds*=off"  # every cds tag set: a JVM the archive does not fit says nothing
+C1_ONLY = "-XX:TieredStopAtLevel=1"
 WARM_UP_TIMEOUT_S = 600
 
 
+def _java() -> str:
+    """The java Spark's launcher runs: ``$JAVA_HOME/bin/java``, else the one on PATH."""
+    home = os.environ.get("JAVA_HOME")
+    return os.path.join(home, "bin", "java") if home else "java"
+
+
 def _key() -> str:
-    """What the archive is valid for: the JDK, pyspark and the jars on its classpath."""
+    """What the archive is valid for: the JDK, pyspark and the jars on its classpath (the JVM
+    itself refuses an archive whose jars changed in size or time; so does the key)."""
     import pyspark
 
-    java = subprocess.run(["java", "-version"], capture_output=True, text=True, check=True)
+    java = subprocess.run([_java(), "-version"], capture_output=True, text=True, check=True)
     jar_dir = Path(pyspark.__file__).parent / "jars"
-    jars = sorted(f"{p.name}:{p.stat().st_size}" for p in jar_dir.glob("*.jar"))
-    text = "\n".join([java.stderr, pyspark.__version__, *jars])
+    jars = sorted(
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in jar_dir.glob("*.jar")
+    )
+    text = "\n".join([shutil.which(_java()) or _java(), java.stderr, pyspark.__version__, *jars])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _private(path: Path) -> bool:
+    """Every JVM of the suite maps the archive: nobody but its owner may write it or its folder."""
+    return all(not p.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH) for p in (path.parent, path))
+
+
 def ensure_archive() -> Path | None:
-    """The archive for this JDK and pyspark, built now if missing; None if it cannot be built."""
+    """The archive for this JDK and pyspark, built now if missing; None if it cannot be built
+    (the suite then runs without one)."""
     try:
         path = ARCHIVE_DIR / f"spark-{_key()}.jsa"
-    except (OSError, subprocess.CalledProcessError):
+        if any(c.isspace() for c in str(path)):
+            return None  # JAVA_TOOL_OPTIONS is split on whitespace
+        if not path.is_file():
+            path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            _build(path)
+        return path if path.is_file() and _private(path) else None
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"jvm_startup: the suite's JVMs start without an archive: {e}", file=sys.stderr)
         return None
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _build(path: Path) -> None:
+    print(f"jvm_startup: building {path} (once, about a minute)", file=sys.stderr)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial")
     env = {k: v for k, v in os.environ.items() if k != "JAVA_TOOL_OPTIONS"}
     try:
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, "-m", "cdc_platform_tests.jvm_startup", str(partial)],
             env=env,
             cwd=REPO_ROOT,
             capture_output=True,
+            text=True,
             timeout=WARM_UP_TIMEOUT_S,
-            check=True,
         )
-        if not partial.is_file():
-            return None
+        if done.returncode != 0:
+            raise subprocess.SubprocessError(f"the warm-up failed: {done.stderr[-2000:]}")
         os.replace(partial, path)  # whole or not at all: a JVM never maps a half-written one
-        return path
-    except (OSError, subprocess.SubprocessError):
-        return None
     finally:
         partial.unlink(missing_ok=True)
 
@@ -77,7 +102,22 @@ def ensure_archive() -> Path | None:
 def java_options(archive: Path | None) -> str:
     """The options every JVM of the suite starts with."""
     shared = f"-XX:SharedArchiveFile={archive} " if archive else ""
-    return f"{shared}-XX:TieredStopAtLevel=1 {QUIET}"
+    return f"{shared}{C1_ONLY} {QUIET}"
+
+
+@contextmanager
+def full_jit() -> Iterator[None]:
+    """Start a long-lived JVM (a test worker's shared session) with both JIT compilers: C1 alone
+    starts faster, but the shared session plans and runs queries for the whole run, where C2's
+    code pays back."""
+    options = os.environ.get("JAVA_TOOL_OPTIONS")
+    if options is not None:
+        os.environ["JAVA_TOOL_OPTIONS"] = " ".join(o for o in options.split() if o != C1_ONLY)
+    try:
+        yield
+    finally:
+        if options is not None:
+            os.environ["JAVA_TOOL_OPTIONS"] = options
 
 
 def _warm_up(archive: Path) -> None:
