@@ -12,7 +12,6 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 
@@ -22,9 +21,6 @@ from cdc_platform.lib.spark.session import build_spark_session, delta_conf
 from cdc_platform_tests import jvm_startup
 from cdc_platform_tests.helpers import HASH_SALT
 from cdc_platform_tests.webhook import Webhook, serve_webhook
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -102,28 +98,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def spark() -> Iterator:
     os.environ.setdefault("TZ", "UTC")
     with jvm_startup.full_jit():
-        session = _test_session()
+        session = build_spark_session(
+            "local[2]",
+            {
+                # Test data is tiny: one shuffle partition and no adaptive re-planning (which
+                # submits each stage as a job of its own) cut the suite's time by a quarter.
+                "spark.sql.shuffle.partitions": "1",
+                "spark.default.parallelism": "1",
+                "spark.sql.adaptive.enabled": "false",
+                "spark.driver.memory": "2g",
+                # delta-spark rebuilds a table's snapshot (each read, DESCRIBE, OPTIMIZE) over
+                # 50 partitions by default: 50 tasks for a log of a few commits. One is 4x faster.
+                "spark.databricks.delta.snapshotPartitions": "1",
+                **delta_conf("local[2]"),
+            },
+            app_name="cdc_platform_tests",
+        )
     yield session
     session.stop()
-
-
-def _test_session() -> SparkSession:
-    return build_spark_session(
-        "local[2]",
-        {
-            # Test data is tiny: one shuffle partition and no adaptive re-planning (which
-            # submits each stage as a job of its own) cut the suite's time by about a quarter.
-            "spark.sql.shuffle.partitions": "1",
-            "spark.default.parallelism": "1",
-            "spark.sql.adaptive.enabled": "false",
-            "spark.driver.memory": "2g",
-            # delta-spark rebuilds a table's snapshot (each read, DESCRIBE, OPTIMIZE) over 50
-            # partitions by default: 50 tasks for a log of a few commits. One is 4x faster here.
-            "spark.databricks.delta.snapshotPartitions": "1",
-            **delta_conf("local[2]"),
-        },
-        app_name="cdc_platform_tests",
-    )
 
 
 @pytest.fixture()

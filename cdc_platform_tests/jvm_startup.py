@@ -1,13 +1,13 @@
 """A class-data-sharing (CDS) archive for the Spark JVMs the suite starts, and the JVM options
 that use it.
 
-Why: every subprocess test (the Dagster CLI, the daemon's runs, the demo, the deployment) starts
-Spark's JVM cold: on the 2-core CI machine 9-10 s to a session and 4 s more to its first job,
-most of it loading and verifying classes. A dynamic CDS archive of the classes one small
-materialization loads maps them in at start (5 s, then 2 s); C1 alone
-(``-XX:TieredStopAtLevel=1``) cuts the start further and, measured on an in-process test file,
-costs nothing on the suite's tiny data. This is the suite's own JVM setting, handed to every JVM
-through ``JAVA_TOOL_OPTIONS`` (conftest.py); the platform's sessions are unchanged.
+Why: every subprocess test (the Dagster CLI, the daemon's runs, the demo) starts Spark's JVM
+cold: on the 2-core CI machine 9-10 s to a session and 4 s more to its first job, most of it
+loading and verifying classes. A dynamic CDS archive of the classes one small materialization
+loads maps them in at start (5 s, then 2 s); C1 alone (``-XX:TieredStopAtLevel=1``) cuts the
+start further. This is the suite's own JVM setting, handed to every JVM it starts through
+``JAVA_TOOL_OPTIONS`` (conftest.py), but for the workers' shared sessions, which keep C2
+(``full_jit``); the platform's sessions are unchanged.
 
 The archive is built once per JDK, pyspark and jar set (its name carries their hash), under
 ``.jars/jvm/``, by a warm-up of the platform's own session (the classpath of the CLI's runs). A
@@ -31,8 +31,10 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-ARCHIVE_DIR = REPO_ROOT / ".jars" / "jvm"
+from cdc_platform.lib.config import REPO_ROOT
+from cdc_platform.lib.spark.jars import DEFAULT_JARS_DIR
+
+ARCHIVE_DIR = DEFAULT_JARS_DIR / "jvm"
 QUIET = "-Xlog:cds*=off"  # every cds tag set: a JVM the archive does not fit says nothing
 C1_ONLY = "-XX:TieredStopAtLevel=1"
 WARM_UP_TIMEOUT_S = 600
