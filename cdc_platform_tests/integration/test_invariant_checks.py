@@ -34,6 +34,7 @@ from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.spark.session import (
     ADAPTIVE,
     BROADCAST_THRESHOLD,
+    CODEGEN_FACTORY_MODE,
     SHUFFLE_PARTITIONS,
     WHOLE_STAGE_CODEGEN,
 )
@@ -441,7 +442,13 @@ def test_a_small_runs_scope_is_the_keys_its_merge_lists(spark, copy: Path) -> No
         lambda rows: edit(3, T0, **{ACTIVE: False})(edit(1, T0, **{END: T0 - MS})(rows)),
     )
     # The checks of a listed scope tune the session for a few keys' rows, and only meanwhile.
-    tuned = (ADAPTIVE, BROADCAST_THRESHOLD, SHUFFLE_PARTITIONS, WHOLE_STAGE_CODEGEN)
+    tuned = (
+        ADAPTIVE,
+        BROADCAST_THRESHOLD,
+        SHUFFLE_PARTITIONS,
+        WHOLE_STAGE_CODEGEN,
+        CODEGEN_FACTORY_MODE,
+    )
     settings = {k: spark.conf.get(k, None) for k in tuned}
     scoped = outcomes_by_name(spark, copy, scope)
     assert {k: spark.conf.get(k, None) for k in tuned} == settings
