@@ -17,7 +17,12 @@ import pytest
 
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.demo.s3 import local_s3_server
-from cdc_platform.lib.spark.session import build_spark_session, delta_conf
+from cdc_platform.lib.spark.session import (
+    CODEGEN_FACTORY_MODE,
+    WHOLE_STAGE_CODEGEN,
+    build_spark_session,
+    delta_conf,
+)
 from cdc_platform_tests import jvm_startup
 from cdc_platform_tests.helpers import HASH_SALT
 from cdc_platform_tests.webhook import Webhook, serve_webhook
@@ -110,6 +115,13 @@ def spark() -> Iterator:
                 # delta-spark rebuilds a table's snapshot (each read, DESCRIBE, OPTIMIZE) over
                 # 50 partitions by default: 50 tasks for a log of a few commits. One is 4x faster.
                 "spark.databricks.delta.snapshotPartitions": "1",
+                # Every query here is over a few rows, where compiling its generated code costs
+                # more than running it interpreted: a third of an operator test's time. The
+                # platform runs its own small merges and checks this way
+                # (``session.interpreted``); the Dagster CLI, daemon, demo, cluster and Connect
+                # tests run the platform's own sessions, code generation included.
+                WHOLE_STAGE_CODEGEN: "false",
+                CODEGEN_FACTORY_MODE: "NO_CODEGEN",
                 **delta_conf("local[2]"),
             },
             app_name="cdc_platform_tests",
