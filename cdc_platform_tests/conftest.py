@@ -17,12 +17,7 @@ import pytest
 
 from cdc_platform.defs.resources import KEYRING_ENV_VAR
 from cdc_platform.demo.s3 import local_s3_server
-from cdc_platform.lib.spark.session import (
-    CODEGEN_FACTORY_MODE,
-    WHOLE_STAGE_CODEGEN,
-    build_spark_session,
-    delta_conf,
-)
+from cdc_platform.lib.spark.session import INTERPRETED_CONF, build_spark_session, delta_conf
 from cdc_platform_tests import jvm_startup
 from cdc_platform_tests.helpers import HASH_SALT
 from cdc_platform_tests.webhook import Webhook, serve_webhook
@@ -120,8 +115,7 @@ def spark() -> Iterator:
                 # platform runs its own small merges and checks this way
                 # (``session.interpreted``); the Dagster CLI, daemon, demo, cluster and Connect
                 # tests run the platform's own sessions, code generation included.
-                WHOLE_STAGE_CODEGEN: "false",
-                CODEGEN_FACTORY_MODE: "NO_CODEGEN",
+                **INTERPRETED_CONF,
                 **delta_conf("local[2]"),
             },
             app_name="cdc_platform_tests",
