@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from typing import Any
 
 TMAX = datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
@@ -231,3 +232,50 @@ def changed_columns(
             )
             previous = r
     return out
+
+
+START_COL, END_COL, ACTIVE_COL = "_fivetran_start", "_fivetran_end", "_fivetran_active"
+
+
+def restated_span(
+    before: Sequence[Mapping[str, Any]],
+    after: Sequence[Mapping[str, Any]],
+    key: Sequence[str],
+) -> tuple[datetime, datetime, bool] | None:
+    """What a merge restated, from two states of a history table's rows (docs/history-table.md,
+    "What a run restated"): the first and last instant at which some key's row image, as an
+    as-of read would return it (start <= t <= end), differs; and whether a version that had
+    ended was rewritten or removed. None when no image differs at any instant. Times are in
+    milliseconds: probed at every start and end of the key's versions and a millisecond after
+    each, which sees every stretch between them (an image can only change at one of those)."""
+    system = {START_COL, END_COL, ACTIVE_COL, *key}
+    names = sorted({c for r in [*before, *after] for c in r if c not in system})
+
+    def image(r: Mapping[str, Any]) -> tuple[str, ...]:
+        return tuple(repr(r.get(c)) for c in names)
+
+    def at(rows: Sequence[Mapping[str, Any]], t: datetime) -> list[tuple[str, ...]]:
+        return sorted(image(r) for r in rows if r[START_COL] <= t <= r[END_COL])
+
+    def by_key(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[Any, ...], list[Any]]:
+        out: dict[tuple[Any, ...], list[Any]] = {}
+        for r in rows:
+            out.setdefault(tuple(r[k] for k in key), []).append(r)
+        return out
+
+    old, new = by_key(before), by_key(after)
+    changed: list[datetime] = []
+    for k in old.keys() | new.keys():
+        rows_old, rows_new = old.get(k, []), new.get(k, [])
+        edges = sorted({r[c] for r in [*rows_old, *rows_new] for c in (START_COL, END_COL)})
+        probes = [*edges, *(a + ONE_MS for a, b in pairwise(edges) if a + ONE_MS < b)]
+        changed += [t for t in probes if at(rows_old, t) != at(rows_new, t)]
+
+    def version(r: Mapping[str, Any]) -> tuple[Any, ...]:
+        return (tuple(r[k] for k in key), r[START_COL], r[END_COL], r[ACTIVE_COL], image(r))
+
+    kept = {version(r) for r in after}
+    closed = any(not r[ACTIVE_COL] and version(r) not in kept for r in before)
+    if not changed:
+        return None
+    return min(changed), max(changed), closed

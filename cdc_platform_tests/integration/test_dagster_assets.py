@@ -104,6 +104,10 @@ def test_seed_001_through_the_asset(spark, tmp_path):
         result = run_partition(defs, day.strftime("%Y-%m-%d-%H:%M"))
     meta = metadata(result)
     assert meta["files_read"] == 1 and meta["events_read"] == 3 and meta["delta_version"] >= 1
+    # The last run updated `a` at d2 (its live version now ends there) and inserted `c`; the
+    # update of `b` repeats its image: the valid time restated is from d2 on, no closed version.
+    restated = (meta["restated_from"], meta["restated_to"], meta["restated_closed"])
+    assert restated == (d2.isoformat(), TMAX.isoformat(), False)
 
     rows = history_rows(TablePaths.of(platform.warehouse_root, "abc").history, drop=())
     synced = {r.pop("_fivetran_synced") for r in rows}

@@ -25,13 +25,19 @@ from hypothesis import strategies as st
 
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.history import invariants
+from cdc_platform.lib.history.merge.snapshot import Restated
 from cdc_platform.lib.history.table import HistoryTable
 from cdc_platform.lib.landing.where.layout import hour_folder
 from cdc_platform.lib.operations.maintenance import compact
 from cdc_platform.lib.pipeline import materialize
 from cdc_platform.lib.storage.warehouse import TablePaths
 from cdc_platform_tests.helpers import history_rows, normalize, write_parquet_events
-from cdc_platform_tests.reference import UNMODIFIED, changed_columns, reference_history
+from cdc_platform_tests.reference import (
+    UNMODIFIED,
+    changed_columns,
+    reference_history,
+    restated_span,
+)
 from cdc_platform_tests.strategies import assign_to_files, cdc_event_batches
 
 START = datetime(2024, 1, 1, tzinfo=UTC)
@@ -128,9 +134,16 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
             write(key)
     hours = sorted({h for h, _ in files})
 
+    path = TablePaths.of(warehouse, table.name).history
+
+    def current_rows() -> list[dict[str, Any]]:
+        return history_rows(path) if path.path.exists() else []
+
     def apply(hours_: list[datetime]) -> None:
+        before = current_rows()
         result = materialize(spark, table, landing, warehouse, hours_)
         assert result.quarantined == (), result.quarantined  # every generated file is valid
+        _assert_restated(before, current_rows(), table.key, result.merge.restated)
 
     # Phase 1: every folder, in random order, sometimes as a contiguous range in one run.
     for hour in data.draw(st.permutations(hours), label="order") if hours else []:
@@ -160,8 +173,7 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
         expected = reference_history(_image_keyed(events), ["image"])
     else:
         expected = reference_history(events, ["id"], untracked)
-    path = TablePaths.of(warehouse, table.name).history
-    actual = history_rows(path) if path.path.exists() else []
+    actual = current_rows()
     assert normalize(actual, COLUMNS) == normalize(expected, COLUMNS)
     if table.keyless:  # each image one key: the checks, the change log's fold included
         outcomes = invariants.run_checks(spark, TablePaths.of(warehouse, table.name), table.key)
@@ -174,6 +186,24 @@ def _run(spark, root: Path, table: TableConfig, data: st.DataObject) -> None:
     if untracked and rows:  # the checks know in-place updates from missed versions
         outcomes = invariants.run_checks(spark, TablePaths.of(warehouse, table.name), ["id"])
         assert all(o.passed for o in outcomes), [o for o in outcomes if not o.passed]
+
+
+def _assert_restated(
+    before: list[dict[str, Any]],
+    after: list[dict[str, Any]],
+    key: tuple[str, ...],
+    restated: Restated | None,
+) -> None:
+    """The merge's restated span covers every instant whose as-of image changed, and it says
+    a closed version changed exactly when one did (``reference.restated_span``)."""
+    expected = restated_span(before, after, key)
+    if expected is None:
+        assert restated is None or not restated.closed, restated
+        return
+    first, last, closed = expected
+    assert restated is not None, expected
+    assert restated.start <= first and last <= restated.end, (restated, expected)
+    assert restated.closed == closed, (restated, expected)
 
 
 PROFILE = settings(

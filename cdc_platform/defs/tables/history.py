@@ -131,6 +131,7 @@ def materialization_metadata(result: MaterializationOutcome) -> dict[str, Any]:
         # None (a null metadata value) when there is no such version (nothing committed yet).
         "delta_version": m.history_version,
         VERSION_BEFORE: result.history_version_before,
+        **m.restated_metadata(),
         "changelog_version": m.changelog_version,
         "commit_attempts": m.attempts,
         "seconds": result.seconds,

@@ -95,6 +95,7 @@ class MergePlan:
                 self.oldest_late_event.isoformat() if self.oldest_late_event else None
             ),
             "late_reach_hours": round(reach / 3600, 3) if reach is not None else None,
+            **m.restated_metadata(),
         }
 
 

@@ -157,4 +157,5 @@ def _apply_once(
         + sum(f.size for f in rewritten),
         history_version=version,
         changelog_version=a.log_version,
+        restated=change.restated,
     )

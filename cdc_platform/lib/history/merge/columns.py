@@ -51,6 +51,12 @@ OLD_SYNCED = internal("old_synced")
 OLD_ACTIVE = internal("old_active")
 
 
+# A version's restated valid time (``fold._restated``): from, to, and whether it had closed.
+RESTATED_FROM = internal("restated_from")
+RESTATED_TO = internal("restated_to")
+RESTATED_CLOSED = internal("restated_closed")
+
+
 DELETE_ONLY = internal("delete_only")
 
 

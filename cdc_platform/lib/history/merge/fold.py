@@ -33,14 +33,17 @@ from cdc_platform.lib.history.merge.columns import (
     OLD_ACTIVE,
     OLD_FILE,
     OLD_SYNCED,
+    RESTATED_CLOSED,
+    RESTATED_FROM,
+    RESTATED_TO,
     SLOW,
 )
 from cdc_platform.lib.history.merge.gather import Gathered
-from cdc_platform.lib.history.merge.snapshot import Attempt
+from cdc_platform.lib.history.merge.snapshot import Attempt, Restated
 from cdc_platform.lib.history.versions import build_versions
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame
 
 
 def fold_versions(
@@ -144,12 +147,36 @@ def _compare(
     same_version = F.expr(" AND ".join([existed_sql, *as_before[: len(data_columns) + 2]]))
     same_row = F.expr(" AND ".join([existed_sql, *as_before]))
     synced = F.when(same_version, col(OLD_SYNCED)).otherwise(timestamp_lit(synced_at))
+    same_image = F.expr(" AND ".join([existed_sql, *as_before[: len(data_columns)]]))
     return (
         joined.withColumn(SYNCED, synced)
         .withColumn(OLD_FILE, F.when(same_row, col(internal("prior_file"))))
         .withColumn(OLD_ACTIVE, F.when(existed, col(renamed[ACTIVE])))
+        .withColumns(_restated(existed, same_version, same_image, renamed))
         .drop(*renamed.values(), OLD_SYNCED, internal("prior_file"))
     )
+
+
+def _restated(
+    existed: Column, same_version: Column, same_image: Column, old: dict[str, str]
+) -> dict[str, Column]:
+    """The valid time over which a version's row image changed (null where it did not): a new
+    version's whole span; a version that only ends elsewhere, between its old and new end (an
+    update closing the live version restates from the update on, not from the version's
+    start); and whether it had closed before (a late event rewrote the past)."""
+    from pyspark.sql import functions as F
+
+    changed, old_end = ~same_version, col(old[END])
+    moved_end = existed & same_image & (col(END) != old_end)
+    # Ends are inclusive and in milliseconds: the first instant that changed is one after.
+    moved = F.least(col(END), old_end) + F.expr("INTERVAL 1 MILLISECOND")
+    start = F.when(moved_end, moved).otherwise(col(START))
+    end = F.when(existed, F.greatest(col(END), old_end)).otherwise(col(END))
+    return {
+        RESTATED_FROM: F.when(changed, start),
+        RESTATED_TO: F.when(changed, end),
+        RESTATED_CLOSED: changed & existed & ~col(old[ACTIVE]),
+    }
 
 
 @dataclass(frozen=True)
@@ -159,6 +186,7 @@ class Changes:
     opened: int  # versions that start where none started before
     closed: int  # versions active before and not any more
     keys: int  # keys with a version at all
+    restated: Restated | None = None  # the valid time whose rows changed; None: none did
 
 
 def changes_of(
@@ -179,6 +207,7 @@ def changes_of(
         F.sum(col(OLD_ACTIVE).isNull().cast("long")).alias("opened"),
         F.sum((col(OLD_ACTIVE) & ~col(ACTIVE)).cast("long")).alias("closed"),
         F.count_distinct(*cols(pk)).alias("keys"),
+        *_span(col(RESTATED_FROM), col(RESTATED_TO), col(RESTATED_CLOSED)),
     )
     if old is not None:
         new = compared.select(
@@ -188,9 +217,11 @@ def changes_of(
         )
         joined = old.join(joins.build_side(new, compared_rows, old_rows), [*pk, START], "left")
         kept = F.coalesce(col(internal("kept")), F.lit(False))
+        gone = col(internal("exists")).isNull()
         of_old = joined.agg(
             F.collect_set(F.when(~kept, col(FILE))).alias("files"),
-            F.sum((col(ACTIVE) & col(internal("exists")).isNull()).cast("long")).alias("vanished"),
+            F.sum((col(ACTIVE) & gone).cast("long")).alias("vanished"),
+            *_span(F.when(gone, col(START)), F.when(gone, col(END)), gone & ~col(ACTIVE), "old_"),
         )
         of_new = of_old.unionByName(of_new, allowMissingColumns=True)
     rows = of_new.collect()  # one row per aggregate
@@ -201,4 +232,16 @@ def changes_of(
         opened=int(got.get("opened") or 0),
         closed=int(got.get("closed") or 0),
         keys=int(got.get("keys") or 0),
+        restated=Restated.union(Restated.of(got, ""), Restated.of(got, "old_")),
     )
+
+
+def _span(start: Column, end: Column, closed: Column, prefix: str = "") -> list[Column]:
+    """The aggregates ``Restated.of`` reads: the earliest start, the latest end, any closed."""
+    from pyspark.sql import functions as F
+
+    return [
+        F.min(F.unix_micros(start)).alias(f"{prefix}restated_from"),
+        F.max(F.unix_micros(end)).alias(f"{prefix}restated_to"),
+        F.max(closed.cast("int")).alias(f"{prefix}restated_closed"),
+    ]

@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -23,6 +24,7 @@ from cdc_platform.lib.columns import (
     STATE_COLUMNS,
     SYNCED,
     HistoryColumns,
+    from_unix_micros,
 )
 from cdc_platform.lib.config import TableConfig
 from cdc_platform.lib.errors import Refusal
@@ -63,6 +65,45 @@ class HistoryColumnsError(Refusal):
 
 
 @dataclass(frozen=True)
+class Restated:
+    """The valid time a merge restated (docs/history-table.md, "What a run restated"): every
+    instant at which some key's row image, as a read ``as_of`` it would return it, is not what
+    it was before; ``closed``: a version that had already ended was rewritten or removed (late
+    data changed the past, not only the live version). ``end`` is TMAX when a live version
+    changed."""
+
+    start: datetime
+    end: datetime
+    closed: bool
+
+    @classmethod
+    def of(cls, got: Mapping[str, Any], prefix: str) -> Restated | None:
+        """From the aggregates of ``fold._span`` (micros since the epoch; absent: none)."""
+        start, end = got.get(f"{prefix}restated_from"), got.get(f"{prefix}restated_to")
+        if start is None or end is None:
+            return None
+        closed = bool(got.get(f"{prefix}restated_closed"))
+        return cls(from_unix_micros(start), from_unix_micros(end), closed)
+
+    @staticmethod
+    def union(*spans: Restated | None) -> Restated | None:
+        """The span covering every one given (None when none is)."""
+        known = [s for s in spans if s is not None]
+        if not known:
+            return None
+        return Restated(
+            min(s.start for s in known), max(s.end for s in known), any(s.closed for s in known)
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "restated_from": self.start.isoformat(),
+            "restated_to": self.end.isoformat(),
+            "restated_closed": self.closed,
+        }
+
+
+@dataclass(frozen=True)
 class MergeResult:
     keys_affected: int = 0
     fast_keys: int = 0
@@ -79,10 +120,12 @@ class MergeResult:
     history_version: int | None = None
     changelog_version: int | None = None
     attempts: int = 0
+    restated: Restated | None = None  # the valid time whose rows changed (None: none did)
 
-    def metadata(self) -> dict[str, int | None]:
+    def metadata(self) -> dict[str, Any]:
         """What an operator job reports of the merge that followed its change."""
         return {
+            **self.restated_metadata(),
             "keys_affected": self.keys_affected,
             "versions_opened": self.versions_opened,
             "versions_closed": self.versions_closed,
@@ -90,6 +133,12 @@ class MergeResult:
             "files_added": self.files_added,
             "delta_version": self.history_version,
         }
+
+    def restated_metadata(self) -> dict[str, Any]:
+        """``Restated.metadata``, with nulls when the merge changed no row image."""
+        if self.restated is None:
+            return {"restated_from": None, "restated_to": None, "restated_closed": False}
+        return self.restated.metadata()
 
 
 def fault_point(name: str) -> None:
