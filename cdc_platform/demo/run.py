@@ -18,6 +18,7 @@ from cdc_platform.defs.alerts.webhook import ALERT_RESOURCE_KEY, alert_webhook_f
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.defs.tags import RANGE_END_TAG, RANGE_START_TAG
+from cdc_platform.demo.definitions import DOWNSTREAM_OF, build_demo_definitions
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
@@ -85,6 +86,22 @@ def history_summary(history: Where) -> tuple[int, int, int]:
     return rows.num_rows, active, delta.version_or_none(history) or 0
 
 
+def summarize_downstream(
+    platform: PlatformConfig, instance: dg.DagsterInstance, landing: LandingZone
+) -> None:
+    """The demo's downstream asset (``demo.downstream``): each day of the sample landing zone,
+    the live orders and their total as of its end."""
+    table, _ = DOWNSTREAM_OF
+    if table not in {t.name for t in platform.tables}:
+        return
+    daily = build_demo_definitions(platform).resolve_assets_def(f"{table}_daily")
+    for day in sorted({h.strftime("%Y-%m-%d") for h in landing.hours(table)}):
+        result = dg.materialize([daily], partition_key=day, instance=instance)
+        meta = result.get_asset_materialization_events()[0].materialization.metadata
+        rows, total = meta["rows"].value, meta["total"].value
+        print(f"{table}_daily {day}: {rows} live {table}, total {total:,.2f} at the day's end")
+
+
 def main() -> None:
     started = time.monotonic()
     prepare_instance()
@@ -131,6 +148,7 @@ def main() -> None:
                 f"{table.name:<10} {len(hours):>10} {events:>7} {versions:>9} {active:>7} "
                 f"{version:>8} {status}"
             )
+        summarize_downstream(platform, instance, landing)
     finally:
         spark.stop()
     print(

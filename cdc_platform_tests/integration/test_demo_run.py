@@ -83,6 +83,7 @@ def test_demo_exits_0_with_a_summary(demo: tuple[Path, subprocess.CompletedProce
     summary = [line.split()[0] for line in proc.stdout.splitlines() if f"{n}/{n} passed" in line]
     assert summary == ["customers", "orders", "payments"], output
     assert (root / "data" / "warehouse" / "orders" / "_delta_log").is_dir()
+    assert re.search(r"^orders_daily 2024-01-01: \d+ live orders, total [\d,.]+", proc.stdout, re.M)
     assert (root / "dagster_home" / "dagster.yaml").is_file()
 
 

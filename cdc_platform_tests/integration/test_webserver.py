@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cdc_platform.defs.sensors.restatements import RESTATEMENTS_SENSOR
 from cdc_platform.lib.config import CONFIG_ENV_VAR, REPO_ROOT
 from cdc_platform.lib.history import invariants
 
@@ -218,8 +219,11 @@ def test_repository_lists_assets_sensors_and_check_job(webserver: str) -> None:
     data = graphql(webserver, REPOSITORIES_QUERY)["repositoriesOrError"]
     assert data["__typename"] == "RepositoryConnection", data
     (repo,) = data["nodes"]
-    assert {tuple(n["assetKey"]["path"]) for n in repo["assetNodes"]} == {(t,) for t in TABLES}
+    # The demo's location (workspace.yaml): the tables, and the asset downstream of orders.
+    assets = {tuple(n["assetKey"]["path"]) for n in repo["assetNodes"]}
+    assert assets == {(t,) for t in TABLES} | {("orders_daily",)}
     sensors = {s["name"]: s for s in repo["sensors"]}
+    assert sensors[RESTATEMENTS_SENSOR]["defaultStatus"] == "RUNNING"
     for table in TABLES:
         sensor = sensors[f"{table}_landing_sensor"]
         assert sensor["defaultStatus"] == "RUNNING"

@@ -1,5 +1,6 @@
 """The sensors role: the landing sensors (one per table, ``per_table``, or one for all tables,
-``all_tables``) and the discovery sensor reporting unlisted landing folders (``discovery``).
+``all_tables``), the discovery sensor reporting unlisted landing folders (``discovery``), and
+the sensor re-requesting downstream partitions that late data restated (``restatements``).
 The alert sensors are the alerts role's (``defs.alerts``), the current tables' sensor the
 tables role's (``defs.tables.current``).
 """
@@ -13,6 +14,7 @@ import dagster as dg
 
 from cdc_platform.defs.sensors.all_tables import build_fleet_landing_sensor
 from cdc_platform.defs.sensors.discovery import build_new_tables_sensor
+from cdc_platform.defs.sensors.restatements import build_restatements_sensor
 from cdc_platform.lib.config import PlatformConfig
 
 if TYPE_CHECKING:  # the tables role builds on the per-table sensor module: no import cycle
@@ -29,7 +31,11 @@ def definitions(
     added from its ``discover:`` template as such)."""
     discovered = [t.name for t in platform.tables[len(listed.tables) :]]
     return dg.Definitions(
-        sensors=[*_landing_sensors(platform, tables), build_new_tables_sensor(listed, discovered)]
+        sensors=[
+            *_landing_sensors(platform, tables),
+            build_new_tables_sensor(listed, discovered),
+            build_restatements_sensor([t.asset.key for t in tables]),
+        ]
     )
 
 

@@ -1,0 +1,44 @@
+"""Which downstream partitions a restated span reaches, and metadata that is not a span."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import dagster as dg
+
+from cdc_platform.defs.sensors.restatements import _overlapping, _window
+
+NOW = datetime(2026, 12, 4, 12, tzinfo=UTC)
+DAILY = dg.DailyPartitionsDefinition(start_date="2026-11-28")
+BUILT = {"2026-11-29", "2026-11-30", "2026-12-01", "2026-12-02", "2026-12-03", "2025-13-99"}
+
+
+def window(start: object, end: object) -> dg.TimeWindow | None:
+    meta = {"restated_from": dg.MetadataValue.text(str(start)) if start else None}
+    meta["restated_to"] = dg.MetadataValue.text(str(end)) if end else None
+    return _window({k: v for k, v in meta.items() if v is not None}, NOW)
+
+
+def test_a_span_reaches_every_day_it_overlaps_its_last_instant_included() -> None:
+    start = datetime(2026, 12, 1, 10, tzinfo=UTC)
+    end = datetime(2026, 12, 3, tzinfo=UTC) - timedelta(milliseconds=1)
+    w = window(start.isoformat(), end.isoformat())
+    assert w is not None
+    assert list(_overlapping(DAILY, w, BUILT)) == ["2026-12-01", "2026-12-02"]
+    at_midnight = window(end.isoformat(), (end + timedelta(milliseconds=1)).isoformat())
+    assert at_midnight is not None
+    assert list(_overlapping(DAILY, at_midnight, BUILT)) == ["2026-12-02", "2026-12-03"]
+
+
+def test_a_live_versions_end_stops_at_now_and_unbuilt_days_are_not_requested() -> None:
+    w = window("2026-12-02T05:00:00+00:00", "9999-12-31T23:59:59.999000+00:00")
+    assert w is not None and w.end == NOW
+    assert list(_overlapping(DAILY, w, BUILT - {"2026-12-03"})) == ["2026-12-02"]
+
+
+def test_metadata_that_is_not_a_span_is_skipped_not_raised() -> None:
+    assert window(None, None) is None
+    assert window("not a time", "2026-12-02T00:00:00+00:00") is None
+    assert window("2026-12-03T00:00:00+00:00", "2026-12-02T00:00:00+00:00") is None
+    naive = window("2026-12-02T00:00:00", "2026-12-02T01:00:00")
+    assert naive is not None and naive.start.tzinfo is not None
