@@ -32,6 +32,9 @@ def daily_totals(platform: PlatformConfig, table: str, amount: str) -> dg.Assets
         deps=[dg.AssetKey(table)],
         partitions_def=dg.DailyPartitionsDefinition(start_date=config.start.strftime("%Y-%m-%d")),
         group_name="downstream",
+        # One run at a time: each replaces its day's rows in one Delta table, and concurrent
+        # overwrites of one table conflict at commit.
+        pool=f"{table}_daily",
         description=f"Live {table} and their total {amount} as of each day's end.",
     )
     def daily(context: dg.AssetExecutionContext) -> dg.MaterializeResult:

@@ -1,6 +1,6 @@
 """Late data reaches downstream partitions through a real Dagster daemon: a late file lands in
 a three-day-old hour, the landing sensor applies it, and the ``cdc_restatements`` sensor
-requests exactly the days of ``orders_daily`` (the demo's downstream asset) it changed."""
+requests exactly the days of ``orders_daily`` (the demo's downstream asset) its span reaches."""
 
 from __future__ import annotations
 

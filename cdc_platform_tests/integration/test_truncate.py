@@ -33,7 +33,7 @@ from cdc_platform_tests.helpers import (
     write_parquet_events,
 )
 from cdc_platform_tests.helpers import event as ev
-from cdc_platform_tests.reference import reference_history
+from cdc_platform_tests.reference import reference_history, restated_span
 
 H0 = datetime(2024, 1, 1, tzinfo=UTC)
 H1, H2 = H0 + timedelta(hours=1), H0 + timedelta(hours=2)
@@ -303,9 +303,15 @@ def test_a_soft_truncate_with_no_before_closes_what_its_catch_up_merge_writes(
         m.setattr("cdc_platform.lib.history.table.apply_pending", crash)
         with pytest.raises(_Crash):
             materialize(spark, TABLE, landing, warehouse, [H1], synced_at=S1)
+    paths = TablePaths.of(warehouse, TABLE.name)
+    before = history_rows(paths.history)
     r = truncate(HistoryTable(spark, TABLE, warehouse), TruncateRequest(soft=True, now=S1 + MS))
     assert r.before == S1 + 2 * MS and r.keys == 2  # keys 1 and 2, key 2 just merged
-    paths = TablePaths.of(warehouse, TABLE.name)
+    # The span reported covers what the catch-up merged (hour 1) as well as the truncate's.
+    first, last, _ = restated_span(before, history_rows(paths.history), ["id"]) or (None,) * 3
+    span = r.merge.restated
+    assert span is not None and first is not None and last is not None
+    assert span.start <= first and last <= span.end, (span, first, last)
     closing = [truncate_delete(k, S1 + 2 * MS) for k in (1, 2)]
     assert rows_of(paths) == expected([*HOUR0, *HOUR1, *closing])
     assert not [r for r in rows_of(paths) if r[4]]  # no live row left

@@ -1,4 +1,5 @@
-"""Which downstream partitions a restated span reaches, and metadata that is not a span."""
+"""Which downstream partitions a restated span reaches, metadata that is not a span, and
+queued requests the code location can no longer take."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 
-from cdc_platform.defs.sensors.restatements import _overlapping, _window
+from cdc_platform.defs.sensors.restatements import (
+    MAX_PARTITIONS_PER_TICK,
+    _Cursor,
+    _due,
+    _overlaps,
+    _partition_window,
+    _window,
+)
 
 NOW = datetime(2026, 12, 4, 12, tzinfo=UTC)
 DAILY = dg.DailyPartitionsDefinition(start_date="2026-11-28")
@@ -19,21 +27,24 @@ def window(start: object, end: object) -> dg.TimeWindow | None:
     return _window({k: v for k, v in meta.items() if v is not None}, NOW)
 
 
+def reached(span: dg.TimeWindow, built: set[str] = BUILT) -> list[str]:
+    windows = {p: _partition_window(DAILY, p) for p in built}
+    return sorted(p for p, w in windows.items() if w is not None and _overlaps(w, span))
+
+
 def test_a_span_reaches_every_day_it_overlaps_its_last_instant_included() -> None:
     start = datetime(2026, 12, 1, 10, tzinfo=UTC)
     end = datetime(2026, 12, 3, tzinfo=UTC) - timedelta(milliseconds=1)
     w = window(start.isoformat(), end.isoformat())
-    assert w is not None
-    assert list(_overlapping(DAILY, w, BUILT)) == ["2026-12-01", "2026-12-02"]
+    assert w is not None and reached(w) == ["2026-12-01", "2026-12-02"]
     at_midnight = window(end.isoformat(), (end + timedelta(milliseconds=1)).isoformat())
-    assert at_midnight is not None
-    assert list(_overlapping(DAILY, at_midnight, BUILT)) == ["2026-12-02", "2026-12-03"]
+    assert at_midnight is not None and reached(at_midnight) == ["2026-12-02", "2026-12-03"]
 
 
-def test_a_live_versions_end_stops_at_now_and_unbuilt_days_are_not_requested() -> None:
+def test_a_live_versions_end_stops_at_now_and_unbuilt_days_are_not_reached() -> None:
     w = window("2026-12-02T05:00:00+00:00", "9999-12-31T23:59:59.999000+00:00")
     assert w is not None and w.end == NOW
-    assert list(_overlapping(DAILY, w, BUILT - {"2026-12-03"})) == ["2026-12-02"]
+    assert reached(w, BUILT - {"2026-12-03"}) == ["2026-12-02"]
 
 
 def test_metadata_that_is_not_a_span_is_skipped_not_raised() -> None:
@@ -42,3 +53,15 @@ def test_metadata_that_is_not_a_span_is_skipped_not_raised() -> None:
     assert window("2026-12-03T00:00:00+00:00", "2026-12-02T00:00:00+00:00") is None
     naive = window("2026-12-02T00:00:00", "2026-12-02T01:00:00")
     assert naive is not None and naive.start.tzinfo is not None
+
+
+def test_queued_requests_are_capped_and_those_no_longer_valid_are_dropped() -> None:
+    daily = dg.AssetKey("orders_daily")
+    queue = [("orders_daily", f"2026-12-{d:02d}", 7) for d in range(1, 4)]
+    queue += [("gone_daily", "2026-12-01", 7), ("orders_daily", "1999-01-01", 7)]
+    queue += [("orders_daily", "2026-11-30", 8)] * MAX_PARTITIONS_PER_TICK
+    cursor = _Cursor(queue=queue)
+    requests = _due(cursor, {daily: DAILY})
+    assert [r.partition_key for r in requests[:3]] == ["2026-12-01", "2026-12-02", "2026-12-03"]
+    assert len(requests) == MAX_PARTITIONS_PER_TICK and len(cursor.queue) == 3
+    assert all(r.asset_selection == [daily] for r in requests)

@@ -1,20 +1,22 @@
 """The restatements sensor: late data reaches the downstream partitions it made wrong.
 
 Every run that changes a history table records the valid time it restated (``restated_from``,
-``restated_to``: docs/history-table.md, "What a run restated"). A time-partitioned asset that
-depends on a history table, in the same code location, gets the partitions overlapping that
-window requested again, if it had materialized them: a late file into a three-day-old hour
-re-runs the days it changed and no other. A partition materialized after the restating run
-has read the restated rows, and is left alone. A restatement of many partitions is requested
-a few at a time (``MAX_PARTITIONS_PER_TICK``), the rest kept in the cursor, so it cannot
-flood the run queue. Dagster offers no automation condition that reads a parent's metadata,
-hence a sensor; a partition's time window is Dagster's (``time_window_for_partition_key``).
+``restated_to``: docs/history-table.md, "What a run restated"), on its materializations, or on
+an observation when an operator job names no hour. A time-partitioned asset that depends on a
+history table, in the same code location, gets the partitions overlapping that span requested
+again when its latest materialization came before the restating run: a late file into a
+three-day-old hour re-runs the days its span reaches and no other, and a partition built since
+has read the restated rows already. A restatement of many partitions is requested a few at a
+time (``MAX_PARTITIONS_PER_TICK``), the rest kept in the cursor, so it cannot flood the run
+queue; a failed request is retried by Dagster's run retries. Dagster offers no automation
+condition that reads a parent's metadata, hence a sensor; a partition's time window is
+Dagster's (``time_window_for_partition_key``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -22,15 +24,18 @@ import dagster as dg
 
 RESTATEMENTS_SENSOR = "cdc_restatements"
 MAX_PARTITIONS_PER_TICK = 20
-# History materializations read a tick, per table with a partitioned downstream asset.
+# Records read a tick (each of materializations and observations), per table with a
+# partitioned downstream asset.
 RECORDS_PER_TICK = 100
 RESTATED_BY_TAG = "cdc_platform/restated_by"
+RESTATEMENT_RETRIES = 2
+OBSERVED = "#observed"  # the cursor's key for a table's observations
 
 
 @dataclass
 class _Cursor:
-    """Per history table, the last materialization read (its storage id); and the partitions
-    still to request, each as (asset, partition, the history materialization's storage id)."""
+    """Per history table, the last materialization and observation read (storage ids); and
+    the partitions still to request, each as (asset, partition, the restating record's id)."""
 
     after: dict[str, int] = field(default_factory=dict)
     queue: list[tuple[str, str, int]] = field(default_factory=list)
@@ -65,29 +70,58 @@ def build_restatements_sensor(history: Sequence[dg.AssetKey]) -> dg.SensorDefini
     )
     def cdc_restatements(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         cursor = _Cursor.parse(context.cursor)
-        repository = context.repository_def
+        children_of = {key: _partitioned_children(context.repository_def, key) for key in watched}
+        built = _Built(context.instance)
         now = datetime.now(UTC)
-        for key in watched:
-            children = _partitioned_children(repository, key) if repository else {}
+        for key, children in children_of.items():
             if children:
-                _read_new(context.instance, key, children, now, cursor)
-        now_due, cursor.queue = (
-            cursor.queue[:MAX_PARTITIONS_PER_TICK],
-            cursor.queue[MAX_PARTITIONS_PER_TICK:],
-        )
-        requests = [_request(asset, p, s) for asset, p, s in now_due]
-        return dg.SensorResult(run_requests=requests, cursor=cursor.dump())
+                _read_new(context.instance, key, children, built, now, cursor)
+        known = {c: p for children in children_of.values() for c, p in children.items()}
+        return dg.SensorResult(run_requests=_due(cursor, known), cursor=cursor.dump())
 
     return cdc_restatements
 
 
+class _Built:
+    """Per downstream asset, each materialized partition's latest materialization (its
+    storage id) and time window: read once a tick, whatever the number of records."""
+
+    def __init__(self, instance: dg.DagsterInstance) -> None:
+        self.instance = instance
+        self.cache: dict[dg.AssetKey, dict[str, tuple[int, dg.TimeWindow]]] = {}
+
+    def of(
+        self, child: dg.AssetKey, partitions: dg.TimeWindowPartitionsDefinition
+    ) -> dict[str, tuple[int, dg.TimeWindow]]:
+        if child not in self.cache:
+            latest = self.instance.get_latest_storage_id_by_partition(
+                child, dg.DagsterEventType.ASSET_MATERIALIZATION
+            )
+            self.cache[child] = {
+                p: (storage_id, w)
+                for p, storage_id in latest.items()
+                if (w := _partition_window(partitions, p)) is not None
+            }
+        return self.cache[child]
+
+
+def _partition_window(
+    partitions: dg.TimeWindowPartitionsDefinition, key: str
+) -> dg.TimeWindow | None:
+    """A partition's time window; None for a key this definition no longer has."""
+    try:
+        return partitions.time_window_for_partition_key(key)
+    except (ValueError, TypeError, dg.DagsterInvalidDefinitionError):
+        return None
+
+
 def _partitioned_children(
-    repository: dg.RepositoryDefinition, key: dg.AssetKey
+    repository: dg.RepositoryDefinition | None, key: dg.AssetKey
 ) -> dict[dg.AssetKey, dg.TimeWindowPartitionsDefinition]:
     """The assets directly downstream of ``key`` with time-window partitions."""
-    graph = repository.asset_graph
-    if not graph.has(key):
+    if repository is None or not repository.asset_graph.has(key):
         return {}
+    graph = repository.asset_graph
     out = {}
     for child in graph.get(key).child_keys:
         partitions = graph.get(child).partitions_def
@@ -100,31 +134,52 @@ def _read_new(
     instance: dg.DagsterInstance,
     key: dg.AssetKey,
     children: dict[dg.AssetKey, dg.TimeWindowPartitionsDefinition],
+    built: _Built,
     now: datetime,
     cursor: _Cursor,
 ) -> None:
-    """Queue the partitions each new materialization of ``key`` restated: those of ``children``
-    overlapping its window and materialized before it (one built since has read the restated
-    rows already)."""
+    """Queue the partitions each new record of ``key`` restated: its materializations, and the
+    observations an operator job records when it names no hour. A partition is queued when
+    its window overlaps the span and its latest materialization came before the record (one
+    built since has read the restated rows)."""
     name = key.to_user_string()
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=key, after_storage_id=cursor.after.get(name)),
-        limit=RECORDS_PER_TICK,
-        ascending=True,
-    ).records
     queued = {(a, p) for a, p, _ in cursor.queue}
-    for record in records:
-        cursor.after[name] = record.storage_id
-        materialization = record.asset_materialization
-        window = _window(materialization.metadata if materialization else {}, now)
-        if window is None:
-            continue
-        for child, partitions in children.items():
-            built = instance.get_materialized_partitions(child, before_cursor=record.storage_id)
-            for p in _overlapping(partitions, window, built):
-                if (child.to_user_string(), p) not in queued:
-                    queued.add((child.to_user_string(), p))
-                    cursor.queue.append((child.to_user_string(), p, record.storage_id))
+    for kind, fetch in (
+        ("", instance.fetch_materializations),
+        (OBSERVED, instance.fetch_observations),
+    ):
+        records = fetch(
+            dg.AssetRecordsFilter(asset_key=key, after_storage_id=cursor.after.get(name + kind)),
+            limit=RECORDS_PER_TICK,
+            ascending=True,
+        ).records
+        for record in records:
+            cursor.after[name + kind] = record.storage_id
+            event = record.asset_materialization or record.asset_observation
+            window = _window(event.metadata if event else {}, now)
+            if window is None:
+                continue
+            for child, partitions in children.items():
+                asset = child.to_user_string()
+                for p, (latest, w) in built.of(child, partitions).items():
+                    due = latest < record.storage_id and _overlaps(w, window)
+                    if due and (asset, p) not in queued:
+                        queued.add((asset, p))
+                        cursor.queue.append((asset, p, record.storage_id))
+
+
+def _due(
+    cursor: _Cursor, known: dict[dg.AssetKey, dg.TimeWindowPartitionsDefinition]
+) -> list[dg.RunRequest]:
+    """The next requests off the queue, dropping those for an asset or partition the code
+    location no longer has (a request Dagster would refuse, failing every tick)."""
+    due: list[dg.RunRequest] = []
+    while cursor.queue and len(due) < MAX_PARTITIONS_PER_TICK:
+        asset, p, storage_id = cursor.queue.pop(0)
+        partitions = known.get(dg.AssetKey.from_user_string(asset))
+        if partitions is not None and partitions.has_partition_key(p):
+            due.append(_request(asset, p, storage_id))
+    return due
 
 
 def _window(metadata: Mapping[str, dg.MetadataValue], now: datetime) -> dg.TimeWindow | None:
@@ -149,24 +204,22 @@ def _instant(value: object) -> datetime | None:
     return t.replace(tzinfo=UTC) if t.tzinfo is None else t
 
 
-def _overlapping(
-    partitions: dg.TimeWindowPartitionsDefinition, window: dg.TimeWindow, built: set[str]
-) -> Iterator[str]:
-    """The materialized partitions whose time window overlaps ``window``, its end included (a
-    partition's window is half-open, the restated end is an instant that changed)."""
-    for p in sorted(built):
-        try:
-            w = partitions.time_window_for_partition_key(p)
-        except (ValueError, TypeError):  # a key of an earlier partitions definition
-            continue
-        if w.start <= window.end and w.end > window.start:
-            yield p
+def _overlaps(partition: dg.TimeWindow, span: dg.TimeWindow) -> bool:
+    """A partition's half-open window against a restated span whose end is an instant that
+    changed (included)."""
+    return partition.start <= span.end and partition.end > span.start
 
 
 def _request(asset: str, partition: str, storage_id: int) -> dg.RunRequest:
+    """One partition again; retried by Dagster's run retries if it fails (a request's run key
+    is used once)."""
     return dg.RunRequest(
         run_key=f"{asset}|{partition}|{storage_id}",
         asset_selection=[dg.AssetKey.from_user_string(asset)],
         partition_key=partition,
-        tags={RESTATED_BY_TAG: str(storage_id)},
+        tags={
+            RESTATED_BY_TAG: str(storage_id),
+            "dagster/max_retries": str(RESTATEMENT_RETRIES),
+            "dagster/retry_on_asset_or_op_failure": "true",
+        },
     )

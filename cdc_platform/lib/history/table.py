@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,6 +25,7 @@ from cdc_platform.lib.history import changelog
 from cdc_platform.lib.history.merge import (
     APP_ID,
     MergeResult,
+    Restated,
     apply_pending,
     record_retracted_keys,
     table_relative,
@@ -183,22 +184,26 @@ class HistoryTable:
         commit fenced on that version. When another writer got in first the attempt is
         decided again from a fresh read; then the merge runs at ``at``."""
 
+        caught_up: list[Restated | None] = []  # what catching up restated: reported too
+
         def attempt() -> T:
-            log = self._caught_up(at) if catch_up else self._latest_log()
+            log = self._caught_up(at, caught_up) if catch_up else self._latest_log()
             return decide(Change(self, log, at))
 
         value, _ = delta.with_commit_retries(attempt, f"{what} of {self.paths.history}")
-        return value, self.merge_pending(at)
+        merged = self.merge_pending(at)
+        return value, replace(merged, restated=Restated.union(*caught_up, merged.restated))
 
     def _latest_log(self) -> Table | None:
         log = self.refresh().changelog
         return log if log.exists else None
 
-    def _caught_up(self, at: datetime) -> Table | None:
+    def _caught_up(self, at: datetime, restated: list[Restated | None]) -> Table | None:
         """The change log as the history table now reflects it, after merging what was
-        pending (None: no change log yet). ``CommitFailedError`` when events were logged
-        during the catch-up: the retry catches up and decides again."""
-        self.merge_pending(at)
+        pending (None: no change log yet; the merge's restated span added to ``restated``).
+        ``CommitFailedError`` when events were logged during the catch-up: the retry catches
+        up and decides again."""
+        restated.append(self.merge_pending(at).restated)
         log = self.changelog
         if not log.exists:
             return None

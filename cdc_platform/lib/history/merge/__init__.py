@@ -52,6 +52,7 @@ from cdc_platform.lib.history.merge.side_tables import (
 from cdc_platform.lib.history.merge.snapshot import (
     HistoryColumnsError,
     MergeResult,
+    Restated,
     fault_point,
     is_closed_file,
     table_relative,
@@ -66,6 +67,7 @@ __all__ = [
     "TOUCHED_KEYS",
     "HistoryColumnsError",
     "MergeResult",
+    "Restated",
     "apply_pending",
     "drop_caught_up_retractions",
     "fault_point",
