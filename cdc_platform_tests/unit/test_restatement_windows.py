@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
+import pytest
 
 from cdc_platform.defs.sensors.restatements import (
     MAX_PARTITIONS_PER_TICK,
@@ -65,3 +66,61 @@ def test_queued_requests_are_capped_and_those_no_longer_valid_are_dropped() -> N
     assert [r.partition_key for r in requests[:3]] == ["2026-12-01", "2026-12-02", "2026-12-03"]
     assert len(requests) == MAX_PARTITIONS_PER_TICK and len(cursor.queue) == 3
     assert all(r.asset_selection == [daily] for r in requests)
+
+
+@dg.asset(partitions_def=dg.HourlyPartitionsDefinition(start_date="2026-11-28-00:00"))
+def orders() -> None:
+    """Stands in for a history asset: only its events matter here."""
+
+
+@dg.asset(deps=[orders], partitions_def=DAILY)
+def orders_daily() -> None: ...
+
+
+def span_event(
+    start: str, end: str, observed: bool = False
+) -> dg.AssetMaterialization | dg.AssetObservation:
+    meta = {"restated_from": start, "restated_to": end, "restated_closed": True}
+    if observed:
+        return dg.AssetObservation(asset_key="orders", metadata=meta)
+    return dg.AssetMaterialization(asset_key="orders", metadata=meta)
+
+
+def test_the_sensor_requests_days_built_before_the_restating_record_and_each_span_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cdc_platform.defs.sensors import restatements
+
+    monkeypatch.setattr(restatements, "RECORDS_PER_TICK", 1)  # a record of each kind a tick
+    sensor = restatements.build_restatements_sensor([dg.AssetKey("orders")])
+    defs = dg.Definitions(assets=[orders, orders_daily], sensors=[sensor])
+    with dg.DagsterInstance.ephemeral() as instance:
+        for day in ("2026-11-30", "2026-12-01", "2026-12-02"):
+            instance.report_runless_asset_event(
+                dg.AssetMaterialization(asset_key="orders_daily", partition=day)
+            )
+        late = ("2026-11-30T10:00:00+00:00", "2026-12-01T23:59:59.999000+00:00")
+        instance.report_runless_asset_event(span_event(*late))
+        instance.report_runless_asset_event(span_event(*late))  # the run's next hour: same span
+        # Rebuilt after the restating record: it has read the restated rows.
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(asset_key="orders_daily", partition="2026-12-01")
+        )
+        # An operator job naming no hour: an observation, reaching day 2.
+        instance.report_runless_asset_event(
+            span_event("2026-12-02T08:00:00+00:00", "2026-12-02T09:00:00+00:00", observed=True)
+        )
+
+        def tick(cursor: str | None) -> tuple[list[str], str | None]:
+            context = dg.build_sensor_context(
+                instance=instance, cursor=cursor, repository_def=defs.get_repository_def()
+            )
+            result = sensor(context)
+            assert isinstance(result, dg.SensorResult)
+            return [str(r.partition_key) for r in result.run_requests or []], result.cursor
+
+        requested, cursor = tick(None)
+        assert sorted(requested) == ["2026-11-30", "2026-12-02"]
+        requested, cursor = tick(cursor)  # the same run's next hour, read at the next tick
+        assert requested == []
+        assert tick(cursor)[0] == []  # nothing new: nothing again

@@ -30,6 +30,7 @@ RECORDS_PER_TICK = 100
 RESTATED_BY_TAG = "cdc_platform/restated_by"
 RESTATEMENT_RETRIES = 2
 OBSERVED = "#observed"  # the cursor's key for a table's observations
+SPAN = ("restated_from", "restated_to", "restated_closed")
 
 
 @dataclass
@@ -39,16 +40,20 @@ class _Cursor:
 
     after: dict[str, int] = field(default_factory=dict)
     queue: list[tuple[str, str, int]] = field(default_factory=list)
+    # Per table, the last span queued: its run and metadata (the next hour of that run, same).
+    last: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, text: str | None) -> _Cursor:
         if not text:
             return cls()
         raw = json.loads(text)
-        return cls(dict(raw["after"]), [(a, p, int(s)) for a, p, s in raw["queue"]])
+        queue = [(a, p, int(s)) for a, p, s in raw["queue"]]
+        return cls(dict(raw["after"]), queue, dict(raw.get("last", {})))
 
     def dump(self) -> str:
-        return json.dumps({"after": self.after, "queue": self.queue}, sort_keys=True)
+        state = {"after": self.after, "queue": self.queue, "last": self.last}
+        return json.dumps(state, sort_keys=True)
 
 
 def build_restatements_sensor(history: Sequence[dg.AssetKey]) -> dg.SensorDefinition:
@@ -139,11 +144,9 @@ def _read_new(
     cursor: _Cursor,
 ) -> None:
     """Queue the partitions each new record of ``key`` restated: its materializations, and the
-    observations an operator job records when it names no hour. A partition is queued when
-    its window overlaps the span and its latest materialization came before the record (one
-    built since has read the restated rows)."""
+    observations an operator job records when it names no hour. A run of many hours records
+    the same span on each: it is read once (``_Cursor.last``)."""
     name = key.to_user_string()
-    queued = {(a, p) for a, p, _ in cursor.queue}
     for kind, fetch in (
         ("", instance.fetch_materializations),
         (OBSERVED, instance.fetch_observations),
@@ -156,16 +159,31 @@ def _read_new(
         for record in records:
             cursor.after[name + kind] = record.storage_id
             event = record.asset_materialization or record.asset_observation
-            window = _window(event.metadata if event else {}, now)
-            if window is None:
+            metadata = event.metadata if event else {}
+            window = _window(metadata, now)
+            span = [record.run_id, *(str(getattr(metadata.get(k), "value", "")) for k in SPAN)]
+            if window is None or cursor.last.get(name + kind) == span:
                 continue
-            for child, partitions in children.items():
-                asset = child.to_user_string()
-                for p, (latest, w) in built.of(child, partitions).items():
-                    due = latest < record.storage_id and _overlaps(w, window)
-                    if due and (asset, p) not in queued:
-                        queued.add((asset, p))
-                        cursor.queue.append((asset, p, record.storage_id))
+            cursor.last[name + kind] = span
+            _queue(cursor, children, built, window, record.storage_id)
+
+
+def _queue(
+    cursor: _Cursor,
+    children: dict[dg.AssetKey, dg.TimeWindowPartitionsDefinition],
+    built: _Built,
+    window: dg.TimeWindow,
+    storage_id: int,
+) -> None:
+    """Queue each child's partition whose window overlaps ``window`` and whose latest
+    materialization came before the record (one built since has read the restated rows)."""
+    queued = {(a, p) for a, p, _ in cursor.queue}
+    for child, partitions in children.items():
+        asset = child.to_user_string()
+        for p, (latest, w) in built.of(child, partitions).items():
+            if latest < storage_id and _overlaps(w, window) and (asset, p) not in queued:
+                queued.add((asset, p))
+                cursor.queue.append((asset, p, storage_id))
 
 
 def _due(
