@@ -18,7 +18,8 @@ from cdc_platform.defs.alerts.webhook import ALERT_RESOURCE_KEY, alert_webhook_f
 from cdc_platform.defs.resources import KeyringResource, SparkResource
 from cdc_platform.defs.tables import build_table_definitions
 from cdc_platform.defs.tags import RANGE_END_TAG, RANGE_START_TAG
-from cdc_platform.demo.definitions import DOWNSTREAM_OF, build_demo_definitions
+from cdc_platform.demo.definitions import DOWNSTREAM_OF
+from cdc_platform.demo.downstream import daily_totals
 from cdc_platform.demo.encrypted import write_encrypted_csv_table
 from cdc_platform.demo.generate import generate_landing_zone
 from cdc_platform.lib.config import REPO_ROOT, PlatformConfig, load_config
@@ -91,10 +92,10 @@ def summarize_downstream(
 ) -> None:
     """The demo's downstream asset (``demo.downstream``): each day of the sample landing zone,
     the live orders and their total as of its end."""
-    table, _ = DOWNSTREAM_OF
+    table, amount = DOWNSTREAM_OF
     if table not in {t.name for t in platform.tables}:
         return
-    daily = build_demo_definitions(platform).resolve_assets_def(f"{table}_daily")
+    daily = daily_totals(platform, table, amount)
     for day in sorted({h.strftime("%Y-%m-%d") for h in landing.hours(table)}):
         result = dg.materialize([daily], partition_key=day, instance=instance)
         meta = result.get_asset_materialization_events()[0].materialization.metadata

@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 
 import dagster as dg
 
+from cdc_platform.lib.history.merge import RESTATED_KEYS
+
 RESTATEMENTS_SENSOR = "cdc_restatements"
 MAX_PARTITIONS_PER_TICK = 20
 # Records read a tick (each of materializations and observations), per table with a
@@ -30,7 +32,6 @@ RECORDS_PER_TICK = 100
 RESTATED_BY_TAG = "cdc_platform/restated_by"
 RESTATEMENT_RETRIES = 2
 OBSERVED = "#observed"  # the cursor's key for a table's observations
-SPAN = ("restated_from", "restated_to", "restated_closed")
 
 
 @dataclass
@@ -161,7 +162,10 @@ def _read_new(
             event = record.asset_materialization or record.asset_observation
             metadata = event.metadata if event else {}
             window = _window(metadata, now)
-            span = [record.run_id, *(str(getattr(metadata.get(k), "value", "")) for k in SPAN)]
+            span = [
+                record.run_id,
+                *(str(getattr(metadata.get(k), "value", "")) for k in RESTATED_KEYS),
+            ]
             if window is None or cursor.last.get(name + kind) == span:
                 continue
             cursor.last[name + kind] = span
@@ -203,7 +207,7 @@ def _due(
 def _window(metadata: Mapping[str, dg.MetadataValue], now: datetime) -> dg.TimeWindow | None:
     """The restated valid time, up to ``now`` (a live version's end is 9999-12-31). None for
     none, and for values that are not times (metadata anyone can write: never a stuck tick)."""
-    start, end = metadata.get("restated_from"), metadata.get("restated_to")
+    start, end = (metadata.get(k) for k in RESTATED_KEYS[:2])
     if start is None or end is None:
         return None
     first, last = _instant(start.value), _instant(end.value)

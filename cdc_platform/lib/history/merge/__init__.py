@@ -50,6 +50,7 @@ from cdc_platform.lib.history.merge.side_tables import (
     stamp_delete_only_keys,
 )
 from cdc_platform.lib.history.merge.snapshot import (
+    RESTATED_KEYS,
     HistoryColumnsError,
     MergeResult,
     Restated,
@@ -64,6 +65,7 @@ __all__ = [
     "COMMIT_ATTEMPTS",
     "FAULT_ENV",
     "HISTORY_ROWS_PER_FILE",
+    "RESTATED_KEYS",
     "TOUCHED_KEYS",
     "HistoryColumnsError",
     "MergeResult",

@@ -64,6 +64,11 @@ class HistoryColumnsError(Refusal):
     """The table's selective-history setting names a column the table does not have."""
 
 
+# The metadata keys of a restated span, as every run records them and the restatements sensor
+# reads them: from, to, closed.
+RESTATED_KEYS = ("restated_from", "restated_to", "restated_closed")
+
+
 @dataclass(frozen=True)
 class Restated:
     """The valid time a merge restated (docs/history-table.md, "What a run restated"): every
@@ -96,11 +101,8 @@ class Restated:
         )
 
     def metadata(self) -> dict[str, Any]:
-        return {
-            "restated_from": self.start.isoformat(),
-            "restated_to": self.end.isoformat(),
-            "restated_closed": self.closed,
-        }
+        values = (self.start.isoformat(), self.end.isoformat(), self.closed)
+        return dict(zip(RESTATED_KEYS, values, strict=True))
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ class MergeResult:
     def restated_metadata(self) -> dict[str, Any]:
         """``Restated.metadata``, with nulls when the merge changed no row image."""
         if self.restated is None:
-            return {"restated_from": None, "restated_to": None, "restated_closed": False}
+            return dict(zip(RESTATED_KEYS, (None, None, False), strict=True))
         return self.restated.metadata()
 
 
